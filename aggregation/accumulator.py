@@ -1,0 +1,63 @@
+"""Streaming weighted accumulation of flat updates.
+
+Memory is O(model size): each update is added into one running sum on the
+aggregation device as it arrives, then dropped.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._errors import AggregationError
+
+
+class WeightedAccumulator:
+    """Running weighted sum ``sum_i w_i * x_i`` and ``sum_i w_i`` over flat tensors.
+
+    Parameters
+    ----------
+    numel : int
+        Length of every update.
+    device : torch.device
+        Where the sum lives; updates are moved there (non-blocking from pinned memory).
+    dtype : torch.dtype
+        Accumulation dtype (float32 by default; float64 for reference checks).
+    """
+
+    def __init__(self, numel: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+        if numel <= 0:
+            raise AggregationError(f"numel must be > 0. Found {numel}.")
+        self.numel = int(numel)
+        self._sum = torch.zeros(self.numel, device=device, dtype=dtype)
+        self.total_weight = 0.0
+        self.count = 0
+
+    @property
+    def device(self) -> torch.device:
+        return self._sum.device
+
+    def add(self, update: torch.Tensor, weight: float) -> None:
+        """Add ``weight * update`` into the sum. ``update`` is not modified."""
+        if update.dim() != 1 or update.numel() != self.numel:
+            raise AggregationError(f"update must be 1-D of length {self.numel}. Found shape {tuple(update.shape)}.")
+        if not (math.isfinite(weight) and weight > 0):
+            raise AggregationError(f"weight must be finite and > 0. Found {weight}.")
+        src = update.to(self._sum.device, non_blocking=True)
+        if src.dtype != self._sum.dtype:
+            src = src.to(self._sum.dtype)
+        self._sum.add_(src, alpha=weight)
+        self.total_weight += float(weight)
+        self.count += 1
+
+    def mean(self) -> torch.Tensor:
+        """The weighted mean (a new tensor); raises if nothing was added."""
+        if self.count == 0:
+            raise AggregationError("mean needs at least one accepted update. Found none.")
+        return self._sum / self.total_weight
+
+    def reset(self) -> None:
+        self._sum.zero_()
+        self.total_weight = 0.0
+        self.count = 0

@@ -1,0 +1,31 @@
+"""The one place that chooses the aggregation / training device."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ._errors import AggregationError
+
+ENV_VAR = "FEDSHIELD_DEVICE"
+
+
+def get_device(preference: str | None = None) -> torch.device:
+    """Return the device fedshield computes on.
+
+    Order: ``preference`` (from config) if given and not ``"auto"``, else the
+    ``FEDSHIELD_DEVICE`` environment variable, else CUDA when present, else CPU.
+    All other code follows the device of the tensors it is given.
+    """
+    choice = preference if preference not in (None, "", "auto") else os.environ.get(ENV_VAR, "auto")
+    choice = choice.strip().lower()
+    if choice == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if choice == "cpu":
+        return torch.device("cpu")
+    if choice.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise AggregationError(f"device must be available. Found {choice!r} but CUDA is not present.")
+        return torch.device(choice)
+    raise AggregationError(f"device must be 'auto', 'cpu' or 'cuda[:N]'. Found {choice!r}.")

@@ -1,0 +1,106 @@
+"""Flat tensors to and from Flower ``Array`` records without extra copies.
+
+Flower's ``Array`` carries ``numpy.save`` bytes (an ``.npy`` header, then the raw
+buffer). We write that format directly from the tensor's memory and read it back
+with ``torch.frombuffer`` at the header's offset, so a received update is never
+copied before it is added into the accumulator.
+"""
+
+from __future__ import annotations
+
+import ast
+import warnings
+
+import numpy as np
+import torch
+from flwr.app import Array
+
+from ._errors import AggregationError
+
+_MAGIC = b"\x93NUMPY"
+_DTYPES = {
+    "float32": (torch.float32, "<f4"),
+    "float16": (torch.float16, "<f2"),
+    "bfloat16": (torch.bfloat16, None),
+    "int32": (torch.int32, "<i4"),
+    "int64": (torch.int64, "<i8"),
+    "uint8": (torch.uint8, "|u1"),
+}
+
+
+def _npy_header(descr: str, numel: int) -> bytes:
+    header = f"{{'descr': '{descr}', 'fortran_order': False, 'shape': ({numel},), }}"
+    # npy v1.0: total header length (magic + 2 + 2 + text) padded to 64 bytes.
+    pad = 64 - (len(_MAGIC) + 4 + len(header) + 1) % 64
+    text = (header + " " * pad + "\n").encode("latin1")
+    return _MAGIC + b"\x01\x00" + len(text).to_bytes(2, "little") + text
+
+
+def tensor_to_array(tensor: torch.Tensor) -> Array:
+    """Pack a 1-D tensor as a Flower ``Array`` (npy layout, one copy into bytes)."""
+    flat = tensor.detach().reshape(-1)
+    name = str(flat.dtype).removeprefix("torch.")
+    if name not in _DTYPES or _DTYPES[name][1] is None:
+        raise AggregationError(f"tensor dtype must be one of float32/float16/int32/int64/uint8. Found {name}.")
+    flat = flat.to("cpu").contiguous()
+    body = flat.numpy().tobytes()
+    data = _npy_header(_DTYPES[name][1], flat.numel()) + body
+    return Array(dtype=name, shape=(flat.numel(),), stype="numpy.ndarray", data=data)
+
+
+def _parse_header(data: bytes) -> tuple[str, tuple[int, ...], int]:
+    if len(data) < 10 or data[:6] != _MAGIC:
+        raise AggregationError("array data must start with the npy magic bytes. Found something else.")
+    major = data[6]
+    if major == 1:
+        hlen, start = int.from_bytes(data[8:10], "little"), 10
+    elif major in (2, 3):
+        if len(data) < 12:
+            raise AggregationError("array data is truncated inside the npy header.")
+        hlen, start = int.from_bytes(data[8:12], "little"), 12
+    else:
+        raise AggregationError(f"npy version must be 1, 2 or 3. Found {major}.")
+    if hlen > 4096 or start + hlen > len(data):
+        raise AggregationError(f"npy header length must be <= 4096 and inside the data. Found {hlen}.")
+    try:
+        meta = ast.literal_eval(data[start : start + hlen].decode("latin1"))
+        descr, fortran, shape = meta["descr"], meta["fortran_order"], tuple(meta["shape"])
+    except (ValueError, SyntaxError, KeyError, TypeError) as exc:
+        raise AggregationError(f"npy header must be a dict with descr/fortran_order/shape. Found error: {exc}.") from None
+    if fortran or not isinstance(descr, str) or not all(isinstance(s, int) and s >= 0 for s in shape):
+        raise AggregationError("npy header must describe a C-ordered array of a plain dtype.")
+    return descr, shape, start + hlen
+
+
+def array_to_tensor(array: Array, expected_dtype: str, expected_numel: int | None = None) -> torch.Tensor:
+    """View an ``Array``'s bytes as a 1-D tensor, validating layout first.
+
+    Checks the declared dtype, stype and shape, that the npy header agrees with
+    them, and that the byte count is exact. Returns a read-only-backed tensor
+    that shares memory with the record (no copy): callers must not write to it.
+    """
+    if expected_dtype not in _DTYPES or _DTYPES[expected_dtype][1] is None:
+        raise AggregationError(f"expected dtype must be a supported wire dtype. Found {expected_dtype}.")
+    if array.stype != "numpy.ndarray":
+        raise AggregationError(f"stype must be 'numpy.ndarray'. Found {array.stype!r}.")
+    if array.dtype != expected_dtype:
+        raise AggregationError(f"dtype must be {expected_dtype}. Found {array.dtype}.")
+    shape = tuple(array.shape)
+    if len(shape) != 1:
+        raise AggregationError(f"shape must be 1-D (one flat tensor). Found {shape}.")
+    if expected_numel is not None and shape[0] != expected_numel:
+        raise AggregationError(f"length must be {expected_numel}. Found {shape[0]}.")
+    torch_dtype, descr = _DTYPES[expected_dtype]
+    head_descr, head_shape, offset = _parse_header(array.data)
+    if np.dtype(head_descr) != np.dtype(descr) or head_shape != shape:
+        raise AggregationError(f"npy header must match dtype {expected_dtype} and shape {shape}. Found {head_descr} {head_shape}.")
+    itemsize = np.dtype(descr).itemsize
+    if len(array.data) - offset != shape[0] * itemsize:
+        raise AggregationError(
+            f"data must hold exactly {shape[0] * itemsize} bytes after the header. Found {len(array.data) - offset}."
+        )
+    if shape[0] == 0:
+        return torch.empty(0, dtype=torch_dtype)
+    with warnings.catch_warnings():  # bytes are immutable; we only ever read them
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(array.data, dtype=torch_dtype, count=shape[0], offset=offset)

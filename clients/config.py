@@ -1,0 +1,134 @@
+"""Frozen, validated configuration shared by the coordinator and the clients.
+
+Configuration arrives as flat kebab-case mappings (Flower's ``run_config``, a
+TOML table, a ``ConfigRecord``). :func:`build_config` turns one into a frozen
+dataclass once, at the edge; code below never reads raw dicts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+from ._errors import ConfigError
+
+T = TypeVar("T")
+
+
+def kebab(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def check(ok: bool, key: str, rule: str, found: Any) -> None:
+    """Raise ``ConfigError("<key> must <rule>. Found <found>.")`` unless ``ok``."""
+    if not ok:
+        raise ConfigError(f"{key} must {rule}. Found {found!r}.")
+
+
+def _coerce(value: Any, typ: Any, key: str) -> Any:
+    if isinstance(typ, str):  # postponed annotation
+        typ = {"int": int, "float": float, "str": str, "bool": bool}.get(typ, typ)
+    if typ is bool:
+        check(isinstance(value, bool), key, "be true or false", value)
+        return value
+    if typ is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+        ok = ok or (isinstance(value, float) and value.is_integer())
+        check(ok, key, "be an integer", value)
+        return int(value)
+    if typ is float:
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        check(ok and math.isfinite(float(value)), key, "be a finite number", value)
+        return float(value)
+    if typ is str:
+        check(isinstance(value, str), key, "be a string", value)
+        return value
+    return value
+
+
+def config_keys(cls: type) -> list[str]:
+    return sorted(kebab(f.name) for f in dataclasses.fields(cls))
+
+
+def build_config(cls: type[T], mapping: Mapping[str, Any], where: str = "", *, strict: bool = True) -> T:
+    """Build the frozen dataclass ``cls`` from a kebab-case mapping.
+
+    Unknown keys are an error when ``strict`` (a typo must not be ignored
+    silently); missing keys take the dataclass defaults. Types are checked
+    here, value rules in the dataclass's ``__post_init__``.
+    """
+    hints = typing.get_type_hints(cls)
+    fields = {kebab(f.name): f for f in dataclasses.fields(cls)}
+    prefix = f"{where}." if where else ""
+    unknown = sorted(set(mapping) - set(fields))
+    if strict and unknown:
+        raise ConfigError(f"{prefix}{unknown[0]} is not a known key. Known keys: {', '.join(sorted(fields))}.")
+    kwargs = {}
+    for key, field in fields.items():
+        if key in mapping:
+            typ = hints[field.name]
+            if isinstance(typ, types.UnionType):
+                typ = next(t for t in typing.get_args(typ) if t is not type(None))
+            kwargs[field.name] = _coerce(mapping[key], typ, prefix + key)
+    try:
+        return cls(**kwargs)
+    except ConfigError as exc:
+        raise ConfigError(f"{prefix}{exc}") from None
+
+
+def to_mapping(obj: Any) -> dict[str, Any]:
+    """A frozen config as a flat kebab-case dict (for records, TOML and JSON)."""
+    return {kebab(f.name): getattr(obj, f.name) for f in dataclasses.fields(obj)}
+
+
+TASKS = ("digits", "synthetic")
+PARTITIONINGS = ("iid", "dirichlet")
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskSpec:
+    """Which task (model + data) a run trains, and how its data is split."""
+
+    task: str = "digits"
+    partitioning: str = "dirichlet"
+    dirichlet_alpha: float = 0.5
+    data_seed: int = 0
+    synthetic_alpha: float = 1.0
+    synthetic_beta: float = 1.0
+
+    def __post_init__(self) -> None:
+        check(self.task in TASKS, "task", f"be one of {list(TASKS)}", self.task)
+        check(self.partitioning in PARTITIONINGS, "partitioning", f"be one of {list(PARTITIONINGS)}", self.partitioning)
+        check(self.dirichlet_alpha > 0, "dirichlet-alpha", "be > 0", self.dirichlet_alpha)
+        check(self.data_seed >= 0, "data-seed", "be >= 0", self.data_seed)
+        check(self.synthetic_alpha >= 0, "synthetic-alpha", "be >= 0", self.synthetic_alpha)
+        check(self.synthetic_beta >= 0, "synthetic-beta", "be >= 0", self.synthetic_beta)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSettings:
+    """Local training settings sent to clients each round."""
+
+    local_epochs: int = 3
+    batch_size: int = 16
+    lr: float = 0.1
+    momentum: float = 0.9
+
+    def __post_init__(self) -> None:
+        check(1 <= self.local_epochs <= 1000, "local-epochs", "be in [1, 1000]", self.local_epochs)
+        check(1 <= self.batch_size <= 65536, "batch-size", "be in [1, 65536]", self.batch_size)
+        check(0 < self.lr <= 100, "lr", "be in (0, 100]", self.lr)
+        check(0 <= self.momentum < 1, "momentum", "be in [0, 1)", self.momentum)
+
+
+def split_mapping(mapping: Mapping[str, Any], *classes: type) -> list[dict[str, Any]]:
+    """Split one flat mapping into the parts that belong to each dataclass."""
+    parts: list[dict[str, Any]] = []
+    for cls in classes:
+        keys = set(config_keys(cls))
+        parts.append({k: v for k, v in mapping.items() if k in keys})
+    return parts

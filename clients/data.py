@@ -1,0 +1,57 @@
+"""Where a client's training data comes from: its own .npz file or a task partition."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ._errors import ClientError
+from .tasks import Dataset, Task
+
+_CACHE: dict[tuple, Dataset] = {}
+
+
+def load_npz(path: str | os.PathLike) -> Dataset:
+    """Read ``x`` (n, features) and ``y`` (n,) from an .npz file (never unpickles)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ClientError(f"data path must be an existing .npz file. Found {str(p)!r} (no such file).")
+    try:
+        with np.load(p, allow_pickle=False) as npz:
+            if "x" not in npz or "y" not in npz:
+                raise ClientError(f"data file must hold arrays 'x' and 'y'. Found {sorted(npz.files)} in {p}.")
+            return Dataset(np.asarray(npz["x"]), np.asarray(npz["y"]))
+    except (OSError, ValueError) as exc:
+        raise ClientError(f"data file must be a readable .npz. Found {p}: {exc}.") from None
+
+
+def save_npz(path: str | os.PathLike, data: Dataset) -> None:
+    np.savez(path, x=data.x, y=data.y)
+
+
+def client_data(task: Task, node_config: Mapping[str, Any]) -> Dataset:
+    """The training data of this node, from ``node_config``.
+
+    ``data-path`` (an .npz file) wins; otherwise ``partition-id`` and
+    ``num-partitions`` pick a share of the task's built-in training set.
+    """
+    if "data-path" in node_config:
+        key = (task.spec, "path", str(node_config["data-path"]))
+        if key not in _CACHE:
+            _CACHE[key] = task.check_data(load_npz(str(node_config["data-path"])), str(node_config["data-path"]))
+        return _CACHE[key]
+    try:
+        pid, num = int(node_config["partition-id"]), int(node_config["num-partitions"])
+    except (KeyError, TypeError, ValueError):
+        raise ClientError(
+            "node config must give data-path, or partition-id and num-partitions. "
+            f"Found keys {sorted(node_config)}."
+        ) from None
+    key = (task.spec, pid, num)
+    if key not in _CACHE:
+        _CACHE[key] = task.partition(pid, num)
+    return _CACHE[key]

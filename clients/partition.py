@@ -1,0 +1,50 @@
+"""Seeded splits of a labelled data set across clients (IID or Dirichlet over labels)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._errors import ConfigError
+
+
+def iid_partition(num_samples: int, num_parts: int, seed: int) -> list[np.ndarray]:
+    """Shuffle and deal indices into ``num_parts`` near-equal parts."""
+    _check_parts(num_samples, num_parts)
+    perm = np.random.default_rng(seed).permutation(num_samples)
+    return [np.sort(p) for p in np.array_split(perm, num_parts)]
+
+
+def dirichlet_partition(
+    labels: np.ndarray, num_parts: int, alpha: float, seed: int, min_size: int = 2, max_tries: int = 1000
+) -> list[np.ndarray]:
+    """Label-skewed split: each class is spread over parts by a Dirichlet(alpha) draw.
+
+    Small ``alpha`` gives strong skew. Draws again (same generator, so still
+    deterministic) until every part holds at least ``min_size`` samples.
+    """
+    labels = np.asarray(labels)
+    _check_parts(len(labels), num_parts)
+    if not alpha > 0:
+        raise ConfigError(f"dirichlet-alpha must be > 0. Found {alpha!r}.")
+    rng = np.random.default_rng(seed)
+    classes = np.unique(labels)
+    by_class = [rng.permutation(np.flatnonzero(labels == c)) for c in classes]
+    for _ in range(max_tries):
+        props = rng.dirichlet(np.full(num_parts, alpha), size=len(classes))
+        parts: list[list[np.ndarray]] = [[] for _ in range(num_parts)]
+        for idx, p in zip(by_class, props, strict=True):
+            cuts = (np.cumsum(p)[:-1] * len(idx)).astype(int)
+            for part, chunk in zip(parts, np.split(idx, cuts), strict=True):
+                part.append(chunk)
+        out = [np.sort(np.concatenate(p)) for p in parts]
+        if min(len(p) for p in out) >= min_size:
+            return out
+    raise ConfigError(
+        f"dirichlet-alpha={alpha} with {num_parts} parts must leave every part >= {min_size} samples. "
+        f"Found none in {max_tries} draws; raise alpha or lower the number of clients."
+    )
+
+
+def _check_parts(num_samples: int, num_parts: int) -> None:
+    if not 1 <= num_parts <= num_samples:
+        raise ConfigError(f"num-partitions must be in [1, {num_samples}]. Found {num_parts}.")

@@ -1,0 +1,71 @@
+"""What a train message and its reply carry (names shared by both sides).
+
+Train message (coordinator -> client)::
+
+    content["arrays"]  ArrayRecord {"weights": flat float32 global model}
+    content["config"]  ConfigRecord {round, version, seed, <TaskSpec keys>, <TrainSettings keys>}
+
+Reply (client -> coordinator)::
+
+    content["arrays"]  ArrayRecord {"delta": flat float32, new - old}
+    content["metrics"] MetricRecord {num-examples, base-version, train-loss, train-time-s}
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+
+from ._errors import ClientError
+from .config import TaskSpec, TrainSettings, build_config, check, split_mapping, to_mapping
+
+ARRAYS, CONFIG, METRICS = "arrays", "config", "metrics"
+WEIGHTS, DELTA = "weights", "delta"
+MESSAGE_TYPE_TRAIN = "train"
+
+
+@dataclass(frozen=True)
+class TrainInstruction:
+    """The validated contents of a train message's ConfigRecord."""
+
+    round: int
+    version: int
+    seed: int
+    task: TaskSpec
+    train: TrainSettings
+
+    def to_record(self) -> ConfigRecord:
+        fields: dict[str, Any] = {"round": self.round, "version": self.version, "seed": self.seed}
+        fields.update(to_mapping(self.task))
+        fields.update(to_mapping(self.train))
+        return ConfigRecord(fields)
+
+    @classmethod
+    def from_record(cls, record: ConfigRecord) -> "TrainInstruction":
+        data = dict(record)
+        for key in ("round", "version", "seed"):
+            check(isinstance(data.get(key), int) and data[key] >= 0, key, "be an integer >= 0", data.get(key))
+        task_part, train_part = split_mapping(data, TaskSpec, TrainSettings)
+        return cls(
+            round=data["round"],
+            version=data["version"],
+            seed=data["seed"],
+            task=build_config(TaskSpec, task_part, "config"),
+            train=build_config(TrainSettings, train_part, "config"),
+        )
+
+
+def parse_train_message(msg: Message) -> tuple[TrainInstruction, ArrayRecord]:
+    content = msg.content
+    if CONFIG not in content.config_records or ARRAYS not in content.array_records:
+        raise ClientError(f"train message must carry '{CONFIG}' and '{ARRAYS}' records. Found {list(content.keys())}.")
+    arrays = content.array_records[ARRAYS]
+    if WEIGHTS not in arrays:
+        raise ClientError(f"train message must carry array '{WEIGHTS}'. Found {list(arrays.keys())}.")
+    return TrainInstruction.from_record(content.config_records[CONFIG]), arrays
+
+
+def train_reply_content(delta_array: Any, metrics: dict[str, int | float]) -> RecordDict:
+    return RecordDict({ARRAYS: ArrayRecord({DELTA: delta_array}), METRICS: MetricRecord(metrics)})

@@ -1,0 +1,5 @@
+"""Root error of the coordinator package."""
+
+
+class CoordinatorError(RuntimeError):
+    """The coordinator cannot go on; the message says what must hold and what was found."""

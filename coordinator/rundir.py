@@ -1,0 +1,96 @@
+"""The run directory: checkpoint, metrics.csv, summary.json, the model and plots.
+
+Files are written atomically (temp file + rename), so a crash never leaves a
+half-written checkpoint; a restart resumes from the last complete round.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+CHECKPOINT, METRICS, SUMMARY, MODEL, PLOT, CONFIG = (
+    "checkpoint.pt", "metrics.csv", "summary.json", "model.pt", "accuracy.png", "config.json",
+)
+METRIC_FIELDS = [
+    "round", "version", "nodes_online", "selected", "replies", "accepted", "rejected",
+    "test_accuracy", "test_loss", "train_loss", "bytes_down", "bytes_up",
+    "round_time_s", "wall_time_s", "rejected_by_rule",
+]
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+class RunDirectory:
+    """All files of one run live under ``path``."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path).expanduser().resolve()
+        self.path.mkdir(parents=True, exist_ok=True)
+
+    def file(self, name: str) -> Path:
+        return self.path / name
+
+    def save_checkpoint(self, state: dict[str, Any]) -> None:
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        _atomic_write(self.file(CHECKPOINT), buf.getvalue())
+
+    def load_checkpoint(self) -> dict[str, Any] | None:
+        path = self.file(CHECKPOINT)
+        if not path.exists():
+            return None
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+    def write_json(self, name: str, obj: Any) -> None:
+        _atomic_write(self.file(name), (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+
+    def write_metrics(self, rows: list[dict[str, Any]]) -> None:
+        buf = io.StringIO()
+        writer = csv.DictWriter(buf, fieldnames=METRIC_FIELDS, extrasaction="ignore")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({**row, "rejected_by_rule": json.dumps(row.get("rejected_by_rule", {}), sort_keys=True)})
+        _atomic_write(self.file(METRICS), buf.getvalue().encode())
+
+    def save_model(self, state_dict: dict[str, torch.Tensor]) -> None:
+        buf = io.BytesIO()
+        torch.save(state_dict, buf)
+        _atomic_write(self.file(MODEL), buf.getvalue())
+
+    def plot(self, rows: list[dict[str, Any]], title: str) -> None:
+        """``accuracy.png``: test accuracy and loss per round."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        rounds = [r["round"] for r in rows]
+        fig, ax1 = plt.subplots(figsize=(7, 4), dpi=100)
+        ax1.plot(rounds, [r["test_accuracy"] for r in rows], "o-", color="tab:blue", label="test accuracy")
+        ax1.set_xlabel("round")
+        ax1.set_ylabel("test accuracy", color="tab:blue")
+        ax1.set_ylim(0, 1)
+        ax2 = ax1.twinx()
+        ax2.plot(rounds, [r["test_loss"] for r in rows], "s--", color="tab:red", label="test loss")
+        ax2.set_ylabel("test loss", color="tab:red")
+        ax1.set_title(title)
+        ax1.grid(alpha=0.3)
+        fig.tight_layout()
+        tmp = self.file(PLOT + ".tmp.png")
+        fig.savefig(tmp)
+        plt.close(fig)
+        os.replace(tmp, self.file(PLOT))

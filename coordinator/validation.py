@@ -1,0 +1,89 @@
+"""Validation of every client reply before any of it is used.
+
+A reply that breaks a rule raises :class:`RejectedReply` naming the node and
+the rule; the caller logs it, counts it, and the round goes on.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from flwr.app import Message
+
+from aggregation import AggregationError, array_to_tensor
+from clients.protocol import ARRAYS, DELTA, METRICS
+
+
+class RejectedReply(Exception):
+    """A reply broke a rule. ``rule`` is a short stable name used in metrics."""
+
+    def __init__(self, node_id: int, rule: str, detail: str) -> None:
+        super().__init__(f"node {node_id}: {rule}: {detail}")
+        self.node_id, self.rule, self.detail = node_id, rule, detail
+
+
+@dataclass
+class RoundExpectation:
+    """What a valid reply in this round must look like."""
+
+    round: int
+    version: int
+    numel: int
+    max_examples: int
+    max_bytes: int
+    sent: dict[str, int]  # message id -> node id it was sent to
+    replied: set[str] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class ValidReply:
+    node_id: int
+    delta: torch.Tensor  # shares memory with the reply's bytes: read only
+    num_examples: int
+    train_loss: float
+    nbytes: int
+
+
+def validate_reply(reply: Message, exp: RoundExpectation) -> ValidReply:
+    """Check one reply against every rule; return its parts or raise RejectedReply."""
+    meta = reply.metadata
+    node = meta.src_node_id
+    msg_id = meta.reply_to_message_id
+    if exp.sent.get(msg_id) != node:
+        raise RejectedReply(node, "unknown-sender", f"reply to message {msg_id!r} did not come from the node it was sent to")
+    if msg_id in exp.replied:
+        raise RejectedReply(node, "duplicate", "a reply to this message was already received")
+    exp.replied.add(msg_id)
+    if meta.group_id != str(exp.round):
+        raise RejectedReply(node, "wrong-round", f"group id must be {exp.round}; found {meta.group_id!r}")
+    if reply.has_error():
+        raise RejectedReply(node, "client-error", f"code {reply.error.code}: {reply.error.reason[:200]}")
+    content = reply.content
+    if ARRAYS not in content.array_records or METRICS not in content.metric_records:
+        raise RejectedReply(node, "missing-record", f"reply must hold '{ARRAYS}' and '{METRICS}'; found {list(content.keys())}")
+    arrays = content.array_records[ARRAYS]
+    if list(arrays.keys()) != [DELTA]:
+        raise RejectedReply(node, "missing-array", f"'{ARRAYS}' must hold exactly ['{DELTA}']; found {list(arrays.keys())[:5]}")
+    array = arrays[DELTA]
+    nbytes = len(array.data)
+    if nbytes > exp.max_bytes:
+        raise RejectedReply(node, "oversized", f"update must be <= {exp.max_bytes} bytes; found {nbytes}")
+    try:
+        delta = array_to_tensor(array, "float32", exp.numel)
+    except AggregationError as exc:
+        raise RejectedReply(node, "bad-array", str(exc)) from None
+    # One reduction: a NaN/inf anywhere, or an overflowing magnitude, makes the sum non-finite.
+    if not math.isfinite(float(delta.sum(dtype=torch.float64))):
+        raise RejectedReply(node, "non-finite", "update must hold only finite values")
+    metrics = content.metric_records[METRICS]
+    num = metrics.get("num-examples")
+    if not isinstance(num, int) or isinstance(num, bool) or not 0 < num <= exp.max_examples:
+        raise RejectedReply(node, "bad-num-examples", f"num-examples must be an integer in [1, {exp.max_examples}]; found {num!r}")
+    base = metrics.get("base-version")
+    if base != exp.version:
+        raise RejectedReply(node, "stale-version", f"base-version must be {exp.version}; found {base!r}")
+    loss = metrics.get("train-loss", float("nan"))
+    loss = float(loss) if isinstance(loss, int | float) and math.isfinite(loss) else float("nan")
+    return ValidReply(node_id=node, delta=delta, num_examples=num, train_loss=loss, nbytes=nbytes)

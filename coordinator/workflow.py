@@ -1,0 +1,229 @@
+"""Synchronous federated rounds, written once against Flower's Grid and a Clock.
+
+Nothing here knows where clients run: the service passes the SuperLink's Grid,
+Flower's simulation passes its in-memory Grid, and fedshield's own engines pass
+theirs (with a virtual clock).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections import Counter
+from collections.abc import Callable
+from logging import INFO, WARNING
+from typing import Any, Protocol
+
+import torch
+from flwr.app import ArrayRecord, Message, RecordDict
+from flwr.common.logger import log
+from flwr.serverapp import Grid
+
+from aggregation import WeightedAccumulator, create_server_optimizer, get_device, tensor_to_array
+from clients.protocol import ARRAYS, CONFIG, MESSAGE_TYPE_TRAIN, WEIGHTS, TrainInstruction
+from clients.tasks import get_task
+from clients.training import evaluate, load_flat
+
+from ._errors import CoordinatorError
+from .config import RunConfig
+from .rundir import CONFIG as CONFIG_FILE
+from .rundir import SUMMARY, RunDirectory
+from .validation import RejectedReply, RoundExpectation, validate_reply
+
+
+class Clock(Protocol):
+    """Time as the round logic sees it (wall clock, or a simulation's virtual clock)."""
+
+    def now(self) -> float: ...
+
+    def sleep(self, seconds: float) -> None: ...
+
+
+class WallClock:
+    def now(self) -> float:
+        return time.monotonic()
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+
+RoundCallback = Callable[[dict[str, Any]], None]
+
+
+class SyncWorkflow:
+    """Runs ``num-rounds`` synchronous rounds, resuming from the run directory's checkpoint."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        grid: Grid,
+        run_dir: RunDirectory,
+        clock: Clock | None = None,
+        on_round: RoundCallback | None = None,
+    ) -> None:
+        self.cfg, self.grid, self.run_dir = cfg, grid, run_dir
+        self.clock = clock or WallClock()
+        self.on_round = on_round
+        self.device = get_device(cfg.server.device)
+        self.task = get_task(cfg.task)
+        self.model = self.task.build_model().to(self.device)
+        self.numel = sum(p.numel() for p in self.model.parameters())
+        self.optimizer = create_server_optimizer(cfg.server.server_optimizer, lr=cfg.server.server_lr)
+        self.weights = self.task.init_weights(cfg.server.seed).to(self.device)
+        self.round, self.version = 0, 0
+        self.history: list[dict[str, Any]] = []
+        self.rejections: Counter[str] = Counter()
+        self.wall_start = time.monotonic()
+        self._resume()
+
+    # -- state -------------------------------------------------------------
+    def fingerprint(self) -> dict[str, Any]:
+        s = self.cfg.server
+        return {"task": self.cfg.task.task, "numel": self.numel, "seed": s.seed, "server-optimizer": s.server_optimizer}
+
+    def _resume(self) -> None:
+        ckpt = self.run_dir.load_checkpoint()
+        if ckpt is None:
+            return
+        if ckpt["fingerprint"] != self.fingerprint():
+            raise CoordinatorError(
+                f"run directory {self.run_dir.path} must hold a checkpoint of this configuration to resume. "
+                f"Found {ckpt['fingerprint']}, expected {self.fingerprint()}; use another run-dir."
+            )
+        self.round, self.version = int(ckpt["round"]), int(ckpt["version"])
+        self.weights = ckpt["weights"].to(self.device)
+        self.optimizer.load_state_dict(ckpt["optimizer"])
+        self.history = list(ckpt["history"])
+        self.rejections = Counter(ckpt["rejections"])
+        log(INFO, "[fedshield] resuming from %s at round %d (version %d)", self.run_dir.path, self.round + 1, self.version)
+
+    def _checkpoint(self) -> None:
+        self.run_dir.save_checkpoint({
+            "round": self.round, "version": self.version, "weights": self.weights.cpu(),
+            "optimizer": self.optimizer.state_dict(), "history": self.history,
+            "rejections": dict(self.rejections), "fingerprint": self.fingerprint(),
+        })
+        self.run_dir.write_metrics(self.history)
+
+    # -- rounds ------------------------------------------------------------
+    def _wait_for_nodes(self) -> list[int]:
+        s = self.cfg.server
+        deadline = self.clock.now() + s.wait_nodes_timeout
+        while True:
+            nodes = sorted(self.grid.get_node_ids())
+            if len(nodes) >= s.min_nodes:
+                return nodes
+            if self.clock.now() >= deadline:
+                raise CoordinatorError(
+                    f"min-nodes={s.min_nodes} nodes must be online within wait-nodes-timeout={s.wait_nodes_timeout} s. "
+                    f"Found {len(nodes)}."
+                )
+            self.clock.sleep(min(1.0, s.wait_nodes_timeout))
+
+    def select(self, nodes: list[int], rnd: int) -> list[int]:
+        """Seeded sample of ``fraction-train`` of the online nodes (at least ``min-nodes``)."""
+        s = self.cfg.server
+        k = min(len(nodes), max(s.min_nodes, math.ceil(s.fraction_train * len(nodes))))
+        return sorted(random.Random(f"{s.seed}:{rnd}").sample(sorted(nodes), k))
+
+    def _send(self, rnd: int, selected: list[int]) -> tuple[dict[str, int], int]:
+        instr = TrainInstruction(round=rnd, version=self.version, seed=self.cfg.server.seed,
+                                 task=self.cfg.task, train=self.cfg.train)
+        array = tensor_to_array(self.weights)
+        content = RecordDict({ARRAYS: ArrayRecord({WEIGHTS: array}), CONFIG: instr.to_record()})
+        ttl = self.cfg.server.round_timeout + 60.0
+        msgs = [Message(content, dst_node_id=n, message_type=MESSAGE_TYPE_TRAIN, group_id=str(rnd), ttl=ttl)
+                for n in selected]
+        ids = list(self.grid.push_messages(msgs))
+        if len(ids) != len(msgs):
+            log(WARNING, "[fedshield] round %d: %d of %d messages were not accepted by the grid", rnd, len(msgs) - len(ids), len(msgs))
+        sent = {mid: m.metadata.dst_node_id for mid, m in zip(ids, msgs, strict=False)}
+        return sent, len(array.data) * len(ids)
+
+    def _collect(self, rnd: int, sent: dict[str, int]) -> dict[str, Any]:
+        s = self.cfg.server
+        exp = RoundExpectation(round=rnd, version=self.version, numel=self.numel, max_examples=s.max_examples,
+                               max_bytes=min(int(s.max_update_mb * 2**20), self.numel * 4 + 4096), sent=sent)
+        acc = WeightedAccumulator(self.numel, device=self.device)
+        rejected: Counter[str] = Counter()
+        loss_sum, bytes_up, replies = 0.0, 0, 0
+        pending = set(sent)
+        deadline = self.clock.now() + s.round_timeout
+        while pending:
+            for reply in self.grid.pull_messages(list(pending)):
+                pending.discard(reply.metadata.reply_to_message_id)
+                replies += 1
+                try:
+                    ok = validate_reply(reply, exp)
+                except RejectedReply as rej:
+                    rejected[rej.rule] += 1
+                    log(WARNING, "[fedshield] round %d: rejected reply from node %d (%s): %s", rnd, rej.node_id, rej.rule, rej.detail)
+                    continue
+                acc.add(ok.delta, float(ok.num_examples))
+                loss_sum += ok.train_loss * ok.num_examples
+                bytes_up += ok.nbytes
+            if pending and self.clock.now() >= deadline:
+                log(WARNING, "[fedshield] round %d: deadline of %.1f s passed with %d replies missing", rnd, s.round_timeout, len(pending))
+                break
+            if pending:
+                self.clock.sleep(s.poll_interval)
+        if acc.count:
+            self.weights = self.optimizer.step(self.weights, acc.mean())
+            self.version += 1
+        else:
+            log(WARNING, "[fedshield] round %d: no valid update; the global model is unchanged", rnd)
+        return {"replies": replies, "accepted": acc.count, "rejected": sum(rejected.values()),
+                "rejected_by_rule": dict(rejected), "bytes_up": bytes_up,
+                "train_loss": loss_sum / acc.total_weight if acc.count else float("nan")}
+
+    def run_round(self, rnd: int) -> dict[str, Any]:
+        start = self.clock.now()
+        nodes = self._wait_for_nodes()
+        selected = self.select(nodes, rnd)
+        sent, bytes_down = self._send(rnd, selected)
+        row: dict[str, Any] = {"round": rnd, "nodes_online": len(nodes), "selected": len(selected), "bytes_down": bytes_down}
+        row.update(self._collect(rnd, sent))
+        load_flat(self.model, self.weights)
+        row["test_accuracy"], row["test_loss"] = evaluate(self.model, self.task.test_set)
+        row["version"] = self.version
+        row["round_time_s"] = self.clock.now() - start
+        row["wall_time_s"] = time.monotonic() - self.wall_start
+        return row
+
+    def run(self) -> dict[str, Any]:
+        """Run the remaining rounds; write the run directory; return the summary."""
+        total = self.cfg.server.num_rounds
+        self.run_dir.write_json(CONFIG_FILE, self.cfg.to_mapping())
+        for rnd in range(self.round + 1, total + 1):
+            row = self.run_round(rnd)
+            self.rejections.update(row["rejected_by_rule"])
+            self.history.append(row)
+            self.round = rnd
+            self._checkpoint()
+            log(INFO, "[fedshield] round %d/%d acc=%.4f loss=%.4f accepted=%d/%d rejected=%d down=%.2fMB up=%.2fMB time=%.2fs",
+                rnd, total, row["test_accuracy"], row["test_loss"], row["accepted"], row["selected"], row["rejected"],
+                row["bytes_down"] / 1e6, row["bytes_up"] / 1e6, row["round_time_s"])
+            if self.on_round:
+                self.on_round(row)
+        return self.finish()
+
+    def finish(self) -> dict[str, Any]:
+        load_flat(self.model, self.weights)
+        self.run_dir.save_model({k: v.detach().cpu() for k, v in self.model.state_dict().items()})
+        if self.history:
+            self.run_dir.plot(self.history, f"{self.cfg.task.task}: accuracy and loss per round")
+        last = self.history[-1] if self.history else {}
+        summary = {
+            "status": "completed", "rounds": self.round, "version": self.version, "task": self.cfg.task.task,
+            "final_test_accuracy": last.get("test_accuracy"), "final_test_loss": last.get("test_loss"),
+            "total_bytes_down": sum(r["bytes_down"] for r in self.history),
+            "total_bytes_up": sum(r["bytes_up"] for r in self.history),
+            "rejected_total": sum(self.rejections.values()), "rejected_by_rule": dict(self.rejections),
+            "wall_time_s": time.monotonic() - self.wall_start, "num_parameters": self.numel,
+            "run_dir": str(self.run_dir.path),
+        }
+        self.run_dir.write_json(SUMMARY, summary)
+        log(INFO, "[fedshield] run complete: accuracy %.4f after %d rounds; results in %s",
+            summary["final_test_accuracy"] or float("nan"), self.round, self.run_dir.path)
+        return summary
