@@ -1,0 +1,163 @@
+"""Transport security material, made with ``cryptography`` only.
+
+* ``init_certificates(DIR)``: a CA (ECDSA P-384) and a server certificate for
+  SAN ``localhost`` and ``127.0.0.1`` (plus any extra names), for the SuperLink's TLS.
+* ``new_node_key(DIR/NAME)``: an ECDSA P-384 key pair in OpenSSH format, the
+  format Flower's SuperNode authentication takes (``NAME`` private, ``NAME.pub``).
+
+Private keys are written with mode 0600 and never logged.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import ipaddress
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from ._errors import PrivacyError
+
+CA_CERT, CA_KEY, SERVER_CERT, SERVER_KEY = "ca.crt", "ca.key", "server.crt", "server.key"
+DEFAULT_SANS = ("localhost", "127.0.0.1")
+
+
+@dataclass(frozen=True)
+class CertificatePaths:
+    ca_cert: Path
+    server_cert: Path
+    server_key: Path
+
+    @classmethod
+    def in_dir(cls, directory: str | os.PathLike) -> "CertificatePaths":
+        d = Path(directory)
+        return cls(d / CA_CERT, d / SERVER_CERT, d / SERVER_KEY)
+
+    def check(self) -> "CertificatePaths":
+        for p in (self.ca_cert, self.server_cert, self.server_key):
+            if not p.is_file():
+                raise PrivacyError(f"TLS file must exist. Found no file at {p}; run `fedshield certs init DIR`.")
+        return self
+
+
+def _write(path: Path, data: bytes, private: bool) -> None:
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    fd = os.open(path, flags, 0o600 if private else 0o644)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(data)
+
+
+def _name(cn: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "fedshield"), x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+
+def _san(names: tuple[str, ...]) -> x509.SubjectAlternativeName:
+    entries: list[x509.GeneralName] = []
+    for n in names:
+        try:
+            entries.append(x509.IPAddress(ipaddress.ip_address(n)))
+        except ValueError:
+            entries.append(x509.DNSName(n))
+    return x509.SubjectAlternativeName(entries)
+
+
+def init_certificates(directory: str | os.PathLike, extra_names: tuple[str, ...] = (), days: int = 825,
+                      force: bool = False) -> CertificatePaths:
+    """Create a CA and a server certificate signed by it in ``directory``."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    paths = CertificatePaths.in_dir(d)
+    if not force and any(p.exists() for p in (paths.ca_cert, paths.server_cert, paths.server_key, d / CA_KEY)):
+        raise PrivacyError(f"certificate directory must not already hold certificates. Found them in {d}; use --force to replace.")
+    now = dt.datetime.now(dt.timezone.utc)
+    ca_key = ec.generate_private_key(ec.SECP384R1())
+    ca_cert = (
+        x509.CertificateBuilder().subject_name(_name("fedshield CA")).issuer_name(_name("fedshield CA"))
+        .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
+                                     key_encipherment=False, data_encipherment=False, key_agreement=False,
+                                     encipher_only=False, decipher_only=False), critical=True)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA384())
+    )
+    srv_key = ec.generate_private_key(ec.SECP384R1())
+    names = tuple(dict.fromkeys(DEFAULT_SANS + tuple(extra_names)))
+    srv_cert = (
+        x509.CertificateBuilder().subject_name(_name(names[0])).issuer_name(ca_cert.subject)
+        .public_key(srv_key.public_key()).serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=days))
+        .add_extension(_san(names), critical=False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA384())
+    )
+    pem_key = dict(encoding=serialization.Encoding.PEM, format=serialization.PrivateFormat.PKCS8,
+                   encryption_algorithm=serialization.NoEncryption())
+    _write(d / CA_KEY, ca_key.private_bytes(**pem_key), private=True)
+    _write(paths.ca_cert, ca_cert.public_bytes(serialization.Encoding.PEM), private=False)
+    _write(paths.server_key, srv_key.private_bytes(**pem_key), private=True)
+    _write(paths.server_cert, srv_cert.public_bytes(serialization.Encoding.PEM), private=False)
+    return paths
+
+
+def new_node_key(path: str | os.PathLike, force: bool = False) -> tuple[Path, Path]:
+    """Write an ECDSA P-384 key pair in OpenSSH format: ``path`` and ``path.pub``."""
+    priv = Path(path)
+    pub = priv.with_name(priv.name + ".pub")
+    if priv.name in ("", ".", "..") or priv.is_dir():
+        raise PrivacyError(f"key path must be DIR/NAME. Found {str(priv)!r}.")
+    if not force and (priv.exists() or pub.exists()):
+        raise PrivacyError(f"key path must not exist yet. Found {priv}; use --force to replace.")
+    priv.parent.mkdir(parents=True, exist_ok=True)
+    key = ec.generate_private_key(ec.SECP384R1())
+    _write(priv, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
+                                   serialization.NoEncryption()), private=True)
+    _write(pub, key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+           + f" {priv.name}\n".encode(), private=False)
+    return priv, pub
+
+
+def check_node_private_key(path: str | os.PathLike) -> Path:
+    """Fail with one clear message unless ``path`` is an ECDSA OpenSSH private key."""
+    p = Path(path)
+    if not p.is_file():
+        raise PrivacyError(f"node key must be an existing private key file. Found no file at {p}; run `fedshield keys new {p}`.")
+    try:
+        key = serialization.load_ssh_private_key(p.read_bytes(), None)
+    except (ValueError, TypeError):
+        raise PrivacyError(f"node key must be an unencrypted OpenSSH private key. Found something else in {p}.") from None
+    if not isinstance(key, ec.EllipticCurvePrivateKey):
+        raise PrivacyError(f"node key must be ECDSA on a NIST curve (Flower's node authentication). Found {type(key).__name__} in {p}.")
+    return p
+
+
+def check_public_key(path: str | os.PathLike) -> Path:
+    p = Path(path)
+    if not p.is_file():
+        raise PrivacyError(f"enrolled public key must exist. Found no file at {p}.")
+    try:
+        key = serialization.load_ssh_public_key(p.read_bytes())
+    except (ValueError, TypeError):
+        raise PrivacyError(f"enrolled public key must be an OpenSSH public key. Found something else in {p}.") from None
+    if not isinstance(key, ec.EllipticCurvePublicKey):
+        raise PrivacyError(f"enrolled public key must be ECDSA. Found {type(key).__name__} in {p}.")
+    return p
+
+
+def check_ca_certificate(path: str | os.PathLike) -> Path:
+    p = Path(path)
+    if not p.is_file():
+        raise PrivacyError(f"root certificate must exist. Found no file at {p}.")
+    try:
+        x509.load_pem_x509_certificate(p.read_bytes())
+    except ValueError:
+        raise PrivacyError(f"root certificate must be a PEM X.509 certificate. Found something else in {p}.") from None
+    return p

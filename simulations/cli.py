@@ -1,0 +1,156 @@
+"""The ``fedshield`` command: one entry point, each subcommand's work lives with its package.
+
+This module sits in ``simulations`` because it is the package allowed to import
+all the others; heavy imports happen inside the handlers so ``--help`` is fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2
+        self.exit(2, f"fedshield: error: {message}\n")
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from .runner import run_scenario
+    from .scenario import load_scenario, parse_override
+
+    overrides = dict(parse_override(s) for s in args.set or [])
+    if args.rounds is not None:
+        overrides["run.num-rounds"] = args.rounds
+    if args.engine:
+        overrides["simulation.engine"] = args.engine
+    scn = load_scenario(args.scenario, overrides)
+    run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / f"{scn.sim.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    print(f"fedshield simulate: scenario {scn.sim.name!r}, engine {scn.sim.engine}, "
+          f"{scn.sim.num_supernodes} clients, {scn.run.server.num_rounds} rounds -> {run_dir}", file=sys.stderr)
+    if not args.verbose:
+        import logging
+
+        logging.getLogger("flwr").setLevel(logging.WARNING)
+    start = time.monotonic()
+    summary = run_scenario(scn, run_dir, show_progress=not args.quiet)
+    print(f"final test accuracy {summary['final_test_accuracy']:.4f} after {summary['rounds']} rounds; "
+          f"wall time {time.monotonic() - start:.1f} s; results in {summary['run_dir']}")
+    return 0
+
+
+def _certs_init(args: argparse.Namespace) -> int:
+    from privacy import init_certificates
+
+    paths = init_certificates(args.dir, tuple(args.san or ()), force=args.force)
+    print(f"wrote CA {paths.ca_cert}, server certificate {paths.server_cert} and key {paths.server_key}")
+    return 0
+
+
+def _keys_new(args: argparse.Namespace) -> int:
+    from privacy import new_node_key
+
+    priv, pub = new_node_key(args.path, force=args.force)
+    print(f"wrote node key {priv} (keep private) and {pub} (enrol it in the coordinator config)")
+    return 0
+
+
+def _data_export(args: argparse.Namespace) -> int:
+    from clients.cli import export_partitions
+
+    for path in export_partitions(args.task, args.num_partitions, args.out, args.partitioning, args.alpha, args.seed):
+        print(path)
+    return 0
+
+
+def _coordinator_start(args: argparse.Namespace) -> int:
+    from coordinator.service import start_coordinator
+
+    return start_coordinator(args.config, insecure=args.insecure, run_dir=args.run_dir)
+
+
+def _agent_start(args: argparse.Namespace) -> int:
+    from clients.cli import start_agent
+
+    return start_agent(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="fedshield", description="Federated, privacy-preserving learning on Flower.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    s = sub.add_parser("simulate", help="run a scenario on one machine (Flower's simulation engine)")
+    s.add_argument("scenario", nargs="?", help="scenario TOML (default: the packaged default scenario)")
+    s.add_argument("--engine", choices=["flower", "inprocess"], help="override the scenario's engine")
+    s.add_argument("--run-dir", help="results directory (default: runs/NAME-TIMESTAMP); an existing one resumes")
+    s.add_argument("--rounds", type=int, help="override run.num-rounds")
+    s.add_argument("--set", action="append", metavar="TABLE.KEY=VALUE", help="override any scenario key")
+    s.add_argument("--quiet", action="store_true", help="no live progress")
+    s.add_argument("--verbose", action="store_true", help="show Flower's log")
+    s.set_defaults(func=_simulate)
+
+    certs = sub.add_parser("certs", help="TLS certificates").add_subparsers(dest="action", required=True, parser_class=_Parser)
+    ci = certs.add_parser("init", help="make a CA and a server certificate (SAN localhost, 127.0.0.1)")
+    ci.add_argument("dir")
+    ci.add_argument("--san", action="append", help="extra DNS name or IP for the server certificate")
+    ci.add_argument("--force", action="store_true")
+    ci.set_defaults(func=_certs_init)
+
+    keys = sub.add_parser("keys", help="node authentication keys").add_subparsers(dest="action", required=True, parser_class=_Parser)
+    kn = keys.add_parser("new", help="make a client key pair DIR/NAME and DIR/NAME.pub (ECDSA P-384, OpenSSH)")
+    kn.add_argument("path")
+    kn.add_argument("--force", action="store_true")
+    kn.set_defaults(func=_keys_new)
+
+    data = sub.add_parser("data", help="client data files").add_subparsers(dest="action", required=True, parser_class=_Parser)
+    de = data.add_parser("export", help="write a task's partitions as client-K.npz files (for agents' --data)")
+    de.add_argument("--task", default="digits")
+    de.add_argument("--num-partitions", type=int, required=True)
+    de.add_argument("--out", required=True)
+    de.add_argument("--partitioning", default="dirichlet")
+    de.add_argument("--alpha", type=float, default=0.5)
+    de.add_argument("--seed", type=int, default=0)
+    de.set_defaults(func=_data_export)
+
+    co = sub.add_parser("coordinator", help="the coordinator service").add_subparsers(dest="action", required=True, parser_class=_Parser)
+    cs = co.add_parser("start", help="start a SuperLink (TLS, node auth) and run fedshield's ServerApp on it")
+    cs.add_argument("--config", required=True, help="coordinator TOML")
+    cs.add_argument("--insecure", action="store_true", help="NO TLS and no node authentication (testing only)")
+    cs.add_argument("--run-dir", help="override [run] run-dir")
+    cs.set_defaults(func=_coordinator_start)
+
+    ag = sub.add_parser("agent", help="the client agent").add_subparsers(dest="action", required=True, parser_class=_Parser)
+    ast = ag.add_parser("start", help="start a SuperNode running fedshield's ClientApp")
+    ast.add_argument("--coordinator", required=True, metavar="HOST:PORT")
+    ast.add_argument("--root-cert", help="the coordinator's CA certificate (ca.crt)")
+    ast.add_argument("--key", help="this node's private key (from `fedshield keys new`)")
+    ast.add_argument("--data", help="this node's data (.npz with x and y)")
+    ast.add_argument("--partition", metavar="ID/N", help="use partition ID of N of the task's built-in data instead of --data")
+    ast.add_argument("--port", type=int, default=0, help="local ClientAppIO port (default: a free one)")
+    ast.add_argument("--insecure", action="store_true", help="NO TLS (testing only)")
+    ast.add_argument("--max-retries", type=int, default=3, help="connection attempts before giving up")
+    ast.set_defaults(func=_agent_start)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from aggregation import AggregationError
+    from clients import ClientError
+    from coordinator import CoordinatorError
+    from privacy import PrivacyError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ClientError, CoordinatorError, AggregationError, PrivacyError) as exc:
+        print(f"fedshield: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("fedshield: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

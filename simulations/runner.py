@@ -1,0 +1,69 @@
+"""Run a scenario on Flower's simulation engine (Ray) or the in-process engine."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from coordinator import CoordinatorError, RunDirectory, SyncWorkflow
+from coordinator.progress import RoundProgress
+from coordinator.server_app import make_server_app
+from coordinator.workflow import RoundCallback
+
+from .inprocess import InProcessGrid
+from .scenario import Scenario
+
+
+def _backend_config(scn: Scenario) -> dict[str, Any]:
+    init: dict[str, Any] = {"logging_level": logging.WARNING}
+    if scn.sim.ray_num_cpus:
+        init["num_cpus"] = scn.sim.ray_num_cpus
+    if scn.sim.ray_address:
+        init["address"] = scn.sim.ray_address
+    return {
+        "client_resources": {"num_cpus": scn.sim.client_cpus, "num_gpus": scn.sim.client_gpus},
+        "init_args": init,
+    }
+
+
+def run_flower_engine(scn: Scenario, on_round: RoundCallback | None) -> dict[str, Any]:
+    """The ServerApp and ClientApp under ``flwr.simulation.run_simulation``."""
+    from flwr.simulation import run_simulation
+
+    from clients.client_app import app as client_app
+
+    # One torch thread per client actor: actors already fill the cores.
+    os.environ.setdefault("FEDSHIELD_TORCH_THREADS", "1")
+    result: dict[str, Any] = {}
+    run_simulation(
+        server_app=make_server_app(scn.run, on_round, result),
+        client_app=client_app,
+        num_supernodes=scn.sim.num_supernodes,
+        backend_config=_backend_config(scn),
+    )
+    if not result:
+        raise CoordinatorError("the simulation must end with a summary. Found none: the ServerApp failed (see the log above).")
+    return result
+
+
+def run_inprocess_engine(scn: Scenario, on_round: RoundCallback | None) -> dict[str, Any]:
+    """The same workflow on an in-process Grid (clients run one by one, no Ray)."""
+    from clients.client_app import app as client_app
+
+    grid = InProcessGrid(client_app, scn.sim.num_supernodes)
+    return SyncWorkflow(scn.run, grid, RunDirectory(scn.run.server.run_dir), on_round=on_round).run()
+
+
+def run_scenario(scn: Scenario, run_dir: str | Path, show_progress: bool = True) -> dict[str, Any]:
+    """Run ``scn`` writing into ``run_dir`` (resuming if it holds a checkpoint)."""
+    scn = Scenario(sim=scn.sim, run=scn.run.replace(run_dir=str(Path(run_dir).resolve())))
+    start = RunDirectory(run_dir).load_checkpoint()
+    done = int(start["round"]) if start else 0
+    engine = run_flower_engine if scn.sim.engine == "flower" else run_inprocess_engine
+    if not show_progress:
+        return engine(scn, None)
+    title = f"{scn.sim.name} ({scn.sim.engine})"
+    with RoundProgress(scn.run.server.num_rounds, title, start=done) as prog:
+        return engine(scn, prog.update)
