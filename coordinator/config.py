@@ -27,6 +27,7 @@ class ServerSettings:
     seed: int = 0
     max_examples: int = 10_000_000
     max_update_mb: float = 512.0
+    max_update_norm: float = 1.0e4
     device: str = "auto"
 
     def __post_init__(self) -> None:
@@ -42,6 +43,7 @@ class ServerSettings:
         check(self.seed >= 0, "seed", "be >= 0", self.seed)
         check(self.max_examples >= 1, "max-examples", "be >= 1", self.max_examples)
         check(self.max_update_mb > 0, "max-update-mb", "be > 0", self.max_update_mb)
+        check(self.max_update_norm > 0, "max-update-norm", "be > 0", self.max_update_norm)
         check(self.device in ("auto", "cpu") or self.device.startswith("cuda"), "device", "be auto, cpu or cuda[:N]", self.device)
 
 

@@ -33,6 +33,7 @@ class RoundExpectation:
     numel: int
     max_examples: int
     max_bytes: int
+    max_norm: float
     sent: dict[str, int]  # message id -> node id it was sent to
     replied: set[str] = field(default_factory=set)
 
@@ -44,6 +45,7 @@ class ValidReply:
     num_examples: int
     train_loss: float
     nbytes: int
+    norm: float
 
 
 def validate_reply(reply: Message, exp: RoundExpectation) -> ValidReply:
@@ -74,9 +76,12 @@ def validate_reply(reply: Message, exp: RoundExpectation) -> ValidReply:
         delta = array_to_tensor(array, "float32", exp.numel)
     except AggregationError as exc:
         raise RejectedReply(node, "bad-array", str(exc)) from None
-    # One reduction: a NaN/inf anywhere, or an overflowing magnitude, makes the sum non-finite.
-    if not math.isfinite(float(delta.sum(dtype=torch.float64))):
-        raise RejectedReply(node, "non-finite", "update must hold only finite values")
+    # One reduction: a NaN/inf anywhere, or an overflowing magnitude, makes the norm non-finite.
+    norm = float(torch.linalg.vector_norm(delta))
+    if not math.isfinite(norm):
+        raise RejectedReply(node, "non-finite", "update must hold only finite values (and not overflow float32)")
+    if norm > exp.max_norm:
+        raise RejectedReply(node, "norm-too-large", f"update L2 norm must be <= max-update-norm={exp.max_norm:g}; found {norm:.4g}")
     metrics = content.metric_records[METRICS]
     num = metrics.get("num-examples")
     if not isinstance(num, int) or isinstance(num, bool) or not 0 < num <= exp.max_examples:
@@ -86,4 +91,4 @@ def validate_reply(reply: Message, exp: RoundExpectation) -> ValidReply:
         raise RejectedReply(node, "stale-version", f"base-version must be {exp.version}; found {base!r}")
     loss = metrics.get("train-loss", float("nan"))
     loss = float(loss) if isinstance(loss, int | float) and math.isfinite(loss) else float("nan")
-    return ValidReply(node_id=node, delta=delta, num_examples=num, train_loss=loss, nbytes=nbytes)
+    return ValidReply(node_id=node, delta=delta, num_examples=num, train_loss=loss, nbytes=nbytes, norm=norm)

@@ -144,15 +144,16 @@ class SyncWorkflow:
     def _collect(self, rnd: int, sent: dict[str, int]) -> dict[str, Any]:
         s = self.cfg.server
         exp = RoundExpectation(round=rnd, version=self.version, numel=self.numel, max_examples=s.max_examples,
-                               max_bytes=min(int(s.max_update_mb * 2**20), self.numel * 4 + 4096), sent=sent)
+                               max_bytes=min(int(s.max_update_mb * 2**20), self.numel * 4 + 4096),
+                               max_norm=s.max_update_norm, sent=sent)
         acc = WeightedAccumulator(self.numel, device=self.device)
         rejected: Counter[str] = Counter()
         loss_sum, bytes_up, replies = 0.0, 0, 0
-        pending = set(sent)
+        pending = dict.fromkeys(sent)  # ordered: in-process engines then add in send order
         deadline = self.clock.now() + s.round_timeout
         while pending:
             for reply in self.grid.pull_messages(list(pending)):
-                pending.discard(reply.metadata.reply_to_message_id)
+                pending.pop(reply.metadata.reply_to_message_id, None)
                 replies += 1
                 try:
                     ok = validate_reply(reply, exp)

@@ -1,0 +1,178 @@
+"""The client agent: ``fedshield agent start`` runs a Flower SuperNode with fedshield's ClientApp.
+
+Every input is checked before the SuperNode starts, so a missing certificate,
+a bad key, a bad data path or an unreachable coordinator is one clear line and
+a non-zero exit. Failures the SuperLink reports later (an unregistered key)
+are translated from Flower's exit codes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from ._errors import ClientError
+from .config import TaskSpec, build_config
+from .data import load_npz, save_npz
+from .tasks import get_task
+
+# Flower exit codes (flwr.supercore.exit.ExitCode) a device owner may meet, in words.
+_EXIT_REASONS = {
+    302: "the node key could not be read as an ECDSA OpenSSH private key",
+    303: "node authentication needs TLS: drop --insecure",
+    305: "could not connect to the coordinator: check the address, that it runs, its certificate (--root-cert) and "
+         "that this node's public key is enrolled in the coordinator's config",
+    600: "the coordinator address is not a valid HOST:PORT",
+    603: "the root certificate is not a valid PEM certificate",
+    604: "a path given to the SuperNode does not exist",
+}
+
+
+def export_partitions(task: str, num_partitions: int, out: str, partitioning: str = "dirichlet",
+                      alpha: float = 0.5, seed: int = 0) -> list[Path]:
+    """Write partitions of a task's training set as ``client-K.npz`` (x, y) files."""
+    spec = build_config(TaskSpec, {"task": task, "partitioning": partitioning, "dirichlet-alpha": alpha, "data-seed": seed})
+    t = get_task(spec)
+    out_dir = Path(out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for k in range(num_partitions):
+        path = out_dir / f"client-{k}.npz"
+        save_npz(path, t.partition(k, num_partitions))
+        paths.append(path)
+    return paths
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ClientError(f"--coordinator must be HOST:PORT. Found {text!r}.")
+    return host.strip("[]"), int(port)
+
+
+def check_reachable(host: str, port: int, timeout: float = 5.0) -> None:
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            pass
+    except OSError as exc:
+        raise ClientError(f"coordinator must be reachable at {host}:{port}. Found: {exc.strerror or exc}.") from None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _data_config(args: argparse.Namespace) -> str:
+    if bool(args.data) == bool(args.partition):
+        raise ClientError("exactly one of --data PATH.npz or --partition ID/N must be given. Found "
+                          + ("both." if args.data else "neither."))
+    if args.data:
+        data = load_npz(args.data)
+        if data.x.ndim != 2 or data.y.ndim != 1 or len(data.x) != len(data.y) or len(data.y) == 0:
+            raise ClientError(f"--data must hold x (n, features) and y (n,) with n > 0. Found x{data.x.shape} y{data.y.shape}.")
+        return f'data-path="{Path(args.data).resolve()}"'
+    pid, sep, num = args.partition.partition("/")
+    if not (sep and pid.isdigit() and num.isdigit() and 0 <= int(pid) < int(num)):
+        raise ClientError(f"--partition must be ID/N with 0 <= ID < N. Found {args.partition!r}.")
+    return f"partition-id={int(pid)} num-partitions={int(num)}"
+
+
+def supernode_command(args: argparse.Namespace) -> list[str]:
+    """Validate the agent's inputs and build the ``flower-supernode`` command line."""
+    from privacy import check_ca_certificate, check_node_private_key
+
+    host, port = parse_address(args.coordinator)
+    cmd = [shutil.which("flower-supernode") or "flower-supernode", "--superlink", f"{host}:{port}"]
+    if args.insecure:
+        print("fedshield agent: WARNING: --insecure: no TLS, updates travel in clear text and the node is not "
+              "authenticated. Use only for local tests.", file=sys.stderr)
+        cmd.append("--insecure")
+    else:
+        if not args.root_cert:
+            raise ClientError("--root-cert must be given (the coordinator's ca.crt) unless --insecure. Found none.")
+        if not args.key:
+            raise ClientError("--key must be given (from `fedshield keys new DIR/NAME`) unless --insecure. Found none.")
+        cmd += ["--root-certificates", str(check_ca_certificate(args.root_cert).resolve()),
+                "--auth-supernode-private-key", str(check_node_private_key(args.key).resolve())]
+    cmd += ["--node-config", _data_config(args)]
+    cmd += ["--host", "127.0.0.1", "--port", str(args.port or free_port())]
+    cmd += ["--max-retries", str(max(0, args.max_retries)), "--max-wait-time", "30"]
+    check_reachable(host, port)
+    return cmd
+
+
+_FATAL = re.compile(r"Exit Code: (\d+)|Giving up reconnection|\[code: (\d+)\]")
+# SuperLink refusal codes (in the SuperNode's log) in words.
+_REFUSALS = {
+    2001: "the coordinator requires node authentication: give --key with an enrolled key",
+    2004: "this node's key is not enrolled at the coordinator: add its .pub file to the coordinator's enrolled-keys",
+}
+
+
+def _watch(proc: subprocess.Popen) -> tuple[int | None, int | None]:
+    """Echo the SuperNode's log; return (Flower exit code, SuperLink refusal code) seen in it.
+
+    A SuperNode that gave up may hang on its helper threads: once a fatal line is
+    seen, the process group gets a few seconds to exit and is then stopped.
+    """
+    exit_code = refusal = None
+    assert proc.stdout is not None
+    fatal_at: float | None = None
+    for line in proc.stdout:
+        sys.stderr.write(line)
+        m = _FATAL.search(line)
+        if m:
+            exit_code = int(m.group(1)) if m.group(1) else (exit_code or 305)
+            refusal = int(m.group(2)) if m.group(2) else refusal
+            if fatal_at is None:
+                fatal_at = time.monotonic()
+                timer = threading.Timer(5.0, _stop_group, (proc,))
+                timer.daemon = True
+                timer.start()
+    proc.wait()
+    return exit_code, refusal
+
+
+def _stop_group(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def start_agent(args: argparse.Namespace) -> int:
+    """Run the SuperNode until it exits; stop its process group; explain failures in one line."""
+    cmd = supernode_command(args)
+    print(f"fedshield agent: connecting to {args.coordinator} "
+          f"({'insecure' if args.insecure else 'TLS + node authentication'})", file=sys.stderr)
+    proc = subprocess.Popen(cmd, env={**os.environ, "FLWR_DISABLE_UPDATE_CHECK": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+    def forward(signum: int, _frame: object) -> None:
+        _stop_group(proc, signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, forward)
+    try:
+        flwr_code, refusal = _watch(proc)
+    finally:
+        _stop_group(proc)
+    if flwr_code is None and proc.returncode in (0, -signal.SIGTERM, -signal.SIGINT):
+        return 0
+    if refusal in _REFUSALS:
+        reason = _REFUSALS[refusal]
+    else:
+        reason = _EXIT_REASONS.get(flwr_code or 0, f"see the SuperNode's log above (exit status {proc.returncode})")
+    print(f"fedshield: error: agent stopped (Flower exit code {flwr_code}): {reason}.", file=sys.stderr)
+    return 1

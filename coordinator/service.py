@@ -1,0 +1,266 @@
+"""``fedshield coordinator start``: a real Flower SuperLink running fedshield's ServerApp.
+
+Steps: validate the config and every file it names; start ``flower-superlink``
+(TLS and node authentication on unless ``--insecure``); register the enrolled
+client keys; submit the ServerApp as a run with ``flwr run --stream``; stream
+its log; stop everything it started, also on failure or Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import ssl
+import subprocess
+import sys
+import time
+import tomllib
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+
+from clients.config import ConfigError, build_config, check
+from privacy import CertificatePaths, check_public_key
+
+from ._errors import CoordinatorError
+from .config import RunConfig
+from .rundir import SUMMARY
+
+FEDERATION = "fedshield"
+
+
+@dataclasses.dataclass(frozen=True)
+class ServiceSettings:
+    """The ``[coordinator]`` table. Relative paths are relative to the config file."""
+
+    host: str = "127.0.0.1"
+    port: int = 9092
+    certs_dir: str = "certs"
+    enrolled_keys: tuple[str, ...] = ()
+    state_dir: str = "coordinator-state"
+    start_timeout: float = 60.0
+
+    def __post_init__(self) -> None:
+        check(bool(self.host), "coordinator.host", "be a host name or IP", self.host)
+        check(0 < self.port < 65536, "coordinator.port", "be in [1, 65535]", self.port)
+        keys = self.enrolled_keys
+        check(isinstance(keys, list | tuple) and all(isinstance(k, str) for k in keys),
+              "coordinator.enrolled-keys", "be a list of public key paths", keys)
+        object.__setattr__(self, "enrolled_keys", tuple(keys))
+        check(self.start_timeout > 0, "coordinator.start-timeout", "be > 0 seconds", self.start_timeout)
+
+
+@dataclasses.dataclass(frozen=True)
+class CoordinatorFile:
+    service: ServiceSettings
+    run: RunConfig
+    base: Path
+
+    def path(self, p: str) -> Path:
+        q = Path(p).expanduser()
+        return (q if q.is_absolute() else self.base / q).resolve()
+
+
+def load_coordinator_config(path: str | os.PathLike, run_dir: str | None = None) -> CoordinatorFile:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--config must be an existing TOML file. Found {str(p)!r} (no such file).")
+    try:
+        data = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{p} must be valid TOML. Found error: {exc}.") from None
+    unknown = sorted(set(data) - {"coordinator", "run"})
+    if unknown:
+        raise ConfigError(f"{p}: [{unknown[0]}] is not a known table. Known tables: [coordinator], [run].")
+    service = build_config(ServiceSettings, data.get("coordinator", {}), "coordinator")
+    run_map = dict(data.get("run", {}))
+    base = p.parent.resolve()
+    if run_dir is not None:
+        run_map["run-dir"] = run_dir
+    run_map["run-dir"] = str((base / Path(run_map.get("run-dir") or "runs/coordinator").expanduser()).resolve())
+    return CoordinatorFile(service=service, run=RunConfig.from_mapping(run_map), base=base)
+
+
+def _flwr_env(home: Path) -> dict[str, str]:
+    env = os.environ.copy()
+    env.update({"FLWR_HOME": str(home), "FLWR_DISABLE_UPDATE_CHECK": "1",
+                "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.2"})
+    return env
+
+
+def write_app_dir(app_dir: Path, run: RunConfig) -> Path:
+    """A Flower app directory whose pyproject points at the installed fedshield apps."""
+    app_dir.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "project": {"name": "fedshield-app", "version": "0.1.0", "description": "fedshield coordinator run"},
+        "tool": {"flwr": {"app": {
+            "publisher": "fedshield",
+            "components": {"serverapp": "coordinator.server_app:app", "clientapp": "clients.client_app:app"},
+            "config": run.to_mapping(),
+        }}},
+    }
+    (app_dir / "pyproject.toml").write_text(tomli_w.dumps(doc))
+    return app_dir
+
+
+class Coordinator:
+    """Owns the SuperLink and the ``flwr`` CLI calls of one ``coordinator start``."""
+
+    def __init__(self, cfg: CoordinatorFile, insecure: bool) -> None:
+        self.cfg, self.insecure = cfg, insecure
+        s = cfg.service
+        self.state = cfg.path(s.state_dir)
+        self.address = f"{s.host}:{s.port}"
+        self.certs: CertificatePaths | None = None
+        self.keys: list[Path] = []
+        if not insecure:
+            self.certs = CertificatePaths.in_dir(cfg.path(s.certs_dir)).check()
+            if not s.enrolled_keys:
+                raise ConfigError("coordinator.enrolled-keys must list at least one client public key (TLS with "
+                                  "node authentication admits only enrolled keys). Found none.")
+            self.keys = [check_public_key(cfg.path(k)) for k in s.enrolled_keys]
+        self.superlink: subprocess.Popen | None = None
+        self.log_path = self.state / "superlink.log"
+
+    # -- processes -----------------------------------------------------------
+    def start_superlink(self) -> None:
+        self.state.mkdir(parents=True, exist_ok=True)
+        s = self.cfg.service
+        cmd = ["flower-superlink", "--host", s.host, "--port", str(s.port), "--disable-runtime-dependency-installation",
+               "--database", str(self.state / "superlink.db")]
+        if self.insecure:
+            cmd.append("--insecure")
+        else:
+            assert self.certs is not None
+            cmd += ["--ssl-ca-certfile", str(self.certs.ca_cert), "--ssl-certfile", str(self.certs.server_cert),
+                    "--ssl-keyfile", str(self.certs.server_key), "--enable-supernode-auth"]
+        log = open(self.log_path, "ab")  # noqa: SIM115 - closed with the process
+        self.superlink = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_flwr_env(self.state / "superlink-home"),
+                                          start_new_session=True)
+        self._wait_healthy()
+
+    def _wait_healthy(self) -> None:
+        url = f"{'http' if self.insecure else 'https'}://{self.address}/health"
+        ctx = None if self.insecure else ssl.create_default_context(cafile=str(self.certs.ca_cert))  # type: ignore[union-attr]
+        deadline = time.monotonic() + self.cfg.service.start_timeout
+        while time.monotonic() < deadline:
+            if self.superlink is not None and self.superlink.poll() is not None:
+                raise CoordinatorError(f"the SuperLink must start. Found it exited with code {self.superlink.returncode}: "
+                                       f"{self._log_tail()}")
+            try:
+                with urllib.request.urlopen(url, context=ctx, timeout=2) as resp:
+                    if resp.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.25)
+        raise CoordinatorError(f"the SuperLink must answer on {url} within {self.cfg.service.start_timeout} s. Found no answer.")
+
+    def _log_tail(self, lines: int = 3) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").strip().splitlines()
+        except OSError:
+            return "(no log)"
+        return " | ".join(line.strip() for line in text[-lines:])
+
+    def stop(self) -> None:
+        if self.superlink is not None and self.superlink.poll() is None:
+            os.killpg(self.superlink.pid, signal.SIGTERM)
+            try:
+                self.superlink.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.superlink.pid, signal.SIGKILL)
+                self.superlink.wait()
+
+    # -- flwr CLI --------------------------------------------------------------
+    @property
+    def cli_home(self) -> Path:
+        return self.state / "cli-home"
+
+    def write_cli_config(self) -> None:
+        conn: dict[str, Any] = {"address": self.address}
+        if self.insecure:
+            conn["insecure"] = True
+        else:
+            conn["root-certificates"] = str(self.certs.ca_cert)  # type: ignore[union-attr]
+        self.cli_home.mkdir(parents=True, exist_ok=True)
+        (self.cli_home / "config.toml").write_text(tomli_w.dumps({"superlink": {"default": FEDERATION, FEDERATION: conn}}))
+
+    def _flwr(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+        return subprocess.run(["flwr", *args], capture_output=True, text=True, timeout=timeout, env=_flwr_env(self.cli_home))
+
+    def register_keys(self) -> None:
+        for key in self.keys:
+            out = self._flwr("supernode", "register", str(key), FEDERATION, "--format", "json")
+            text = out.stdout[out.stdout.find("{"):] if "{" in out.stdout else ""
+            try:
+                result = json.loads(text)
+            except json.JSONDecodeError:
+                result = {"success": False, "error-message": (out.stderr or out.stdout).strip()[-300:]}
+            if not result.get("success") and "already in use" not in str(result.get("error-message", "")):
+                raise CoordinatorError(f"enrolled key {key.name} must register with the SuperLink. "
+                                       f"Found: {result.get('error-message')}")
+            print(f"fedshield coordinator: enrolled {key.name}", file=sys.stderr)
+
+    def submit_and_stream(self, app_dir: Path) -> int:
+        proc = subprocess.Popen(["flwr", "run", str(app_dir), FEDERATION, "--stream"], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, env=_flwr_env(self.cli_home), start_new_session=True)
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+            return proc.wait()
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait()
+
+    def run_status(self) -> tuple[str, str]:
+        out = self._flwr("ls", FEDERATION, "--format", "json")
+        try:
+            runs = json.loads(out.stdout[out.stdout.find("{"):]).get("runs", [])
+        except (json.JSONDecodeError, ValueError):
+            return "unknown", out.stdout.strip()[-300:]
+        if not runs:
+            return "unknown", "no run listed"
+        last = max(runs, key=lambda r: str(r.get("pending-at", "")))
+        return str(last.get("status", "unknown")), str(last.get("status-details", ""))
+
+
+def start_coordinator(config: str, insecure: bool = False, run_dir: str | None = None) -> int:
+    cfg = load_coordinator_config(config, run_dir)
+    if insecure:
+        print("fedshield coordinator: WARNING: --insecure: no TLS and no node authentication; any process that can "
+              "reach the port can join and read the model. Use only for local tests.", file=sys.stderr)
+    coord = Coordinator(cfg, insecure)
+    run_path = Path(cfg.run.server.run_dir)
+    print(f"fedshield coordinator: SuperLink on {coord.address} ({'INSECURE' if insecure else 'TLS + node authentication'}), "
+          f"run directory {run_path}", file=sys.stderr)
+
+    def on_term(_signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        coord.start_superlink()
+        coord.write_cli_config()
+        if not insecure:
+            coord.register_keys()
+        app_dir = write_app_dir(coord.state / "app", cfg.run)
+        started = time.time()
+        coord.submit_and_stream(app_dir)
+        status, details = coord.run_status()
+        summary = run_path / SUMMARY
+        if "completed" in status and summary.is_file() and summary.stat().st_mtime >= started:
+            result = json.loads(summary.read_text())
+            print(f"fedshield coordinator: run completed: accuracy {result['final_test_accuracy']:.4f} after "
+                  f"{result['rounds']} rounds; results in {run_path}")
+            return 0
+        raise CoordinatorError(f"the run must complete. Found status {status!r}: {details or 'see the log above'}")
+    finally:
+        coord.stop()

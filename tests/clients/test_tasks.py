@@ -1,0 +1,201 @@
+"""Tasks: fixed held-out splits, seeded init, partitions, and client data checks."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+import clients.tasks.synthetic as synthetic_mod
+from clients import ClientError, Dataset, TaskSpec, get_task
+from clients.tasks import DigitsTask, SyntheticTask
+from clients.tasks.synthetic import CLASSES, DIM, NUM_SOURCES, PER_SOURCE, synthetic
+
+TASKS = {"digits": DigitsTask, "synthetic": SyntheticTask}
+TOTAL = {"digits": 1797, "synthetic": NUM_SOURCES * PER_SOURCE}
+DIMS = {"digits": (64, 10), "synthetic": (DIM, CLASSES)}
+
+
+def _full(name: str, seed: int = 0) -> Dataset:
+    if name == "digits":
+        from sklearn.datasets import load_digits
+
+        raw = load_digits()
+        return Dataset((raw.data / 16.0).astype(np.float32), raw.target.astype(np.int64))
+    x, y = synthetic(1.0, 1.0, seed)
+    return Dataset(x, y)
+
+
+def _rows(d: Dataset) -> Counter:
+    return Counter(xr.tobytes() + int(yr).to_bytes(8, "little") for xr, yr in zip(d.x, d.y, strict=True))
+
+
+@pytest.fixture(scope="module", params=list(TASKS))
+def name(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def task(name):
+    return TASKS[name](TaskSpec(task=name))
+
+
+def test_dimensions_and_dtypes(task, name):
+    assert (task.input_dim, task.num_classes) == DIMS[name]
+    for d in (task.train_set, task.test_set):
+        assert d.x.dtype == np.float32 and d.y.dtype == np.int64
+        assert d.x.shape == (len(d), task.input_dim)
+        assert d.y.min() >= 0 and d.y.max() < task.num_classes
+
+
+def test_train_and_test_are_a_disjoint_split_of_all_data(task, name):
+    train, test = task.train_set, task.test_set
+    assert len(train) + len(test) == TOTAL[name]
+    assert len(test) == pytest.approx(0.2 * TOTAL[name], abs=1)
+    # as multisets of (x, y) rows, train + test is exactly the full data set
+    assert _rows(train) + _rows(test) == _rows(_full(name))
+
+
+def test_test_split_is_fixed_by_data_seed(name):
+    a = TASKS[name](TaskSpec(task=name, data_seed=5))
+    b = TASKS[name](TaskSpec(task=name, data_seed=5))
+    c = TASKS[name](TaskSpec(task=name, data_seed=6))
+    assert np.array_equal(a.test_set.x, b.test_set.x) and np.array_equal(a.test_set.y, b.test_set.y)
+    assert np.array_equal(a.train_set.x, b.train_set.x)
+    assert not np.array_equal(a.test_set.x, c.test_set.x)
+
+
+def test_digits_split_is_stratified():
+    t = DigitsTask(TaskSpec())
+    share = np.bincount(t.test_set.y, minlength=10) / np.bincount(_full("digits").y, minlength=10)
+    assert np.all(np.abs(share - 0.2) < 0.02)
+
+
+def test_synthetic_falls_back_to_plain_split_when_a_class_is_a_singleton(monkeypatch):
+    x = np.arange(100 * DIM, dtype=np.float32).reshape(100, DIM)
+    y = np.zeros(100, np.int64)
+    y[0] = 3  # one sample of class 3: stratification is impossible
+    monkeypatch.setattr(synthetic_mod, "synthetic", lambda a, b, s: (x, y))
+    t1, t2 = SyntheticTask(TaskSpec(task="synthetic")), SyntheticTask(TaskSpec(task="synthetic"))
+    assert (len(t1.train_set), len(t1.test_set)) == (80, 20)
+    assert np.array_equal(t1.test_set.x, t2.test_set.x)
+    assert _rows(t1.train_set) + _rows(t1.test_set) == _rows(Dataset(x, y))
+
+
+def test_synthetic_data_depends_on_alpha_beta():
+    x1, _ = synthetic(1.0, 1.0, 0)
+    x2, _ = synthetic(0.0, 0.0, 0)
+    assert x1.shape == x2.shape == (NUM_SOURCES * PER_SOURCE, DIM)
+    assert not np.array_equal(x1, x2)
+
+
+def test_init_weights_deterministic_by_seed_and_sized_like_the_model(task):
+    w1, w2, w3 = task.init_weights(1), task.init_weights(1), task.init_weights(2)
+    n = sum(p.numel() for p in task.build_model().parameters())
+    assert w1.shape == (n,) and w1.dtype == torch.float32
+    assert torch.equal(w1, w2)
+    assert not torch.equal(w1, w3)
+    assert torch.isfinite(w1).all()
+
+
+def test_init_weights_param_counts():
+    assert DigitsTask(TaskSpec()).init_weights(0).numel() == 64 * 128 + 128 + 128 * 10 + 10
+    assert SyntheticTask(TaskSpec(task="synthetic")).init_weights(0).numel() == DIM * CLASSES + CLASSES
+
+
+def test_init_weights_does_not_disturb_global_rng(task):
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    task.init_weights(7)
+    assert torch.equal(torch.rand(3), expected)
+
+
+@pytest.mark.parametrize("partitioning", ["iid", "dirichlet"])
+def test_partitions_cover_the_train_set_and_are_deterministic(name, partitioning):
+    spec = TaskSpec(task=name, partitioning=partitioning)
+    a, b = TASKS[name](spec), TASKS[name](spec)
+    parts = [a.partition(i, 5) for i in range(5)]
+    assert sum(len(p) for p in parts) == len(a.train_set)
+    merged = Counter()
+    for p in parts:
+        merged += _rows(p)
+    assert merged == _rows(a.train_set)
+    for i in range(5):
+        assert np.array_equal(parts[i].x, b.partition(i, 5).x)
+        assert np.array_equal(parts[i].y, b.partition(i, 5).y)
+
+
+@pytest.mark.parametrize("pid", [-1, 5, 100])
+def test_partition_id_out_of_range(task, pid):
+    with pytest.raises(ClientError, match=r"partition-id must be in \[0, 5\)\. Found"):
+        task.partition(pid, 5)
+
+
+def test_get_task_is_cached_per_spec():
+    spec = TaskSpec(data_seed=11)
+    assert get_task(spec) is get_task(TaskSpec(data_seed=11))
+    assert isinstance(get_task(spec), DigitsTask)
+    assert isinstance(get_task(TaskSpec(task="synthetic", data_seed=11)), SyntheticTask)
+
+
+# --------------------------------------------------------------------------- check_data
+
+
+def _good(task, n=6) -> Dataset:
+    return Dataset(np.zeros((n, task.input_dim), np.float64), np.arange(n) % task.num_classes)
+
+
+def test_check_data_accepts_and_casts(task):
+    out = task.check_data(_good(task), "mine.npz")
+    assert out.x.dtype == np.float32 and out.y.dtype == np.int64
+    assert len(out) == 6
+
+
+def _bad_cases(task):
+    d = task.input_dim
+    nan_x = np.zeros((4, d), np.float32)
+    nan_x[2, 3] = np.nan
+    inf_x = np.zeros((4, d), np.float32)
+    inf_x[0, 0] = np.inf
+    y4 = np.zeros(4, np.int64)
+    return {
+        "feature dim": (Dataset(np.zeros((4, d + 1), np.float32), y4), rf"x must have shape \(n, {d}\)"),
+        "1-D x": (Dataset(np.zeros(4 * d, np.float32), y4), r"x must have shape"),
+        "3-D x": (Dataset(np.zeros((4, d, 1), np.float32), y4), r"x must have shape"),
+        "lengths differ": (Dataset(np.zeros((4, d), np.float32), np.zeros(3, np.int64)), r"y must have shape \(4,\)"),
+        "2-D y": (Dataset(np.zeros((4, d), np.float32), np.zeros((4, 1), np.int64)), r"y must have shape \(4,\)"),
+        "empty": (Dataset(np.zeros((0, d), np.float32), np.zeros(0, np.int64)), r"n > 0"),
+        "label too big": (Dataset(np.zeros((4, d), np.float32), np.array([0, 1, task.num_classes, 2])),
+                          rf"integer labels in \[0, {task.num_classes}\)"),
+        "negative label": (Dataset(np.zeros((4, d), np.float32), np.array([0, -1, 1, 2])), r"integer labels"),
+        "float labels": (Dataset(np.zeros((4, d), np.float32), np.array([0.0, 1.0, 1.0, 2.0])), r"integer labels"),
+        "NaN": (Dataset(nan_x, y4), r"x must be finite"),
+        "inf": (Dataset(inf_x, y4), r"x must be finite"),
+    }
+
+
+@pytest.mark.parametrize("case", ["feature dim", "1-D x", "3-D x", "lengths differ", "2-D y", "empty",
+                                  "label too big", "negative label", "float labels", "NaN", "inf"])
+def test_check_data_rejects(task, case):
+    data, rule = _bad_cases(task)[case]
+    with pytest.raises(ClientError, match=rule) as info:
+        task.check_data(data, "node-7.npz")
+    assert str(info.value).startswith("node-7.npz: ")
+
+
+@pytest.mark.xfail(strict=True, raises=TypeError, reason=(
+    "BUG: clients/tasks/base.py:83-85 check_data formats y.min() for non-integer labels and calls "
+    "np.isfinite on x without checking x is numeric; string arrays (loadable from .npz without pickle) "
+    "raise TypeError instead of ClientError. Check dtypes before using min()/isfinite."))
+@pytest.mark.parametrize("which", ["string labels", "string features"])
+def test_check_data_rejects_non_numeric_arrays(task, which):
+    d = task.input_dim
+    if which == "string labels":
+        data = Dataset(np.zeros((2, d), np.float32), np.array(["a", "b"]))
+    else:
+        data = Dataset(np.full((2, d), "a"), np.array([0, 1]))
+    with pytest.raises(ClientError):
+        task.check_data(data, "node.npz")
