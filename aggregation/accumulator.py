@@ -42,7 +42,7 @@ class WeightedAccumulator:
         """Add ``weight * update`` into the sum. ``update`` is not modified."""
         if update.dim() != 1 or update.numel() != self.numel:
             raise AggregationError(f"update must be 1-D of length {self.numel}. Found shape {tuple(update.shape)}.")
-        if not (math.isfinite(weight) and weight > 0):
+        if isinstance(weight, bool) or not (math.isfinite(weight) and weight > 0):
             raise AggregationError(f"weight must be finite and > 0. Found {weight}.")
         src = update.to(self._sum.device, non_blocking=True)
         if src.dtype != self._sum.dtype:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 import torch
 
@@ -18,13 +19,13 @@ def get_device(preference: str | None = None) -> torch.device:
     ``FEDSHIELD_DEVICE`` environment variable, else CUDA when present, else CPU.
     All other code follows the device of the tensors it is given.
     """
-    choice = preference if preference not in (None, "", "auto") else os.environ.get(ENV_VAR, "auto")
-    choice = choice.strip().lower()
+    choice = preference if preference not in (None, "", "auto") else os.environ.get(ENV_VAR, "")
+    choice = choice.strip().lower() or "auto"
     if choice == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if choice == "cpu":
         return torch.device("cpu")
-    if choice.startswith("cuda"):
+    if re.fullmatch(r"cuda(:\d+)?", choice):
         if not torch.cuda.is_available():
             raise AggregationError(f"device must be available. Found {choice!r} but CUDA is not present.")
         return torch.device(choice)

@@ -7,6 +7,7 @@ is a dict of tensors and numbers that goes into the checkpoint.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
@@ -55,7 +56,7 @@ class ServerOptimizer(ABC):
 
 
 def _check_lr(lr: float) -> float:
-    if not (isinstance(lr, int | float) and lr > 0):
+    if not (isinstance(lr, int | float) and not isinstance(lr, bool) and math.isfinite(lr) and lr > 0):
         raise AggregationError(f"server-lr must be > 0. Found {lr!r}.")
     return float(lr)
 

@@ -65,7 +65,7 @@ def _parse_header(data: bytes) -> tuple[str, tuple[int, ...], int]:
     try:
         meta = ast.literal_eval(data[start : start + hlen].decode("latin1"))
         descr, fortran, shape = meta["descr"], meta["fortran_order"], tuple(meta["shape"])
-    except (ValueError, SyntaxError, KeyError, TypeError) as exc:
+    except (ValueError, SyntaxError, KeyError, TypeError, RecursionError, MemoryError) as exc:
         raise AggregationError(f"npy header must be a dict with descr/fortran_order/shape. Found error: {exc}.") from None
     if fortran or not isinstance(descr, str) or not all(isinstance(s, int) and s >= 0 for s in shape):
         raise AggregationError("npy header must describe a C-ordered array of a plain dtype.")
@@ -92,7 +92,11 @@ def array_to_tensor(array: Array, expected_dtype: str, expected_numel: int | Non
         raise AggregationError(f"length must be {expected_numel}. Found {shape[0]}.")
     torch_dtype, descr = _DTYPES[expected_dtype]
     head_descr, head_shape, offset = _parse_header(array.data)
-    if np.dtype(head_descr) != np.dtype(descr) or head_shape != shape:
+    try:
+        head_dtype = np.dtype(head_descr)
+    except (TypeError, ValueError):
+        raise AggregationError(f"npy header dtype must be a valid numpy dtype. Found {head_descr!r}.") from None
+    if head_dtype != np.dtype(descr) or head_shape != shape:
         raise AggregationError(f"npy header must match dtype {expected_dtype} and shape {shape}. Found {head_descr} {head_shape}.")
     itemsize = np.dtype(descr).itemsize
     if len(array.data) - offset != shape[0] * itemsize:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -21,12 +22,18 @@ def load_npz(path: str | os.PathLike) -> Dataset:
     if not p.is_file():
         raise ClientError(f"data path must be an existing .npz file. Found {str(p)!r} (no such file).")
     try:
-        with np.load(p, allow_pickle=False) as npz:
-            if "x" not in npz or "y" not in npz:
-                raise ClientError(f"data file must hold arrays 'x' and 'y'. Found {sorted(npz.files)} in {p}.")
-            return Dataset(np.asarray(npz["x"]), np.asarray(npz["y"]))
-    except (OSError, ValueError) as exc:
+        loaded = np.load(p, allow_pickle=False)
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
         raise ClientError(f"data file must be a readable .npz. Found {p}: {exc}.") from None
+    if not isinstance(loaded, np.lib.npyio.NpzFile):
+        raise ClientError(f"data file must be an .npz archive with arrays 'x' and 'y'. Found a single array in {p}.")
+    with loaded as npz:
+        if "x" not in npz.files or "y" not in npz.files:
+            raise ClientError(f"data file must hold arrays 'x' and 'y'. Found {sorted(npz.files)} in {p}.")
+        try:
+            return Dataset(np.asarray(npz["x"]), np.asarray(npz["y"]))
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+            raise ClientError(f"data file must be a readable .npz. Found {p}: {exc}.") from None
 
 
 def save_npz(path: str | os.PathLike, data: Dataset) -> None:

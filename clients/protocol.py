@@ -46,7 +46,7 @@ class TrainInstruction:
     def from_record(cls, record: ConfigRecord) -> "TrainInstruction":
         data = dict(record)
         for key in ("round", "version", "seed"):
-            check(isinstance(data.get(key), int) and data[key] >= 0, key, "be an integer >= 0", data.get(key))
+            check(isinstance(data.get(key), int) and not isinstance(data[key], bool) and data[key] >= 0, key, "be an integer >= 0", data.get(key))
         task_part, train_part = split_mapping(data, TaskSpec, TrainSettings)
         return cls(
             round=data["round"],

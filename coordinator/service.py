@@ -130,8 +130,9 @@ class Coordinator:
     def start_superlink(self) -> None:
         self.state.mkdir(parents=True, exist_ok=True)
         s = self.cfg.service
-        cmd = ["flower-superlink", "--host", s.host, "--port", str(s.port), "--disable-runtime-dependency-installation",
-               "--database", str(self.state / "superlink.db")]
+        # In-memory SuperLink state: a restarted coordinator starts a fresh link (the run itself
+        # resumes from the run directory's checkpoint); agents then start again and re-join.
+        cmd = ["flower-superlink", "--host", s.host, "--port", str(s.port), "--disable-runtime-dependency-installation"]
         if self.insecure:
             cmd.append("--insecure")
         else:

@@ -53,15 +53,17 @@ def validate_reply(reply: Message, exp: RoundExpectation) -> ValidReply:
     meta = reply.metadata
     node = meta.src_node_id
     msg_id = meta.reply_to_message_id
-    if exp.sent.get(msg_id) != node:
-        raise RejectedReply(node, "unknown-sender", f"reply to message {msg_id!r} did not come from the node it was sent to")
+    if msg_id not in exp.sent:
+        raise RejectedReply(node, "unknown-message", f"reply must answer a message sent this round; found {msg_id[:16]!r}")
     if msg_id in exp.replied:
         raise RejectedReply(node, "duplicate", "a reply to this message was already received")
     exp.replied.add(msg_id)
+    if reply.has_error():  # from the client, or from the SuperLink (node gone, message expired)
+        raise RejectedReply(exp.sent[msg_id], "error-reply", f"code {reply.error.code}: {reply.error.reason[:200]}")
+    if exp.sent[msg_id] != node:
+        raise RejectedReply(node, "unknown-sender", f"reply must come from node {exp.sent[msg_id]}, the node asked")
     if meta.group_id != str(exp.round):
         raise RejectedReply(node, "wrong-round", f"group id must be {exp.round}; found {meta.group_id!r}")
-    if reply.has_error():
-        raise RejectedReply(node, "client-error", f"code {reply.error.code}: {reply.error.reason[:200]}")
     content = reply.content
     if ARRAYS not in content.array_records or METRICS not in content.metric_records:
         raise RejectedReply(node, "missing-record", f"reply must hold '{ARRAYS}' and '{METRICS}'; found {list(content.keys())}")

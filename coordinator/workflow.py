@@ -7,6 +7,7 @@ theirs (with a virtual clock).
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 import time
@@ -46,6 +47,11 @@ class WallClock:
 
     def sleep(self, seconds: float) -> None:
         time.sleep(seconds)
+
+
+def weights_digest(weights: torch.Tensor) -> str:
+    """Short SHA-256 of the flat float32 weights (identifies a model version in logs)."""
+    return hashlib.sha256(weights.detach().cpu().float().numpy().tobytes()).hexdigest()[:16]
 
 
 RoundCallback = Callable[[dict[str, Any]], None]
@@ -96,7 +102,8 @@ class SyncWorkflow:
         self.optimizer.load_state_dict(ckpt["optimizer"])
         self.history = list(ckpt["history"])
         self.rejections = Counter(ckpt["rejections"])
-        log(INFO, "[fedshield] resuming from %s at round %d (version %d)", self.run_dir.path, self.round + 1, self.version)
+        log(INFO, "[fedshield] resuming from %s at round %d (version %d, model sha256 %s)",
+            self.run_dir.path, self.round + 1, self.version, weights_digest(self.weights))
 
     def _checkpoint(self) -> None:
         self.run_dir.save_checkpoint({

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cryptography import x509
+from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
@@ -47,7 +48,9 @@ class CertificatePaths:
 
 def _write(path: Path, data: bytes, private: bool) -> None:
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-    fd = os.open(path, flags, 0o600 if private else 0o644)
+    mode = 0o600 if private else 0o644
+    fd = os.open(path, flags, mode)
+    os.fchmod(fd, mode)  # also when the file existed (--force) with looser bits
     with os.fdopen(fd, "wb") as fh:
         fh.write(data)
 
@@ -132,7 +135,7 @@ def check_node_private_key(path: str | os.PathLike) -> Path:
         raise PrivacyError(f"node key must be an existing private key file. Found no file at {p}; run `fedshield keys new {p}`.")
     try:
         key = serialization.load_ssh_private_key(p.read_bytes(), None)
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, UnsupportedAlgorithm):
         raise PrivacyError(f"node key must be an unencrypted OpenSSH private key. Found something else in {p}.") from None
     if not isinstance(key, ec.EllipticCurvePrivateKey):
         raise PrivacyError(f"node key must be ECDSA on a NIST curve (Flower's node authentication). Found {type(key).__name__} in {p}.")
@@ -145,7 +148,7 @@ def check_public_key(path: str | os.PathLike) -> Path:
         raise PrivacyError(f"enrolled public key must exist. Found no file at {p}.")
     try:
         key = serialization.load_ssh_public_key(p.read_bytes())
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, UnsupportedAlgorithm):
         raise PrivacyError(f"enrolled public key must be an OpenSSH public key. Found something else in {p}.") from None
     if not isinstance(key, ec.EllipticCurvePublicKey):
         raise PrivacyError(f"enrolled public key must be ECDSA. Found {type(key).__name__} in {p}.")
@@ -157,7 +160,13 @@ def check_ca_certificate(path: str | os.PathLike) -> Path:
     if not p.is_file():
         raise PrivacyError(f"root certificate must exist. Found no file at {p}.")
     try:
-        x509.load_pem_x509_certificate(p.read_bytes())
+        cert = x509.load_pem_x509_certificate(p.read_bytes())
     except ValueError:
         raise PrivacyError(f"root certificate must be a PEM X.509 certificate. Found something else in {p}.") from None
+    try:
+        is_ca = cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+    except x509.ExtensionNotFound:
+        is_ca = False
+    if not is_ca:
+        raise PrivacyError(f"root certificate must be a CA certificate (ca.crt, not server.crt). Found a non-CA certificate in {p}.")
     return p

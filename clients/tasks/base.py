@@ -76,6 +76,10 @@ class Task(ABC):
     def check_data(self, data: Dataset, source: str) -> Dataset:
         """Validate a client's own data against the task's input and label space."""
         x, y = data.x, data.y
+        if not (np.issubdtype(x.dtype, np.floating) or np.issubdtype(x.dtype, np.integer)):
+            raise ClientError(f"{source}: x must be numeric. Found dtype {x.dtype}.")
+        if not np.issubdtype(y.dtype, np.integer):
+            raise ClientError(f"{source}: y must hold integer labels. Found dtype {y.dtype}.")
         if x.ndim != 2 or x.shape[1] != self.input_dim:
             raise ClientError(f"{source}: x must have shape (n, {self.input_dim}) for task {self.name}. Found {x.shape}.")
         if y.shape != (x.shape[0],) or len(y) == 0:

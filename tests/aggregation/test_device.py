@@ -78,9 +78,6 @@ def test_garbage_raises(no_cuda, pref):
         get_device(pref)
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason=(
-    "BUG: aggregation/device.py:27 any string starting with 'cuda' goes to torch.device(), which raises "
-    "RuntimeError for 'cuda:abc' / 'cudax' when CUDA is present; validate with re.fullmatch(r'cuda(:\\d+)?')"))
 @pytest.mark.parametrize("pref", ["cuda:abc", "cudax"])
 def test_malformed_cuda_string_raises_aggregation_error(fake_cuda, pref):
     with pytest.raises(AggregationError):

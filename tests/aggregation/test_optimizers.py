@@ -129,9 +129,6 @@ def test_fedavg_rejects_bad_lr(lr):
         create_server_optimizer("fedavg", lr=lr)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: aggregation/optimizers.py:58 _check_lr accepts lr=inf, which turns every weight into inf/NaN; "
-    "require math.isfinite(lr)"))
 def test_fedavg_rejects_infinite_lr():
     with pytest.raises(AggregationError, match="server-lr"):
         FedAvg(lr=math.inf)

@@ -263,9 +263,6 @@ def test_mutated_numeric_header_bytes_only_raise_aggregation_error(flips):
 # --------------------------------------------------------------------------- known bugs
 
 
-@pytest.mark.xfail(strict=True, raises=(TypeError,), reason=(
-    "BUG: aggregation/wire.py:95 np.dtype(head_descr) raises TypeError for an unknown descr "
-    "(e.g. '<f5'); it must be wrapped in AggregationError"))
 @pytest.mark.parametrize("descr", ["<f5", "garbage", "[", ""])
 def test_garbage_descr_raises_aggregation_error(descr):
     data = _v1(f"{{'descr': {descr!r}, 'fortran_order': False, 'shape': (4,), }}\n", b"\x00" * 16)
@@ -273,18 +270,12 @@ def test_garbage_descr_raises_aggregation_error(descr):
         array_to_tensor(_with(data=data), "float32", 4)
 
 
-@pytest.mark.xfail(strict=True, raises=(RecursionError,), reason=(
-    "BUG: aggregation/wire.py:66 ast.literal_eval on a deeply nested header (allowed up to 4096 bytes) "
-    "raises RecursionError, which is not caught"))
 def test_deeply_nested_header_raises_aggregation_error():
     data = _v1("-" * 4000 + "1\n", b"\x00" * 16)
     with pytest.raises(AggregationError):
         array_to_tensor(_with(data=data), "float32", 4)
 
 
-@pytest.mark.xfail(strict=True, raises=(TypeError, RecursionError), reason=(
-    "BUG: aggregation/wire.py:66,95 any header byte mutation that yields an unknown descr or a deep "
-    "expression escapes as TypeError/RecursionError instead of AggregationError"))
 @settings(max_examples=200, deadline=None)
 @given(flips=st.lists(st.tuples(st.integers(0, 10 + 118 - 1), st.integers(0, 255)), min_size=1, max_size=3))
 @example(flips=[(GOOD.data.find(b"<f4") + 2, ord("5"))])

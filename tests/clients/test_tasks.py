@@ -186,10 +186,6 @@ def test_check_data_rejects(task, case):
     assert str(info.value).startswith("node-7.npz: ")
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError, reason=(
-    "BUG: clients/tasks/base.py:83-85 check_data formats y.min() for non-integer labels and calls "
-    "np.isfinite on x without checking x is numeric; string arrays (loadable from .npz without pickle) "
-    "raise TypeError instead of ClientError. Check dtypes before using min()/isfinite."))
 @pytest.mark.parametrize("which", ["string labels", "string features"])
 def test_check_data_rejects_non_numeric_arrays(task, which):
     d = task.input_dim

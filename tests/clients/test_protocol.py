@@ -1,0 +1,157 @@
+"""Train message contents: TrainInstruction records and parse_train_message."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from aggregation import tensor_to_array
+from clients import ClientError, ConfigError, TaskSpec, TrainInstruction, TrainSettings
+from clients.protocol import (
+    ARRAYS,
+    CONFIG,
+    DELTA,
+    MESSAGE_TYPE_TRAIN,
+    METRICS,
+    WEIGHTS,
+    parse_train_message,
+    train_reply_content,
+)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def task_identity():
+    from simulations.inprocess import ensure_task_identity
+
+    ensure_task_identity()
+
+
+def _instruction(**kw) -> TrainInstruction:
+    fields = dict(round=3, version=2, seed=11, task=TaskSpec(task="synthetic", partitioning="iid", data_seed=4),
+                  train=TrainSettings(local_epochs=2, batch_size=8, lr=0.25, momentum=0.5))
+    fields.update(kw)
+    return TrainInstruction(**fields)
+
+
+def _message(content: RecordDict) -> Message:
+    return Message(content, dst_node_id=1001, message_type=MESSAGE_TYPE_TRAIN)
+
+
+def _weights() -> ArrayRecord:
+    return ArrayRecord({WEIGHTS: tensor_to_array(torch.arange(4, dtype=torch.float32))})
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rnd=st.integers(0, 2**40), version=st.integers(0, 2**40), seed=st.integers(0, 2**62),
+    task=st.builds(TaskSpec, task=st.sampled_from(["digits", "synthetic"]),
+                   partitioning=st.sampled_from(["iid", "dirichlet"]), dirichlet_alpha=st.floats(1e-3, 1e3),
+                   data_seed=st.integers(0, 2**31)),
+    train=st.builds(TrainSettings, local_epochs=st.integers(1, 1000), batch_size=st.integers(1, 65536),
+                    lr=st.floats(1e-6, 100), momentum=st.floats(0, 0.999)),
+)
+def test_record_round_trip(rnd, version, seed, task, train):
+    instr = TrainInstruction(round=rnd, version=version, seed=seed, task=task, train=train)
+    record = instr.to_record()
+    assert isinstance(record, ConfigRecord)
+    assert TrainInstruction.from_record(record) == instr
+
+
+def test_record_uses_kebab_keys():
+    keys = set(_instruction().to_record())
+    assert {"round", "version", "seed", "local-epochs", "batch-size", "data-seed", "dirichlet-alpha"} <= keys
+
+
+def _record_without(key: str) -> ConfigRecord:
+    fields = dict(_instruction().to_record())
+    del fields[key]
+    return ConfigRecord(fields)
+
+
+def _record_with(**kw) -> ConfigRecord:
+    fields = dict(_instruction().to_record())
+    fields.update(kw)
+    return ConfigRecord(fields)
+
+
+@pytest.mark.parametrize("key", ["round", "version", "seed"])
+def test_missing_counter_is_rejected(key):
+    with pytest.raises(ConfigError, match=f"^{key} must be an integer >= 0. Found None."):
+        TrainInstruction.from_record(_record_without(key))
+
+
+def test_negative_version_is_rejected():
+    with pytest.raises(ConfigError, match=r"^version must be an integer >= 0\. Found -1\."):
+        TrainInstruction.from_record(_record_with(version=-1))
+
+
+def test_float_round_is_rejected():
+    with pytest.raises(ConfigError, match=r"^round must be an integer >= 0\. Found 1\.5\."):
+        TrainInstruction.from_record(_record_with(round=1.5))
+
+
+@pytest.mark.parametrize(("value", "rule"), [(-1.0, r"be in \(0, 100\]\. Found -1\.0\."),
+                                             (0.0, r"be in \(0, 100\]"), ("fast", r"be a finite number")])
+def test_bad_lr_is_rejected_naming_the_key(value, rule):
+    with pytest.raises(ConfigError, match=rf"^config\.lr must {rule}"):
+        TrainInstruction.from_record(_record_with(lr=value))
+
+
+def test_bad_task_is_rejected():
+    with pytest.raises(ConfigError, match=r"^config\.task must be one of"):
+        TrainInstruction.from_record(_record_with(task="cifar"))
+
+
+def test_missing_settings_take_defaults():
+    record = ConfigRecord({"round": 1, "version": 0, "seed": 5})
+    instr = TrainInstruction.from_record(record)
+    assert instr.task == TaskSpec() and instr.train == TrainSettings()
+
+
+def test_bool_round_is_rejected():
+    with pytest.raises(ConfigError):
+        TrainInstruction.from_record(_record_with(round=True))
+
+
+# --------------------------------------------------------------------------- messages
+
+
+def test_parse_train_message_returns_instruction_and_arrays():
+    instr = _instruction()
+    msg = _message(RecordDict({CONFIG: instr.to_record(), ARRAYS: _weights()}))
+    parsed, arrays = parse_train_message(msg)
+    assert parsed == instr
+    assert WEIGHTS in arrays
+
+
+@pytest.mark.parametrize("content", [
+    lambda: RecordDict({}),
+    lambda: RecordDict({ARRAYS: _weights()}),
+    lambda: RecordDict({CONFIG: _instruction().to_record()}),
+    lambda: RecordDict({"cfg": _instruction().to_record(), ARRAYS: _weights()}),
+], ids=["empty", "no config", "no arrays", "misnamed config"])
+def test_message_missing_records_raises(content):
+    with pytest.raises(ClientError, match="train message must carry 'config' and 'arrays' records"):
+        parse_train_message(_message(content()))
+
+
+def test_message_without_weights_array_raises():
+    arrays = ArrayRecord({"delta": tensor_to_array(torch.zeros(2))})
+    msg = _message(RecordDict({CONFIG: _instruction().to_record(), ARRAYS: arrays}))
+    with pytest.raises(ClientError, match=r"must carry array 'weights'\. Found \['delta'\]"):
+        parse_train_message(msg)
+
+
+def test_message_with_bad_config_raises_config_error():
+    msg = _message(RecordDict({CONFIG: _record_with(lr=-1.0), ARRAYS: _weights()}))
+    with pytest.raises(ConfigError, match="config.lr"):
+        parse_train_message(msg)
+
+
+def test_train_reply_content_layout():
+    content = train_reply_content(tensor_to_array(torch.ones(3)), {"num-examples": 10, "train-loss": 0.5})
+    assert DELTA in content.array_records[ARRAYS]
+    assert dict(content.metric_records[METRICS]) == {"num-examples": 10, "train-loss": 0.5}

@@ -1,0 +1,116 @@
+"""Every reply rule, each rejected with its name and nothing else accepted."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
+
+from aggregation import tensor_to_array
+from clients.protocol import ARRAYS, DELTA, METRICS
+from coordinator import RejectedReply, RoundExpectation, validate_reply
+
+N = 50
+
+
+def _instruction(node: int, mid: str, rnd: int = 3) -> Message:
+    msg = Message(RecordDict({"config": ConfigRecord({"round": rnd})}), dst_node_id=node, message_type="train",
+                  group_id=str(rnd))
+    msg.metadata.__dict__["_message_id"] = mid
+    return msg
+
+
+def _reply(ins: Message, delta=None, metrics=None, arrays=None, src=None, group=None) -> Message:
+    d = torch.zeros(N) if delta is None else delta
+    m = {"num-examples": 10, "base-version": 7, "train-loss": 0.5} if metrics is None else metrics
+    content = RecordDict({ARRAYS: ArrayRecord(arrays if arrays is not None else {DELTA: tensor_to_array(d)}),
+                          METRICS: MetricRecord(m)})
+    rep = Message(content, reply_to=ins)
+    if src is not None:
+        rep.metadata.__dict__["_src_node_id"] = src
+    if group is not None:
+        rep.metadata.__dict__["_group_id"] = group
+    return rep
+
+
+def _exp(**kw) -> RoundExpectation:
+    base = dict(round=3, version=7, numel=N, max_examples=1000, max_bytes=N * 4 + 4096, max_norm=100.0,
+                sent={"m1": 11, "m2": 12})
+    base.update(kw)
+    return RoundExpectation(**base)
+
+
+def _rule(reply: Message, exp: RoundExpectation | None = None) -> str:
+    with pytest.raises(RejectedReply) as info:
+        validate_reply(reply, exp or _exp())
+    assert str(info.value.node_id) in str(info.value)
+    return info.value.rule
+
+
+def test_valid_reply_accepted():
+    ok = validate_reply(_reply(_instruction(11, "m1"), delta=torch.ones(N)), _exp())
+    assert ok.node_id == 11 and ok.num_examples == 10 and ok.delta.sum() == N and ok.norm == pytest.approx(N**0.5)
+
+
+def test_unknown_message():
+    assert _rule(_reply(_instruction(11, "zzz"))) == "unknown-message"
+
+
+def test_duplicate():
+    exp = _exp()
+    validate_reply(_reply(_instruction(11, "m1")), exp)
+    assert _rule(_reply(_instruction(11, "m1")), exp) == "duplicate"
+
+
+def test_impersonation_rejected():
+    # Node 12 answers the message that was sent to node 11.
+    assert _rule(_reply(_instruction(11, "m1"), src=12)) == "unknown-sender"
+
+
+def test_wrong_round():
+    assert _rule(_reply(_instruction(11, "m1"), group="2")) == "wrong-round"
+
+
+def test_error_reply():
+    ins = _instruction(11, "m1")
+    err = Message(Error(code=3, reason="message expired"), reply_to=ins)
+    assert _rule(err) == "error-reply"
+
+
+def test_missing_records_and_arrays():
+    ins = _instruction(11, "m1")
+    assert _rule(Message(RecordDict({METRICS: MetricRecord({"num-examples": 1})}), reply_to=ins)) == "missing-record"
+    assert _rule(_reply(_instruction(11, "m1"), arrays={"other": tensor_to_array(torch.zeros(N))})) == "missing-array"
+    assert _rule(_reply(_instruction(11, "m1"), arrays={DELTA: tensor_to_array(torch.zeros(N)),
+                                                         "extra": tensor_to_array(torch.zeros(1))})) == "missing-array"
+
+
+@pytest.mark.parametrize("delta,rule", [
+    (torch.zeros(N + 1), "oversized"),
+    (torch.zeros(N - 1), "bad-array"),
+    (torch.zeros(N, dtype=torch.float16), "bad-array"),
+    (torch.full((N,), float("nan")), "non-finite"),
+    (torch.full((N,), 3e38), "non-finite"),
+    (torch.full((N,), 50.0), "norm-too-large"),
+])
+def test_update_rules(delta, rule):
+    exp = _exp(max_bytes=len(tensor_to_array(torch.zeros(N)).data))
+    assert _rule(_reply(_instruction(11, "m1"), delta=delta), exp) == rule
+
+
+def test_stock_numpy_array_accepted():
+    rep = _reply(_instruction(11, "m1"), arrays={DELTA: Array(np.zeros(N, np.float32))})
+    assert validate_reply(rep, _exp()).delta.shape == (N,)
+
+
+@pytest.mark.parametrize("metrics,rule", [
+    ({"base-version": 7}, "bad-num-examples"),
+    ({"num-examples": 0, "base-version": 7}, "bad-num-examples"),
+    ({"num-examples": 1001, "base-version": 7}, "bad-num-examples"),
+    ({"num-examples": 2.5, "base-version": 7}, "bad-num-examples"),
+    ({"num-examples": 5, "base-version": 6}, "stale-version"),
+    ({"num-examples": 5}, "stale-version"),
+])
+def test_metric_rules(metrics, rule):
+    assert _rule(_reply(_instruction(11, "m1"), metrics=metrics)) == rule

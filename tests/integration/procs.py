@@ -1,0 +1,65 @@
+"""Start real processes for integration tests and always stop them (by process group)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Procs:
+    """Each process runs in its own session; ``stop_all`` kills every group it started."""
+
+    def __init__(self, log_dir: Path, env: dict[str, str] | None = None) -> None:
+        self.log_dir = log_dir
+        self.env = {**os.environ, "FLWR_DISABLE_UPDATE_CHECK": "1", "FEDSHIELD_DEVICE": "cpu", **(env or {})}
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str, cmd: list[str], cwd: Path | None = None, env: dict[str, str] | None = None) -> subprocess.Popen:
+        log = open(self.log_dir / f"{name}.log", "w")  # noqa: SIM115 - closed when the test ends
+        proc = subprocess.Popen(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, env={**self.env, **(env or {})},
+                                start_new_session=True)
+        self.procs[name] = proc
+        return proc
+
+    def log(self, name: str) -> str:
+        return (self.log_dir / f"{name}.log").read_text(errors="replace")
+
+    def wait(self, name: str, timeout: float) -> int:
+        return self.procs[name].wait(timeout=timeout)
+
+    def stop(self, name: str, sig: int = signal.SIGTERM, timeout: float = 20) -> None:
+        proc = self.procs[name]
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, sig)
+                proc.wait(timeout=timeout)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                pass
+        try:  # children left behind in the group
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+    def stop_all(self) -> None:
+        for name in list(self.procs):
+            self.stop(name, timeout=10)
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.5) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")

@@ -1,0 +1,128 @@
+"""The service end to end: a real TLS SuperLink with node authentication and real SuperNodes.
+
+Runs ``fedshield coordinator start`` and ``fedshield agent start`` as processes on
+127.0.0.1, each with its own ports and FLWR_HOME, and stops every process group.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import subprocess
+
+import pytest
+import torch
+
+from coordinator.rundir import CHECKPOINT, CONFIG, METRICS, MODEL, PLOT, SUMMARY
+
+from .procs import free_port, wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+def _setup(tmp_path, fedshield_bin, num_rounds: int, keys: int = 4):
+    run = lambda *a: subprocess.run([fedshield_bin, *a], cwd=tmp_path, check=True, capture_output=True, text=True)  # noqa: E731
+    run("certs", "init", "certs")
+    for i in range(keys):
+        run("keys", "new", f"keys/client-{i}")
+    run("data", "export", "--num-partitions", "3", "--out", "data")
+    port = free_port()
+    (tmp_path / "coordinator.toml").write_text(f"""
+[coordinator]
+host = "127.0.0.1"
+port = {port}
+enrolled-keys = ["keys/client-0.pub", "keys/client-1.pub", "keys/client-2.pub"]
+
+[run]
+run-dir = "runs/deploy"
+num-rounds = {num_rounds}
+min-nodes = 3
+wait-nodes-timeout = 120.0
+round-timeout = 120.0
+""")
+    return port
+
+
+def _agent(procs, tmp_path, fedshield_bin, port, i, key=None, data=None, name=None):
+    home = tmp_path / f"agent-home-{name or i}"
+    home.mkdir(exist_ok=True)
+    return procs.start(name or f"agent{i}", [
+        fedshield_bin, "agent", "start", "--coordinator", f"127.0.0.1:{port}", "--root-cert", "certs/ca.crt",
+        "--key", key or f"keys/client-{i}", "--data", data or f"data/client-{i}.npz",
+    ], cwd=tmp_path, env={"FLWR_HOME": str(home)})
+
+
+def _start_coordinator(procs, tmp_path, fedshield_bin, name):
+    procs.start(name, [fedshield_bin, "coordinator", "start", "--config", "coordinator.toml"], cwd=tmp_path)
+    wait_for(lambda: "enrolled client-2.pub" in procs.log(name) or procs.procs[name].poll() is not None,
+             90, "the coordinator to enrol the keys")
+    assert procs.procs[name].poll() is None, procs.log(name)[-2000:]
+
+
+def _rows(run_dir):
+    with open(run_dir / METRICS) as fh:
+        return list(csv.DictReader(fh))
+
+
+def _initial_accuracy() -> float:
+    from clients.config import TaskSpec
+    from clients.tasks import get_task
+    from clients.training import evaluate, load_flat
+
+    task = get_task(TaskSpec())
+    model = task.build_model()
+    load_flat(model, task.init_weights(0))
+    return evaluate(model, task.test_set)[0]
+
+
+@pytest.mark.timeout(420)
+def test_three_node_tls_run_and_unenrolled_key_refused(tmp_path, procs, fedshield_bin):
+    port = _setup(tmp_path, fedshield_bin, num_rounds=3)
+    _start_coordinator(procs, tmp_path, fedshield_bin, "coordinator")
+    for i in range(3):
+        _agent(procs, tmp_path, fedshield_bin, port, i)
+    rogue = _agent(procs, tmp_path, fedshield_bin, port, 3, key="keys/client-3", data="data/client-0.npz", name="rogue")
+    assert rogue.wait(timeout=90) == 1
+    assert "not enrolled" in procs.log("rogue")
+    assert procs.wait("coordinator", timeout=300) == 0, procs.log("coordinator")[-3000:]
+
+    run_dir = tmp_path / "runs" / "deploy"
+    for name in (CHECKPOINT, METRICS, SUMMARY, MODEL, PLOT, CONFIG):
+        assert (run_dir / name).is_file(), name
+    rows = _rows(run_dir)
+    assert [int(r["round"]) for r in rows] == [1, 2, 3]
+    assert all(int(r["accepted"]) == 3 and int(r["rejected"]) == 0 for r in rows)
+    accs = [float(r["test_accuracy"]) for r in rows]
+    assert accs[-1] > _initial_accuracy() + 0.5  # accuracy rose from the untrained model
+    assert accs[-1] >= accs[0] - 0.02
+    summary = json.loads((run_dir / SUMMARY).read_text())
+    assert summary["rounds"] == 3 and 0.80 <= summary["final_test_accuracy"] <= 1.0
+    assert "run completed" in procs.log("coordinator")
+
+
+@pytest.mark.timeout(600)
+def test_coordinator_resumes_from_checkpoint(tmp_path, procs, fedshield_bin):
+    port = _setup(tmp_path, fedshield_bin, num_rounds=4, keys=3)
+    run_dir = tmp_path / "runs" / "deploy"
+    _start_coordinator(procs, tmp_path, fedshield_bin, "coordinator")
+    for i in range(3):
+        _agent(procs, tmp_path, fedshield_bin, port, i)
+    wait_for(lambda: (run_dir / METRICS).is_file() and len(_rows(run_dir)) >= 2, 300, "round 2's checkpoint", 0.1)
+    procs.stop("coordinator")  # SIGTERM: the coordinator stops its SuperLink
+    for i in range(3):
+        procs.stop(f"agent{i}")
+    saved = torch.load(run_dir / CHECKPOINT, weights_only=True)
+    assert saved["round"] == 2, "the coordinator was stopped after round 2"
+    digest = hashlib.sha256(saved["weights"].numpy().tobytes()).hexdigest()[:16]
+    before = _rows(run_dir)
+
+    _start_coordinator(procs, tmp_path, fedshield_bin, "coordinator2")
+    for i in range(3):
+        _agent(procs, tmp_path, fedshield_bin, port, i, name=f"agent{i}-again")
+    assert procs.wait("coordinator2", timeout=400) == 0, procs.log("coordinator2")[-3000:]
+    log = procs.log("coordinator2")
+    assert f"at round 3 (version 2, model sha256 {digest})" in log
+    rows = _rows(run_dir)
+    assert [int(r["round"]) for r in rows] == [1, 2, 3, 4]
+    assert rows[:2] == before

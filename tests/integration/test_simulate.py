@@ -1,0 +1,67 @@
+"""``fedshield simulate`` on Flower's simulation engine (Ray), as a user runs it."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+
+import pytest
+
+from coordinator.rundir import CHECKPOINT, METRICS, MODEL, PLOT, SUMMARY
+
+pytestmark = [pytest.mark.integration]
+
+
+def _simulate(fedshield_bin, tmp_path, *args, timeout=600):
+    return subprocess.run([fedshield_bin, "simulate", "--quiet", *args], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.timeout(300)
+def test_small_scenario_accuracy_band(tmp_path, fedshield_bin):
+    scenario = tmp_path / "small.toml"
+    scenario.write_text("""
+[simulation]
+name = "small"
+num-supernodes = 6
+
+[run]
+num-rounds = 4
+min-nodes = 6
+task = "digits"
+partitioning = "dirichlet"
+dirichlet-alpha = 0.5
+""")
+    out = _simulate(fedshield_bin, tmp_path, str(scenario), "--run-dir", "run")
+    assert out.returncode == 0, out.stderr[-3000:]
+    run = tmp_path / "run"
+    for name in (CHECKPOINT, METRICS, SUMMARY, MODEL, PLOT):
+        assert (run / name).is_file(), name
+    summary = json.loads((run / SUMMARY).read_text())
+    # Lower bound: it learned. Upper bound: a 4-round non-IID run does not reach a perfect score.
+    assert 0.85 <= summary["final_test_accuracy"] <= 0.99
+    rows = list(csv.DictReader(open(run / METRICS)))
+    assert [int(r["round"]) for r in rows] == [1, 2, 3, 4]
+    assert all(int(r["bytes_up"]) > 0 and int(r["bytes_down"]) > 0 for r in rows)
+    assert "final test accuracy" in out.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_default_scenario_reaches_090(tmp_path, fedshield_bin):
+    """The README's main command on its default scenario (digits, 20 clients, Dirichlet 0.5, 20 rounds)."""
+    out = _simulate(fedshield_bin, tmp_path, "--run-dir", "default")
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads((tmp_path / "default" / SUMMARY).read_text())
+    assert summary["rounds"] == 20
+    assert 0.90 <= summary["final_test_accuracy"] <= 0.995
+
+
+def test_bad_input_is_one_line(tmp_path, fedshield_bin):
+    for args in (["nope.toml"], ["--set", "run.lr=-1"], ["--set", "run.bogus=1"], ["--rounds", "0"]):
+        out = _simulate(fedshield_bin, tmp_path, *args, timeout=60)
+        assert out.returncode == 2
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("fedshield: error:"), out.stderr
+        assert "Traceback" not in out.stderr
