@@ -22,6 +22,8 @@ _DTYPES = {
     "float32": (torch.float32, "<f4"),
     "float16": (torch.float16, "<f2"),
     "bfloat16": (torch.bfloat16, None),
+    "int8": (torch.int8, "|i1"),
+    "int16": (torch.int16, "<i2"),
     "int32": (torch.int32, "<i4"),
     "int64": (torch.int64, "<i8"),
     "uint8": (torch.uint8, "|u1"),
@@ -41,7 +43,7 @@ def tensor_to_array(tensor: torch.Tensor) -> Array:
     flat = tensor.detach().reshape(-1)
     name = str(flat.dtype).removeprefix("torch.")
     if name not in _DTYPES or _DTYPES[name][1] is None:
-        raise AggregationError(f"tensor dtype must be one of float32/float16/int32/int64/uint8. Found {name}.")
+        raise AggregationError(f"tensor dtype must be one of {sorted(k for k, v in _DTYPES.items() if v[1])}. Found {name}.")
     flat = flat.to("cpu").contiguous()
     body = flat.numpy().tobytes()
     data = _npy_header(_DTYPES[name][1], flat.numel()) + body

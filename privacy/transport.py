@@ -128,31 +128,30 @@ def new_node_key(path: str | os.PathLike, force: bool = False) -> tuple[Path, Pa
     return priv, pub
 
 
-def check_node_private_key(path: str | os.PathLike) -> Path:
-    """Fail with one clear message unless ``path`` is an ECDSA OpenSSH private key."""
+def _load_ec_key(path: str | os.PathLike, loader, what: str, fmt: str, missing: str):
     p = Path(path)
     if not p.is_file():
-        raise PrivacyError(f"node key must be an existing private key file. Found no file at {p}; run `fedshield keys new {p}`.")
+        raise PrivacyError(f"{what} must {missing}. Found no file at {p}.")
     try:
-        key = serialization.load_ssh_private_key(p.read_bytes(), None)
+        key = loader(p.read_bytes())
     except (ValueError, TypeError, UnsupportedAlgorithm):
-        raise PrivacyError(f"node key must be an unencrypted OpenSSH private key. Found something else in {p}.") from None
-    if not isinstance(key, ec.EllipticCurvePrivateKey):
-        raise PrivacyError(f"node key must be ECDSA on a NIST curve (Flower's node authentication). Found {type(key).__name__} in {p}.")
+        raise PrivacyError(f"{what} must be {fmt}. Found something else in {p}.") from None
+    if not isinstance(key, ec.EllipticCurvePrivateKey | ec.EllipticCurvePublicKey):
+        raise PrivacyError(f"{what} must be ECDSA on a NIST curve (Flower's node authentication). "
+                           f"Found {type(key).__name__} in {p}.")
     return p
+
+
+def check_node_private_key(path: str | os.PathLike) -> Path:
+    """Fail with one clear message unless ``path`` is an ECDSA OpenSSH private key."""
+    return _load_ec_key(path, lambda b: serialization.load_ssh_private_key(b, None), "node key",
+                        "an unencrypted OpenSSH private key",
+                        f"be an existing private key file (run `fedshield keys new {path}`)")
 
 
 def check_public_key(path: str | os.PathLike) -> Path:
-    p = Path(path)
-    if not p.is_file():
-        raise PrivacyError(f"enrolled public key must exist. Found no file at {p}.")
-    try:
-        key = serialization.load_ssh_public_key(p.read_bytes())
-    except (ValueError, TypeError, UnsupportedAlgorithm):
-        raise PrivacyError(f"enrolled public key must be an OpenSSH public key. Found something else in {p}.") from None
-    if not isinstance(key, ec.EllipticCurvePublicKey):
-        raise PrivacyError(f"enrolled public key must be ECDSA. Found {type(key).__name__} in {p}.")
-    return p
+    """Fail with one clear message unless ``path`` is an ECDSA OpenSSH public key."""
+    return _load_ec_key(path, serialization.load_ssh_public_key, "enrolled public key", "an OpenSSH public key", "exist")
 
 
 def check_ca_certificate(path: str | os.PathLike) -> Path:
