@@ -7,10 +7,14 @@ aggregation device as it arrives, then dropped.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
 from ._errors import AggregationError
+
+if TYPE_CHECKING:
+    from .codecs import Codec, Parsed
 
 
 class WeightedAccumulator:
@@ -42,14 +46,27 @@ class WeightedAccumulator:
         """Add ``weight * update`` into the sum. ``update`` is not modified."""
         if update.dim() != 1 or update.numel() != self.numel:
             raise AggregationError(f"update must be 1-D of length {self.numel}. Found shape {tuple(update.shape)}.")
-        if isinstance(weight, bool) or not (math.isfinite(weight) and weight > 0):
-            raise AggregationError(f"weight must be finite and > 0. Found {weight}.")
+        self._check_weight(weight)
         src = update.to(self._sum.device, non_blocking=True)
         if src.dtype != self._sum.dtype:
             src = src.to(self._sum.dtype)
         self._sum.add_(src, alpha=weight)
         self.total_weight += float(weight)
         self.count += 1
+
+    def add_parsed(self, codec: "Codec", parsed: "Parsed", weight: float) -> None:
+        """Decode a validated encoding straight into the sum (``codec.add_into``): no dense copy."""
+        if parsed.numel != self.numel:
+            raise AggregationError(f"update must have {self.numel} elements. Found {parsed.numel}.")
+        self._check_weight(weight)
+        codec.add_into(parsed, self._sum, float(weight))
+        self.total_weight += float(weight)
+        self.count += 1
+
+    @staticmethod
+    def _check_weight(weight: float) -> None:
+        if isinstance(weight, bool) or not (math.isfinite(weight) and weight > 0):
+            raise AggregationError(f"weight must be finite and > 0. Found {weight}.")
 
     def mean(self) -> torch.Tensor:
         """The weighted mean (a new tensor); raises if nothing was added."""

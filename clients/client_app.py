@@ -6,13 +6,13 @@ import os
 import time
 
 import torch
-from flwr.app import Context, Message
+from flwr.app import ArrayRecord, Context, Message
 from flwr.clientapp import ClientApp
 
-from aggregation import array_to_tensor, get_device, tensor_to_array
+from aggregation import AggregationError, array_to_tensor, get_device, tensor_to_array
 
 from .data import client_data
-from .protocol import WEIGHTS, parse_train_message, train_reply_content
+from .protocol import CODEC, WEIGHTS, codec_from_record, parse_train_message, train_reply_content
 from .tasks import get_task
 from .training import flat_params, load_flat, train_local
 
@@ -21,6 +21,29 @@ app = ClientApp()
 _threads = os.environ.get("FEDSHIELD_TORCH_THREADS")
 if _threads:
     torch.set_num_threads(max(1, int(_threads)))
+
+
+RESIDUAL = "fedshield.residual"
+
+
+def encode_with_feedback(codec, delta: torch.Tensor, context: Context, gen: torch.Generator):
+    """Encode ``delta`` plus the residual kept from earlier rounds; keep the new residual.
+
+    The residual (error feedback) lives in the node's Context.state, which Flower
+    keeps on the device between rounds of a run; it never leaves the client.
+    """
+    residual = None
+    if RESIDUAL in context.state.array_records:
+        try:
+            residual = array_to_tensor(context.state.array_records[RESIDUAL]["r"], "float32", delta.numel()).clone()
+        except AggregationError:
+            residual = None  # another model or codec: start afresh
+    encoded, new_residual = codec.encode(delta, residual, gen)
+    if new_residual is None:
+        context.state.array_records.pop(RESIDUAL, None)
+    else:
+        context.state.array_records[RESIDUAL] = ArrayRecord({"r": tensor_to_array(new_residual)})
+    return encoded
 
 
 def run_train(msg: Message, context: Context) -> Message:
@@ -38,6 +61,8 @@ def run_train(msg: Message, context: Context) -> Message:
     gen = torch.Generator().manual_seed(hash((instr.seed, instr.round, who)) & 0x7FFFFFFF)
     stats = train_local(model, data, instr.train, gen)
     delta = flat_params(model).cpu().sub_(weights)
+    codec = codec_from_record(msg.content.config_records.get(CODEC))
+    encoded = encode_with_feedback(codec, delta, context, gen)
     metrics = {
         "num-examples": len(data),
         "base-version": instr.version,
@@ -45,7 +70,7 @@ def run_train(msg: Message, context: Context) -> Message:
         "train-time-s": float(stats["train-time-s"]),
         "client-time-s": time.perf_counter() - start,
     }
-    return Message(train_reply_content(tensor_to_array(delta), metrics), reply_to=msg)
+    return Message(train_reply_content(encoded, metrics), reply_to=msg)
 
 
 @app.train()

@@ -4,11 +4,16 @@ Train message (coordinator -> client)::
 
     content["arrays"]  ArrayRecord {"weights": flat float32 global model}
     content["config"]  ConfigRecord {round, version, seed, <TaskSpec keys>, <TrainSettings keys>}
+    content["codec"]   ConfigRecord {"codec": name, <codec parameters>}   (how to encode the reply)
 
 Reply (client -> coordinator)::
 
-    content["arrays"]  ArrayRecord {"delta": flat float32, new - old}
+    content["arrays"]  ArrayRecord {<the codec's arrays>}   (the encoded delta, new - old)
+    content["codec"]   ConfigRecord {"codec": name, "numel": n, <the codec's header>}
     content["metrics"] MetricRecord {num-examples, base-version, train-loss, train-time-s}
+
+A reply without a "codec" record whose arrays are exactly {"delta": float32} is
+read as dense float32: the plain format any Flower ClientApp can send.
 """
 
 from __future__ import annotations
@@ -18,10 +23,13 @@ from typing import Any
 
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
+from aggregation import AggregationError
+from aggregation.codecs import Codec, Encoded, create_codec
+
 from ._errors import ClientError
 from .config import TaskSpec, TrainSettings, build_config, check, split_mapping, to_mapping
 
-ARRAYS, CONFIG, METRICS = "arrays", "config", "metrics"
+ARRAYS, CONFIG, METRICS, CODEC = "arrays", "config", "metrics", "codec"
 WEIGHTS, DELTA = "weights", "delta"
 MESSAGE_TYPE_TRAIN = "train"
 
@@ -57,6 +65,18 @@ class TrainInstruction:
         )
 
 
+def codec_from_record(record: ConfigRecord | None) -> Codec:
+    """The codec the coordinator asked for (dense float32 when it named none)."""
+    params = dict(record or {"codec": "dense"})
+    name = params.pop("codec", None)
+    if not isinstance(name, str):
+        raise ClientError(f"codec record must name a codec. Found {name!r}.")
+    try:
+        return create_codec(name, **params)
+    except AggregationError as exc:
+        raise ClientError(f"codec record must describe a known codec: {exc}") from None
+
+
 def parse_train_message(msg: Message) -> tuple[TrainInstruction, ArrayRecord]:
     content = msg.content
     if CONFIG not in content.config_records or ARRAYS not in content.array_records:
@@ -67,5 +87,6 @@ def parse_train_message(msg: Message) -> tuple[TrainInstruction, ArrayRecord]:
     return TrainInstruction.from_record(content.config_records[CONFIG]), arrays
 
 
-def train_reply_content(delta_array: Any, metrics: dict[str, int | float]) -> RecordDict:
-    return RecordDict({ARRAYS: ArrayRecord({DELTA: delta_array}), METRICS: MetricRecord(metrics)})
+def train_reply_content(encoded: Encoded, metrics: dict[str, int | float]) -> RecordDict:
+    return RecordDict({ARRAYS: ArrayRecord(encoded.arrays), CODEC: ConfigRecord(encoded.header),
+                       METRICS: MetricRecord(metrics)})

@@ -6,7 +6,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from aggregation import available_server_optimizers
+from aggregation import AggregationError, available_server_optimizers, create_aggregator
+from aggregation.codecs import Codec, create_codec
 from clients.config import TaskSpec, TrainSettings, build_config, check, config_keys, split_mapping, to_mapping
 from clients._errors import ConfigError
 
@@ -24,11 +25,19 @@ class ServerSettings:
     poll_interval: float = 0.1
     server_optimizer: str = "fedavg"
     server_lr: float = 1.0
+    server_momentum: float = 0.9
+    server_beta1: float = 0.9
+    server_beta2: float = 0.99
+    server_tau: float = 1e-3
     seed: int = 0
     max_examples: int = 10_000_000
     max_update_mb: float = 512.0
     max_update_norm: float = 1.0e4
     device: str = "auto"
+
+    def optimizer_params(self) -> dict[str, Any]:
+        return {"lr": self.server_lr, "momentum": self.server_momentum, "beta1": self.server_beta1,
+                "beta2": self.server_beta2, "tau": self.server_tau}
 
     def __post_init__(self) -> None:
         check(1 <= self.num_rounds <= 1_000_000, "num-rounds", "be in [1, 1000000]", self.num_rounds)
@@ -47,6 +56,54 @@ class ServerSettings:
         check(self.device in ("auto", "cpu") or self.device.startswith("cuda"), "device", "be auto, cpu or cuda[:N]", self.device)
 
 
+CODEC_PARAMS = {
+    "dense": {"dtype": "codec_dtype"},
+    "topk": {"ratio": "topk_ratio", "value_dtype": "topk_value_dtype", "error_feedback": "error_feedback"},
+    "qsgd": {"bits": "qsgd_bits", "chunk": "qsgd_chunk"},
+    "sign": {"error_feedback": "error_feedback"},
+}
+AGGREGATOR_PARAMS = {
+    "mean": {}, "norm-bounded-mean": {"clip": "clip_norm"}, "median": {}, "trimmed-mean": {"beta": "trim_beta"},
+    "krum": {"f": "krum_f"}, "multi-krum": {"f": "krum_f", "m": "krum_m"},
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class AggregationSettings:
+    """How updates travel (codec) and are combined (aggregation rule)."""
+
+    codec: str = "dense"
+    codec_dtype: str = "float32"
+    topk_ratio: float = 0.01
+    topk_value_dtype: str = "float16"
+    qsgd_bits: int = 8
+    qsgd_chunk: int = 1024
+    error_feedback: bool = True
+    aggregator: str = "mean"
+    clip_norm: float = 10.0
+    trim_beta: float = 0.2
+    krum_f: int = 1
+    krum_m: int = 1
+
+    def __post_init__(self) -> None:
+        check(self.codec in CODEC_PARAMS, "codec", f"be one of {sorted(CODEC_PARAMS)}", self.codec)
+        check(self.aggregator in AGGREGATOR_PARAMS, "aggregator", f"be one of {sorted(AGGREGATOR_PARAMS)}", self.aggregator)
+        try:
+            self.make_codec()
+        except AggregationError as exc:
+            raise ConfigError(f"codec settings must be valid: {exc}") from None
+
+    def codec_params(self) -> dict[str, Any]:
+        return {k: getattr(self, attr) for k, attr in CODEC_PARAMS[self.codec].items()}
+
+    def make_codec(self) -> Codec:
+        return create_codec(self.codec, **self.codec_params())
+
+    def make_aggregator(self, numel: int, device: Any, max_clients: int) -> Any:
+        params = {k: getattr(self, attr) for k, attr in AGGREGATOR_PARAMS[self.aggregator].items()}
+        return create_aggregator(self.aggregator, numel, device, max_clients, **params)
+
+
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     """Everything a run needs: server settings, the task, the clients' training."""
@@ -54,23 +111,25 @@ class RunConfig:
     server: ServerSettings = ServerSettings()
     task: TaskSpec = TaskSpec()
     train: TrainSettings = TrainSettings()
+    aggregation: AggregationSettings = AggregationSettings()
 
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, Any], where: str = "run") -> "RunConfig":
         """Build from one flat kebab-case mapping; unknown keys are an error."""
-        known = set(config_keys(ServerSettings)) | set(config_keys(TaskSpec)) | set(config_keys(TrainSettings))
+        known = set().union(*(config_keys(c) for c in (ServerSettings, TaskSpec, TrainSettings, AggregationSettings)))
         unknown = sorted(set(mapping) - known)
         if unknown:
             raise ConfigError(f"{where}.{unknown[0]} is not a known key. Known keys: {', '.join(sorted(known))}.")
-        server, task, train = split_mapping(mapping, ServerSettings, TaskSpec, TrainSettings)
+        server, task, train, agg = split_mapping(mapping, ServerSettings, TaskSpec, TrainSettings, AggregationSettings)
         return cls(
             server=build_config(ServerSettings, server, where),
             task=build_config(TaskSpec, task, where),
             train=build_config(TrainSettings, train, where),
+            aggregation=build_config(AggregationSettings, agg, where),
         )
 
     def to_mapping(self) -> dict[str, Any]:
-        return {**to_mapping(self.server), **to_mapping(self.task), **to_mapping(self.train)}
+        return {**to_mapping(self.server), **to_mapping(self.task), **to_mapping(self.train), **to_mapping(self.aggregation)}
 
     def replace(self, **server_changes: Any) -> "RunConfig":
         return dataclasses.replace(self, server=dataclasses.replace(self.server, **server_changes))

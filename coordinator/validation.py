@@ -9,11 +9,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-import torch
-from flwr.app import Message
+from flwr.app import Array, Message
 
-from aggregation import AggregationError, array_to_tensor
-from clients.protocol import ARRAYS, DELTA, METRICS
+from aggregation import AggregationError
+from aggregation.codecs import Codec, Parsed
+from clients.protocol import ARRAYS, CODEC, DELTA, METRICS
 
 
 class RejectedReply(Exception):
@@ -34,6 +34,8 @@ class RoundExpectation:
     max_examples: int
     max_bytes: int
     max_norm: float
+    codec: Codec
+    codec_header: dict  # the header this codec writes for this model (fields a reply must match)
     sent: dict[str, int]  # message id -> node id it was sent to
     replied: set[str] = field(default_factory=set)
 
@@ -41,7 +43,7 @@ class RoundExpectation:
 @dataclass(frozen=True)
 class ValidReply:
     node_id: int
-    delta: torch.Tensor  # shares memory with the reply's bytes: read only
+    parsed: Parsed  # validated views that share memory with the reply's bytes: read only
     num_examples: int
     train_loss: float
     nbytes: int
@@ -67,19 +69,26 @@ def validate_reply(reply: Message, exp: RoundExpectation) -> ValidReply:
     content = reply.content
     if ARRAYS not in content.array_records or METRICS not in content.metric_records:
         raise RejectedReply(node, "missing-record", f"reply must hold '{ARRAYS}' and '{METRICS}'; found {list(content.keys())}")
-    arrays = content.array_records[ARRAYS]
-    if list(arrays.keys()) != [DELTA]:
-        raise RejectedReply(node, "missing-array", f"'{ARRAYS}' must hold exactly ['{DELTA}']; found {list(arrays.keys())[:5]}")
-    array = arrays[DELTA]
-    nbytes = len(array.data)
+    arrays: dict[str, Array] = dict(content.array_records[ARRAYS].items())
+    if CODEC in content.config_records:
+        header = dict(content.config_records[CODEC])
+    elif list(arrays) == [DELTA]:  # the plain format: dense float32 under "delta"
+        header = {"codec": "dense", "numel": exp.numel, "dtype": "float32"}
+        arrays = {"values": arrays[DELTA]}
+    else:
+        raise RejectedReply(node, "missing-record", f"reply must hold a '{CODEC}' record, or exactly the array '{DELTA}'")
+    for key, want in exp.codec_header.items():  # the codec and its settings are the coordinator's, not the client's
+        if header.get(key, want) != want:
+            raise RejectedReply(node, "wrong-codec", f"codec header {key} must be {want!r}; found {str(header.get(key))[:40]!r}")
+    nbytes = sum(len(a.data) for a in arrays.values())
     if nbytes > exp.max_bytes:
         raise RejectedReply(node, "oversized", f"update must be <= {exp.max_bytes} bytes; found {nbytes}")
     try:
-        delta = array_to_tensor(array, "float32", exp.numel)
+        parsed = exp.codec.parse(arrays, header, exp.numel, exp.max_bytes)
     except AggregationError as exc:
         raise RejectedReply(node, "bad-array", str(exc)) from None
     # One reduction: a NaN/inf anywhere, or an overflowing magnitude, makes the norm non-finite.
-    norm = float(torch.linalg.vector_norm(delta))
+    norm = exp.codec.norm(parsed)
     if not math.isfinite(norm):
         raise RejectedReply(node, "non-finite", "update must hold only finite values (and not overflow float32)")
     if norm > exp.max_norm:
@@ -93,4 +102,4 @@ def validate_reply(reply: Message, exp: RoundExpectation) -> ValidReply:
         raise RejectedReply(node, "stale-version", f"base-version must be {exp.version}; found {base!r}")
     loss = metrics.get("train-loss", float("nan"))
     loss = float(loss) if isinstance(loss, int | float) and math.isfinite(loss) else float("nan")
-    return ValidReply(node_id=node, delta=delta, num_examples=num, train_loss=loss, nbytes=nbytes, norm=norm)
+    return ValidReply(node_id=node, parsed=parsed, num_examples=num, train_loss=loss, nbytes=nbytes, norm=norm)

@@ -17,12 +17,12 @@ from logging import INFO, WARNING
 from typing import Any, Protocol
 
 import torch
-from flwr.app import ArrayRecord, Message, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 
-from aggregation import WeightedAccumulator, create_server_optimizer, get_device, tensor_to_array
-from clients.protocol import ARRAYS, CONFIG, MESSAGE_TYPE_TRAIN, WEIGHTS, TrainInstruction
+from aggregation import create_server_optimizer, get_device, tensor_to_array
+from clients.protocol import ARRAYS, CODEC, CONFIG, MESSAGE_TYPE_TRAIN, WEIGHTS, TrainInstruction
 from clients.tasks import get_task
 from clients.training import evaluate, load_flat
 
@@ -75,7 +75,12 @@ class SyncWorkflow:
         self.task = get_task(cfg.task)
         self.model = self.task.build_model().to(self.device)
         self.numel = sum(p.numel() for p in self.model.parameters())
-        self.optimizer = create_server_optimizer(cfg.server.server_optimizer, lr=cfg.server.server_lr)
+        self.optimizer = create_server_optimizer(cfg.server.server_optimizer, **cfg.server.optimizer_params())
+        self.codec = cfg.aggregation.make_codec()
+        # The largest honest reply: this codec's encoding of this model (+ header slack).
+        enc, _ = self.codec.encode(torch.zeros(self.numel))
+        self.max_update_bytes = min(int(cfg.server.max_update_mb * 2**20), enc.nbytes + 1024)
+        self.codec_header = dict(enc.header)
         self.weights = self.task.init_weights(cfg.server.seed).to(self.device)
         self.round, self.version = 0, 0
         self.history: list[dict[str, Any]] = []
@@ -138,7 +143,8 @@ class SyncWorkflow:
         instr = TrainInstruction(round=rnd, version=self.version, seed=self.cfg.server.seed,
                                  task=self.cfg.task, train=self.cfg.train)
         array = tensor_to_array(self.weights)
-        content = RecordDict({ARRAYS: ArrayRecord({WEIGHTS: array}), CONFIG: instr.to_record()})
+        content = RecordDict({ARRAYS: ArrayRecord({WEIGHTS: array}), CONFIG: instr.to_record(),
+                              CODEC: ConfigRecord(self.codec.config())})
         ttl = self.cfg.server.round_timeout + 60.0
         msgs = [Message(content, dst_node_id=n, message_type=MESSAGE_TYPE_TRAIN, group_id=str(rnd), ttl=ttl)
                 for n in selected]
@@ -151,9 +157,9 @@ class SyncWorkflow:
     def _collect(self, rnd: int, sent: dict[str, int]) -> dict[str, Any]:
         s = self.cfg.server
         exp = RoundExpectation(round=rnd, version=self.version, numel=self.numel, max_examples=s.max_examples,
-                               max_bytes=min(int(s.max_update_mb * 2**20), self.numel * 4 + 4096),
-                               max_norm=s.max_update_norm, sent=sent)
-        acc = WeightedAccumulator(self.numel, device=self.device)
+                               max_bytes=self.max_update_bytes, max_norm=s.max_update_norm, codec=self.codec,
+                               codec_header=self.codec_header, sent=sent)
+        acc = self.cfg.aggregation.make_aggregator(self.numel, self.device, max(1, len(sent)))
         rejected: Counter[str] = Counter()
         loss_sum, bytes_up, replies = 0.0, 0, 0
         pending = dict.fromkeys(sent)  # ordered: in-process engines then add in send order
@@ -168,7 +174,7 @@ class SyncWorkflow:
                     rejected[rej.rule] += 1
                     log(WARNING, "[fedshield] round %d: rejected reply from node %d (%s): %s", rnd, rej.node_id, rej.rule, rej.detail)
                     continue
-                acc.add(ok.delta, float(ok.num_examples))
+                acc.add(self.codec, ok.parsed, float(ok.num_examples))
                 loss_sum += ok.train_loss * ok.num_examples
                 bytes_up += ok.nbytes
             if pending and self.clock.now() >= deadline:
@@ -177,7 +183,7 @@ class SyncWorkflow:
             if pending:
                 self.clock.sleep(s.poll_interval)
         if acc.count:
-            self.weights = self.optimizer.step(self.weights, acc.mean())
+            self.weights = self.optimizer.step(self.weights, acc.result())
             self.version += 1
         else:
             log(WARNING, "[fedshield] round %d: no valid update; the global model is unchanged", rnd)

@@ -152,6 +152,10 @@ def test_message_with_bad_config_raises_config_error():
 
 
 def test_train_reply_content_layout():
-    content = train_reply_content(tensor_to_array(torch.ones(3)), {"num-examples": 10, "train-loss": 0.5})
-    assert DELTA in content.array_records[ARRAYS]
+    from aggregation.codecs import create_codec
+
+    enc, _ = create_codec("topk", ratio=0.5).encode(torch.ones(4))
+    content = train_reply_content(enc, {"num-examples": 10, "train-loss": 0.5})
+    assert set(content.array_records[ARRAYS].keys()) == set(enc.arrays)
+    assert dict(content.config_records["codec"]) == enc.header
     assert dict(content.metric_records[METRICS]) == {"num-examples": 10, "train-loss": 0.5}

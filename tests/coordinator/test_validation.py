@@ -8,7 +8,8 @@ import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Error, Message, MetricRecord, RecordDict
 
 from aggregation import tensor_to_array
-from clients.protocol import ARRAYS, DELTA, METRICS
+from aggregation.codecs import create_codec
+from clients.protocol import ARRAYS, CODEC, DELTA, METRICS
 from coordinator import RejectedReply, RoundExpectation, validate_reply
 
 N = 50
@@ -36,6 +37,7 @@ def _reply(ins: Message, delta=None, metrics=None, arrays=None, src=None, group=
 
 def _exp(**kw) -> RoundExpectation:
     base = dict(round=3, version=7, numel=N, max_examples=1000, max_bytes=N * 4 + 4096, max_norm=100.0,
+                codec=create_codec("dense"), codec_header={"codec": "dense", "numel": N, "dtype": "float32"},
                 sent={"m1": 11, "m2": 12})
     base.update(kw)
     return RoundExpectation(**base)
@@ -50,7 +52,34 @@ def _rule(reply: Message, exp: RoundExpectation | None = None) -> str:
 
 def test_valid_reply_accepted():
     ok = validate_reply(_reply(_instruction(11, "m1"), delta=torch.ones(N)), _exp())
-    assert ok.node_id == 11 and ok.num_examples == 10 and ok.delta.sum() == N and ok.norm == pytest.approx(N**0.5)
+    assert ok.node_id == 11 and ok.num_examples == 10 and ok.norm == pytest.approx(N**0.5)
+    assert ok.parsed.tensors["values"].sum() == N
+
+
+def _coded_reply(ins: Message, codec, delta: torch.Tensor) -> Message:
+    enc, _ = codec.encode(delta)
+    content = RecordDict({ARRAYS: ArrayRecord(enc.arrays), CODEC: ConfigRecord(enc.header),
+                          METRICS: MetricRecord({"num-examples": 10, "base-version": 7})})
+    return Message(content, reply_to=ins)
+
+
+def test_codec_reply_accepted_and_other_codec_rejected():
+    topk = create_codec("topk", ratio=0.1)
+    x = torch.arange(N, dtype=torch.float32) / N
+    want = topk.encode(torch.zeros(N))[0].header
+    ok = validate_reply(_coded_reply(_instruction(11, "m1"), topk, x), _exp(codec=topk, codec_header=want))
+    assert torch.equal(topk.decode(ok.parsed)[-5:], x[-5:])
+    assert _rule(_coded_reply(_instruction(11, "m1"), create_codec("dense"), x), _exp(codec=topk, codec_header=want)) == "wrong-codec"
+    # A legal encoding with other settings than the coordinator's (20% instead of 10%) is refused too.
+    other = _coded_reply(_instruction(11, "m1"), create_codec("topk", ratio=0.2), x)
+    assert _rule(other, _exp(codec=topk, codec_header=want, max_bytes=10**6)) == "wrong-codec"
+
+
+def test_codec_reply_without_arrays_of_its_kind_rejected():
+    topk = create_codec("topk", ratio=0.1)
+    rep = _coded_reply(_instruction(11, "m1"), topk, torch.ones(N))
+    rep.content.config_records[CODEC]["value_dtype"] = "int8"
+    assert _rule(rep, _exp(codec=topk, codec_header={"codec": "topk"})) == "bad-array"
 
 
 def test_unknown_message():
@@ -81,9 +110,10 @@ def test_error_reply():
 def test_missing_records_and_arrays():
     ins = _instruction(11, "m1")
     assert _rule(Message(RecordDict({METRICS: MetricRecord({"num-examples": 1})}), reply_to=ins)) == "missing-record"
-    assert _rule(_reply(_instruction(11, "m1"), arrays={"other": tensor_to_array(torch.zeros(N))})) == "missing-array"
+    # Without a codec record only the plain {"delta": float32} form is accepted.
+    assert _rule(_reply(_instruction(11, "m1"), arrays={"other": tensor_to_array(torch.zeros(N))})) == "missing-record"
     assert _rule(_reply(_instruction(11, "m1"), arrays={DELTA: tensor_to_array(torch.zeros(N)),
-                                                         "extra": tensor_to_array(torch.zeros(1))})) == "missing-array"
+                                                         "extra": tensor_to_array(torch.zeros(1))})) == "missing-record"
 
 
 @pytest.mark.parametrize("delta,rule", [
@@ -101,7 +131,7 @@ def test_update_rules(delta, rule):
 
 def test_stock_numpy_array_accepted():
     rep = _reply(_instruction(11, "m1"), arrays={DELTA: Array(np.zeros(N, np.float32))})
-    assert validate_reply(rep, _exp()).delta.shape == (N,)
+    assert validate_reply(rep, _exp()).parsed.tensors["values"].shape == (N,)
 
 
 @pytest.mark.parametrize("metrics,rule", [

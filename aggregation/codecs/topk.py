@@ -1,0 +1,122 @@
+"""``topk``: the k largest-magnitude coordinates, sorted, with error feedback.
+
+One uint8 array ``payload`` carries the int32 indices (k * 4 bytes, ascending)
+followed by the values (k * 2 or k * 4 bytes), both little-endian: a single npy header keeps the uplink small
+(ratio 1% in float16 is > 50x fewer bytes than dense float32 on a 9,610-parameter
+model, headers included).
+
+Guarantees: the decoded update equals ``x = delta + residual`` on the k kept
+coordinates (exactly in float32 values; float16 rounding otherwise) and zero
+elsewhere. With error feedback the new residual is ``x - decoded``, so the sum of
+decoded updates plus the final residual equals the sum of the deltas.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from decimal import Decimal
+from typing import Any
+
+import torch
+from flwr.app import Array
+
+from .._errors import AggregationError
+from ..wire import array_to_tensor, tensor_to_array
+from .base import Codec, Encoded, Parsed, check_arrays, check_header, register_codec, require
+from .qsgd import encode_input
+
+PAYLOAD, INDICES, VALUES = "payload", "indices", "values"
+_VALUE_DTYPES = {"float32": torch.float32, "float16": torch.float16}
+_INDEX_BYTES = 4
+_MAX_NUMEL = 2**31 - 1  # indices travel as int32
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    # Flower's bytes are 16-byte aligned and the npy header is padded to 64 bytes,
+    # so this view is aligned and stays zero-copy; a buffer that is not gets one copy.
+    return t if t.data_ptr() % t.element_size() == 0 else t.clone()
+
+
+@register_codec
+class TopKCodec(Codec):
+    """Top-k sparsification.
+
+    Parameters
+    ----------
+    ratio : float
+        Fraction of coordinates sent, in (0, 1]; k = max(1, ceil(ratio * n)).
+    value_dtype : {"float32", "float16"}
+        Wire dtype of the kept values (aggregation is always float32 or wider).
+    error_feedback : bool
+        Return ``x - decoded`` as the residual to add to the next delta.
+    """
+
+    name = "topk"
+
+    def __init__(self, *, ratio: float = 0.01, value_dtype: str = "float32", error_feedback: bool = True) -> None:
+        ok = isinstance(ratio, int | float) and not isinstance(ratio, bool) and math.isfinite(ratio)
+        require(ok and 0 < ratio <= 1, "topk ratio", "be a number in (0, 1]", ratio)
+        require(isinstance(value_dtype, str) and value_dtype in _VALUE_DTYPES, "topk value_dtype",
+                f"be one of {sorted(_VALUE_DTYPES)}", value_dtype)
+        require(isinstance(error_feedback, bool), "topk error_feedback", "be a bool", error_feedback)
+        self.ratio = float(ratio)
+        self.value_dtype = value_dtype
+        self.error_feedback = error_feedback
+
+    def config(self) -> dict[str, Any]:
+        return {"codec": self.name, "ratio": self.ratio, "value_dtype": self.value_dtype,
+                "error_feedback": self.error_feedback}
+
+    def k_for(self, numel: int) -> int:
+        """k = max(1, ceil(ratio * numel)), with ratio taken as its decimal repr
+        (so 0.07 * 100 gives 7, not the 8 that binary rounding would)."""
+        return min(numel, max(1, math.ceil(Decimal(repr(self.ratio)) * numel)))
+
+    def encode(self, delta, residual=None, generator=None):
+        x = encode_input(delta, residual)
+        n = x.numel()
+        require(n <= _MAX_NUMEL, "delta", f"have at most {_MAX_NUMEL} elements (int32 indices)", n)
+        k = self.k_for(n)
+        idx = torch.topk(x.abs(), k, sorted=False).indices.sort().values
+        wire_dtype = _VALUE_DTYPES[self.value_dtype]
+        limit = torch.finfo(wire_dtype).max  # float16 saturates instead of becoming inf
+        vals = x[idx].clamp(-limit, limit).to(wire_dtype)
+        payload = torch.cat([idx.to(torch.int32).view(torch.uint8), vals.view(torch.uint8)])
+        header = {"codec": self.name, "numel": n, "k": k, "value_dtype": self.value_dtype}
+        new_residual = None
+        if self.error_feedback:
+            # x with kept entries zeroed; in float16 the kept entries keep their rounding error.
+            new_residual = x.clone()
+            new_residual[idx] = x[idx] - vals.to(torch.float32)
+        return Encoded({PAYLOAD: tensor_to_array(payload)}, header), new_residual
+
+    def parse(self, arrays: Mapping[str, Array], header: Mapping[str, Any], numel: int, max_bytes: int) -> Parsed:
+        check_header(header, self.name, numel)
+        k, value_dtype = header.get("k"), header.get("value_dtype")
+        require(type(k) is int and 1 <= k <= numel, "k", f"be an integer in [1, {numel}]", k)
+        require(isinstance(value_dtype, str) and value_dtype in _VALUE_DTYPES, "value_dtype",
+                f"be one of {sorted(_VALUE_DTYPES)}", value_dtype)
+        nbytes = check_arrays(arrays, {PAYLOAD}, max_bytes)
+        itemsize = torch.finfo(_VALUE_DTYPES[value_dtype]).bits // 8
+        try:
+            payload = array_to_tensor(arrays[PAYLOAD], "uint8", k * (_INDEX_BYTES + itemsize))
+        except AggregationError as exc:
+            raise AggregationError(f"payload (k={k} {value_dtype} entries): {exc}") from None
+        split = k * _INDEX_BYTES
+        idx = _aligned(payload[:split].view(torch.int32))
+        vals = _aligned(payload[split:].view(_VALUE_DTYPES[value_dtype]))
+        require(int(idx[0]) >= 0 and int(idx[-1]) < numel, "indices", f"lie in [0, {numel})",
+                (int(idx[0]), int(idx[-1])))
+        require(bool((idx[1:] > idx[:-1]).all()), "indices", "be strictly increasing (sorted, no duplicates)",
+                "an index not above its predecessor")
+        require(bool(torch.isfinite(vals).all()), "values", "be finite", "nan or inf")
+        return Parsed(self.name, numel, {INDICES: idx, VALUES: vals}, {"k": k, "value_dtype": value_dtype}, nbytes)
+
+    def add_into(self, parsed: Parsed, out: torch.Tensor, weight: float) -> None:
+        idx = parsed.tensors[INDICES].to(out.device, non_blocking=True).long()
+        vals = parsed.tensors[VALUES].to(out.device, non_blocking=True).to(out.dtype)
+        out.index_add_(0, idx, vals, alpha=weight)
+
+    def norm(self, parsed: Parsed) -> float:
+        return float(torch.linalg.vector_norm(parsed.tensors[VALUES], dtype=torch.float64))
