@@ -50,7 +50,24 @@ def tensor_to_array(tensor: torch.Tensor) -> Array:
     return Array(dtype=name, shape=(flat.numel(),), stype="numpy.ndarray", data=data)
 
 
+_HEADER_CACHE: dict[bytes, tuple[str, tuple[int, ...], int]] = {}
+
+
 def _parse_header(data: bytes) -> tuple[str, tuple[int, ...], int]:
+    """(descr, shape, data offset) of npy bytes; headers seen before are not parsed again."""
+    if len(data) >= 10 and data[:8] == _MAGIC + b"\x01\x00":
+        end = 10 + int.from_bytes(data[8:10], "little")
+        cached = _HEADER_CACHE.get(data[:end])
+        if cached is not None:
+            return cached
+        parsed = _parse_header_uncached(data)
+        if len(_HEADER_CACHE) < 4096:
+            _HEADER_CACHE[data[:end]] = parsed
+        return parsed
+    return _parse_header_uncached(data)
+
+
+def _parse_header_uncached(data: bytes) -> tuple[str, tuple[int, ...], int]:
     if len(data) < 10 or data[:6] != _MAGIC:
         raise AggregationError("array data must start with the npy magic bytes. Found something else.")
     major = data[6]

@@ -39,3 +39,14 @@ def test_packages_with_a_facade_define_all(name):
 def test_one_root_error_per_package_is_exported(name, error):
     cls = getattr(importlib.import_module(name), error)
     assert issubclass(cls, ValueError)
+
+
+def test_pyproject_run_config_lists_every_key_with_its_default():
+    """``flwr run . --run-config`` can only override keys the app declares."""
+    import tomllib
+    from pathlib import Path
+
+    from coordinator.config import RunConfig
+
+    doc = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    assert doc["tool"]["flwr"]["app"]["config"] == RunConfig().to_mapping()
