@@ -1,6 +1,8 @@
-"""fedshield's privacy package: transport security now; DP and secure aggregation next."""
+"""fedshield's privacy package: transport security and differential privacy (mechanisms, accounting, budget)."""
 
 from ._errors import PrivacyError
+from .accountant import BudgetExhausted, PrivacyBudget, PrivacyEvent, RdpAccountant, calibrate_noise_multiplier
+from .dp import AdaptiveClipping, CentralGaussianMechanism, GaussianNoise, clip_scale, effective_noise_multiplier
 from .transport import (
     CertificatePaths,
     check_ca_certificate,
@@ -11,11 +13,21 @@ from .transport import (
 )
 
 __all__ = [
+    "AdaptiveClipping",
+    "BudgetExhausted",
+    "CentralGaussianMechanism",
     "CertificatePaths",
+    "GaussianNoise",
+    "PrivacyBudget",
     "PrivacyError",
+    "PrivacyEvent",
+    "RdpAccountant",
+    "calibrate_noise_multiplier",
     "check_ca_certificate",
     "check_node_private_key",
     "check_public_key",
+    "clip_scale",
+    "effective_noise_multiplier",
     "init_certificates",
     "new_node_key",
 ]
