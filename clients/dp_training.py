@@ -155,7 +155,7 @@ def make_private_trainer(
         out = engine.make_private(
             module=model, optimizer=optimizer, criterion=nn.CrossEntropyLoss(), data_loader=loader,
             noise_multiplier=dp.noise_multiplier, max_grad_norm=dp.max_grad_norm,
-            poisson_sampling=False, noise_generator=noise_generator,
+            poisson_sampling=dp.poisson_sampling, noise_generator=noise_generator,
             grad_sample_mode=mode,
         )
     except UnsupportedModuleError as exc:

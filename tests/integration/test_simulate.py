@@ -47,6 +47,20 @@ dirichlet-alpha = 0.5
     assert "final test accuracy" in out.stdout
 
 
+@pytest.mark.timeout(300)
+def test_topk_codec_with_error_feedback_under_flower_engine(tmp_path, fedshield_bin):
+    """Compressed replies and the clients' error-feedback state (Context.state) under Ray actors."""
+    out = _simulate(fedshield_bin, tmp_path, "--run-dir", "topk", "--rounds", "5",
+                    "--set", "simulation.num-supernodes=6", "--set", "run.min-nodes=6",
+                    "--set", 'run.codec="topk"', "--set", "run.topk-ratio=0.05")
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = list(csv.DictReader(open(tmp_path / "topk" / METRICS)))
+    assert all(int(r["accepted"]) == 6 and int(r["rejected"]) == 0 for r in rows)
+    assert all(int(r["bytes_down"]) > 10 * int(r["bytes_up"]) for r in rows)
+    acc = json.loads((tmp_path / "topk" / SUMMARY).read_text())["final_test_accuracy"]
+    assert 0.60 <= acc <= 0.99
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_default_scenario_reaches_090(tmp_path, fedshield_bin):
