@@ -128,13 +128,19 @@ class Aggregator(ABC):
         self.numel, self.max_clients, self.device = numel, max_clients, torch.device(device)
         self.count, self.total_weight = 0, 0.0
 
-    def add(self, codec: Any, parsed: Any, weight: float) -> None:
-        """Decode one validated update into the rule's storage with weight ``weight`` (> 0)."""
+    def add(self, codec: Any, parsed: Any, weight: float, norm: float | None = None) -> None:
+        """Decode one validated update into the rule's storage with weight ``weight`` (> 0).
+
+        ``norm``: the update's L2 norm when the caller has already computed it (the
+        coordinator's validation has), so the hot path does not read the update twice.
+        """
         _check(_is_real(weight) and weight > 0, "weight", "be finite and > 0", weight)
         _check(parsed.numel == self.numel, "update numel", f"be {self.numel}", parsed.numel)
         _check(self.count < self.max_clients, f"{self.name} updates", f"number at most max-clients={self.max_clients}",
                self.count + 1)
-        self._add(codec, parsed, float(weight))
+        if norm is not None:
+            _check(_is_real(norm) and norm >= 0, "update norm", "be finite and >= 0", norm)
+        self._add(codec, parsed, float(weight), norm)
         self.count += 1
         self.total_weight += float(weight)
 
@@ -163,8 +169,9 @@ class Aggregator(ABC):
     def work_bytes(self) -> int: ...
 
     @abstractmethod
-    def _add(self, codec: Any, parsed: Any, weight: float) -> None:
-        """Store one update; raise AggregationError without changing state if it is not finite."""
+    def _add(self, codec: Any, parsed: Any, weight: float, norm: float | None) -> None:
+        """Store one update; raise AggregationError without changing state if it is not finite
+        (``norm``, when given, is the update's finite L2 norm, already checked)."""
 
     @abstractmethod
     def _result(self) -> torch.Tensor: ...
@@ -183,9 +190,10 @@ class _Streaming(Aggregator):
     def _scale(self, norm: float) -> float:
         return 1.0
 
-    def _add(self, codec: Any, parsed: Any, weight: float) -> None:
-        norm = float(codec.norm(parsed))
-        _check(math.isfinite(norm), "update norm", "be finite", norm)
+    def _add(self, codec: Any, parsed: Any, weight: float, norm: float | None) -> None:
+        if norm is None:
+            norm = float(codec.norm(parsed))
+            _check(math.isfinite(norm), "update norm", "be finite", norm)
         codec.add_into(parsed, self._sum, weight * self._scale(norm))
 
     def _result(self) -> torch.Tensor:
@@ -231,13 +239,14 @@ class _Buffered(Aggregator):
 
     peak_bytes = property(lambda self: self._rows.numel() * 4)
 
-    def _add(self, codec: Any, parsed: Any, weight: float) -> None:
+    def _add(self, codec: Any, parsed: Any, weight: float, norm: float | None) -> None:
         row = self._rows[self.count]
         row.zero_()
         codec.add_into(parsed, row, 1.0)
-        low, high = torch.aminmax(row)  # NaN propagates; one pass, no temporary
-        _check(math.isfinite(float(low)) and math.isfinite(float(high)), "update values", "be finite",
-               "a NaN or infinity")
+        if norm is None:  # not validated upstream: check here
+            low, high = torch.aminmax(row)  # NaN propagates; one pass, no temporary
+            _check(math.isfinite(float(low)) and math.isfinite(float(high)), "update values", "be finite",
+                   "a NaN or infinity")
         self._weights.append(weight)
 
     def reset(self) -> None:

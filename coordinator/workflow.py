@@ -174,7 +174,7 @@ class SyncWorkflow:
                     rejected[rej.rule] += 1
                     log(WARNING, "[fedshield] round %d: rejected reply from node %d (%s): %s", rnd, rej.node_id, rej.rule, rej.detail)
                     continue
-                acc.add(self.codec, ok.parsed, float(ok.num_examples))
+                acc.add(self.codec, ok.parsed, float(ok.num_examples), norm=ok.norm)
                 loss_sum += ok.train_loss * ok.num_examples
                 bytes_up += ok.nbytes
             if pending and self.clock.now() >= deadline:

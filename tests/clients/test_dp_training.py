@@ -22,6 +22,8 @@ from clients.dp_training import (
 from clients.tasks import get_task
 from clients.training import evaluate, flat_params, load_flat, train_local
 
+pytestmark = pytest.mark.filterwarnings("ignore:Optimal order is the smallest alpha")  # tiny noise: huge epsilon
+
 SETTINGS = TrainSettings(local_epochs=3, batch_size=16, lr=0.1, momentum=0.9)
 OPACUS_PARAM_ATTRS = ("grad_sample", "_forward_counter", "_current_grad_sample", "_norm_sample", "summed_grad")
 
@@ -133,6 +135,25 @@ def test_seeded_run_is_reproducible_and_differs_from_non_dp(task, data):
     start = task.init_weights(0)
     gap = (flat_params(a) - flat_params(plain)).norm()
     assert gap > 0.1 * (flat_params(plain) - start).norm()
+
+
+@pytest.mark.parametrize("poisson", [True, False])
+def test_batches_are_poisson_sampled_unless_turned_off(task, data, poisson):
+    model, sizes = _model(task), []
+    handle = model.register_forward_pre_hook(lambda _m, args: sizes.append(len(args[0])))
+    dp = LocalDpSettings(poisson_sampling=poisson)
+    train_local_dp(model, data, SETTINGS, dp, torch.Generator().manual_seed(0), None)
+    handle.remove()
+    steps, q = _steps_and_rate(len(data), SETTINGS)
+    assert len(sizes) == steps
+    per_epoch = steps // SETTINGS.local_epochs
+    last = len(data) - SETTINGS.batch_size * (per_epoch - 1)
+    fixed = ([SETTINGS.batch_size] * (per_epoch - 1) + [last]) * SETTINGS.local_epochs
+    if poisson:  # each example joins each batch with rate q: sizes vary around n q
+        assert sizes != fixed and len(set(sizes)) >= 4
+        assert abs(np.mean(sizes) - len(data) * q) < 3
+    else:
+        assert sizes == fixed
 
 
 def test_returned_model_is_the_plain_input_model(task, data):
