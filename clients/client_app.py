@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
 import torch
-from flwr.app import ArrayRecord, Context, Message
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message
 from flwr.clientapp import ClientApp
 
 from aggregation import AggregationError, array_to_tensor, get_device, tensor_to_array
 
 from .data import client_data
-from .protocol import CODEC, WEIGHTS, codec_from_record, parse_train_message, train_reply_content
+from .config import build_config
+from .protocol import CODEC, LOCAL_DP, WEIGHTS, codec_from_record, parse_train_message, train_reply_content
 from .tasks import get_task
 from .training import flat_params, load_flat, train_local
 
@@ -24,6 +26,23 @@ if _threads:
 
 
 RESIDUAL = "fedshield.residual"
+DP_LEDGER = "fedshield.local-dp-ledger"
+
+
+def train_with_local_dp(model, data, instr, record, context: Context) -> dict[str, float]:
+    """DP-SGD with Opacus; this client's privacy ledger persists in Context.state across rounds.
+
+    The sampling and noise generator is seeded from the OS, never from anything the
+    coordinator knows (a known seed would let it replay and remove the noise).
+    """
+    from .dp_training import LocalDpSettings, train_local_dp
+
+    dp = build_config(LocalDpSettings, dict(record), "local-dp")
+    ledger = context.state.config_records.get(DP_LEDGER)
+    state = json.loads(str(ledger["state"])) if ledger is not None else None
+    _, stats, state = train_local_dp(model, data, instr.train, dp, None, state)
+    context.state.config_records[DP_LEDGER] = ConfigRecord({"state": json.dumps(state)})
+    return {"train-loss": stats["train-loss"], "train-time-s": stats["train-time-s"], "local-epsilon": stats["epsilon"]}
 
 
 def encode_with_feedback(codec, delta: torch.Tensor, context: Context, gen: torch.Generator):
@@ -59,7 +78,11 @@ def run_train(msg: Message, context: Context) -> Message:
     load_flat(model, weights)
     who = int(context.node_config.get("partition-id", context.node_id))
     gen = torch.Generator().manual_seed(hash((instr.seed, instr.round, who)) & 0x7FFFFFFF)
-    stats = train_local(model, data, instr.train, gen)
+    local_dp = msg.content.config_records.get(LOCAL_DP)
+    if local_dp is None:
+        stats = train_local(model, data, instr.train, gen)
+    else:
+        stats = train_with_local_dp(model, data, instr, local_dp, context)
     delta = flat_params(model).cpu().sub_(weights)
     codec = codec_from_record(msg.content.config_records.get(CODEC))
     encoded = encode_with_feedback(codec, delta, context, gen)
@@ -68,6 +91,7 @@ def run_train(msg: Message, context: Context) -> Message:
         "base-version": instr.version,
         "train-loss": float(stats["train-loss"]),
         "train-time-s": float(stats["train-time-s"]),
+        **({"local-epsilon": float(stats["local-epsilon"])} if "local-epsilon" in stats else {}),
         "client-time-s": time.perf_counter() - start,
     }
     return Message(train_reply_content(encoded, metrics), reply_to=msg)

@@ -15,14 +15,19 @@ own records, at the run's ``delta``.
 Privacy assumptions: the guarantee is per example of this client's data, for the
 records the accountant has seen; it holds only with ``poisson-sampling = true``
 (shuffled fixed-size batches are accounted as if Poisson-sampled, an approximation).
-Noise and sampling come from the torch generator passed in (seedable, reproducible);
-it is not a cryptographically secure source.
+Noise and sampling come from one torch generator. Its seed must be secret to the
+client: a generator seeded from anything the server knows (the round's seed, the
+round number, the node id) lets the server replay the batches and the noise and
+subtract it, which voids the guarantee. Pass ``generator=None`` (or
+:func:`private_generator`) outside tests. The generator is a seeded PRNG, not Opacus's
+``secure_mode`` (torchcsprng, floating-point-attack-safe noise), which is not used here.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import secrets
 import time
 import warnings
 from collections.abc import Mapping
@@ -31,6 +36,8 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+
+from privacy import quiet_import_opacus
 
 from ._errors import ClientError
 from .config import TrainSettings, check
@@ -52,9 +59,10 @@ class LocalDpSettings:
     ``noise_multiplier`` is the noise standard deviation in units of
     ``max_grad_norm`` (the per-example L2 clipping bound); ``delta`` is the delta of
     the reported (epsilon, delta). ``grad_sample_mode`` picks how per-example
-    gradients are computed: ``ghost`` (ghost clipping: norms without materialising
-    per-example gradients; falls back to ``hooks`` where the model does not allow
-    it), ``hooks`` or ``functorch``.
+    gradients are computed: ``ghost`` (ghost clipping, two backward passes; Linear and
+    Embedding layers' per-example norms come without materialising per-example
+    gradients, other layers' are materialised for their norms only; falls back to
+    ``hooks`` where the model does not allow it), ``hooks`` or ``functorch``.
     """
 
     noise_multiplier: float = 1.0
@@ -76,6 +84,11 @@ class LocalDpSettings:
               "be true or false", self.poisson_sampling)
 
 
+def private_generator() -> torch.Generator:
+    """A CPU generator seeded from the OS's entropy pool: its draws are unknown to the server."""
+    return torch.Generator().manual_seed(secrets.randbits(63))
+
+
 def _finite(x: Any) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
 
@@ -89,6 +102,7 @@ def resolve_grad_sample_mode(model: nn.Module, requested: str) -> str:
     """
     if requested != "ghost":
         return requested
+    quiet_import_opacus()
     from opacus.grad_sample import GradSampleHooksFastGradientClipping as Ghost
 
     known = set(Ghost.NORM_SAMPLERS) | set(Ghost.GRAD_SAMPLERS)
@@ -143,6 +157,7 @@ def make_private_trainer(
     ``accountant`` (an opacus RDPAccountant) receives one event per step. Raises
     :class:`ClientError` if the model cannot be trained with per-example clipping.
     """
+    quiet_import_opacus()
     from opacus import PrivacyEngine
     from opacus.validators.errors import UnsupportedModuleError
 
@@ -170,6 +185,7 @@ def make_private_trainer(
 
 def accountant_from_state(state: Mapping[str, Any] | None) -> Any:
     """An opacus RDPAccountant holding ``state``'s history (a fresh one for ``None``)."""
+    quiet_import_opacus()
     from opacus.accountants import RDPAccountant
 
     accountant = RDPAccountant()
@@ -201,12 +217,14 @@ def accountant_to_state(accountant: Any) -> dict[str, Any]:
 
 def train_local_dp(
     model: nn.Module, data: Dataset, settings: TrainSettings, dp: LocalDpSettings,
-    generator: torch.Generator, accountant_state: Mapping[str, Any] | None = None,
+    generator: torch.Generator | None, accountant_state: Mapping[str, Any] | None = None,
 ) -> tuple[nn.Module, dict[str, float], dict[str, Any]]:
     """DP-SGD for ``settings.local_epochs`` epochs over ``data``; trains ``model`` in place.
 
     ``generator`` (a CPU torch generator) drives the Poisson sampling and seeds the
-    noise, so a seeded call is reproducible. ``accountant_state`` is the state
+    noise, so a seeded call is reproducible (tests); ``None`` takes
+    :func:`private_generator`, which a real client must use (see the module docstring:
+    a seed the server knows voids the guarantee). ``accountant_state`` is the state
     returned by this client's previous call (``None`` for a first call).
 
     Returns ``(model, stats, accountant_state)``: the same model object with plain
@@ -220,6 +238,7 @@ def train_local_dp(
     x = torch.from_numpy(np.ascontiguousarray(data.x)).to(device)
     y = torch.from_numpy(np.ascontiguousarray(data.y)).to(device)
     accountant = accountant_from_state(accountant_state)
+    generator = private_generator() if generator is None else generator
     loader = torch.utils.data.DataLoader(
         torch.utils.data.TensorDataset(x, y), batch_size=min(settings.batch_size, len(y)),
         shuffle=not dp.poisson_sampling, generator=generator,
@@ -261,6 +280,7 @@ __all__ = [
     "accountant_from_state",
     "accountant_to_state",
     "make_private_trainer",
+    "private_generator",
     "resolve_grad_sample_mode",
     "train_local_dp",
 ]

@@ -5,6 +5,7 @@ Train message (coordinator -> client)::
     content["arrays"]  ArrayRecord {"weights": flat float32 global model}
     content["config"]  ConfigRecord {round, version, seed, <TaskSpec keys>, <TrainSettings keys>}
     content["codec"]   ConfigRecord {"codec": name, <codec parameters>}   (how to encode the reply)
+    content["local-dp"] ConfigRecord {noise-multiplier, max-grad-norm, delta}  (only when local DP is on)
 
 Reply (client -> coordinator)::
 
@@ -29,7 +30,7 @@ from aggregation.codecs import Codec, Encoded, create_codec
 from ._errors import ClientError
 from .config import TaskSpec, TrainSettings, build_config, check, split_mapping, to_mapping
 
-ARRAYS, CONFIG, METRICS, CODEC = "arrays", "config", "metrics", "codec"
+ARRAYS, CONFIG, METRICS, CODEC, LOCAL_DP = "arrays", "config", "metrics", "codec", "local-dp"
 WEIGHTS, DELTA = "weights", "delta"
 MESSAGE_TYPE_TRAIN = "train"
 

@@ -104,6 +104,52 @@ class AggregationSettings:
         return create_aggregator(self.aggregator, numel, device, max_clients, **params)
 
 
+DP_MODES = ("none", "central", "local")
+
+
+@dataclasses.dataclass(frozen=True)
+class PrivacySettings:
+    """Differential privacy: central (the coordinator clips and noises the sum) or local (DP-SGD)."""
+
+    dp: str = "none"
+    dp_clip: float = 1.0
+    dp_noise_multiplier: float = 0.0
+    target_epsilon: float = 0.0
+    dp_delta: float = 1e-5
+    dp_secure_noise: bool = False
+    adaptive_clipping: bool = False
+    clip_target_quantile: float = 0.5
+    clip_learning_rate: float = 0.2
+    clip_count_noise: float = 0.0
+    local_noise_multiplier: float = 1.0
+    local_max_grad_norm: float = 1.0
+
+    def __post_init__(self) -> None:
+        check(self.dp in DP_MODES, "dp", f"be one of {list(DP_MODES)}", self.dp)
+        check(self.dp_clip > 0, "dp-clip", "be > 0 (it bounds each client's influence)", self.dp_clip)
+        check(self.dp_noise_multiplier >= 0, "dp-noise-multiplier", "be >= 0 (0: calibrate from target-epsilon)",
+              self.dp_noise_multiplier)
+        check(self.target_epsilon >= 0, "target-epsilon", "be >= 0 (0: no budget)", self.target_epsilon)
+        check(0 < self.dp_delta < 1, "dp-delta", "be in (0, 1)", self.dp_delta)
+        if self.dp == "central":
+            check(self.dp_noise_multiplier > 0 or self.target_epsilon > 0, "dp-noise-multiplier",
+                  "be > 0, or target-epsilon be set to calibrate it, under central DP (no noise: no privacy)",
+                  self.dp_noise_multiplier)
+        check(0 < self.clip_target_quantile < 1, "clip-target-quantile", "be in (0, 1)", self.clip_target_quantile)
+        check(self.clip_learning_rate > 0, "clip-learning-rate", "be > 0", self.clip_learning_rate)
+        if self.adaptive_clipping and self.dp == "central" and self.dp_noise_multiplier > 0:
+            check(2 * self.clip_count_noise > self.dp_noise_multiplier, "clip-count-noise",
+                  f"be > dp-noise-multiplier/2 = {self.dp_noise_multiplier / 2:g} (the count's noise is paid from the "
+                  "same budget)", self.clip_count_noise)
+        check(self.local_noise_multiplier > 0, "local-noise-multiplier", "be > 0 (no noise: no privacy)",
+              self.local_noise_multiplier)
+        check(self.local_max_grad_norm > 0, "local-max-grad-norm", "be > 0", self.local_max_grad_norm)
+
+    def local_record(self) -> dict[str, Any]:
+        return {"noise-multiplier": self.local_noise_multiplier, "max-grad-norm": self.local_max_grad_norm,
+                "delta": self.dp_delta}
+
+
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     """Everything a run needs: server settings, the task, the clients' training."""
@@ -112,24 +158,33 @@ class RunConfig:
     task: TaskSpec = TaskSpec()
     train: TrainSettings = TrainSettings()
     aggregation: AggregationSettings = AggregationSettings()
+    privacy: PrivacySettings = PrivacySettings()
+
+    def __post_init__(self) -> None:
+        if self.privacy.dp == "central":
+            check(self.aggregation.aggregator == "mean", "aggregator",
+                  "be 'mean' under central DP (each update is clipped to dp-clip and weighted 1)", self.aggregation.aggregator)
 
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, Any], where: str = "run") -> "RunConfig":
         """Build from one flat kebab-case mapping; unknown keys are an error."""
-        known = set().union(*(config_keys(c) for c in (ServerSettings, TaskSpec, TrainSettings, AggregationSettings)))
+        known = set().union(*(config_keys(c) for c in (ServerSettings, TaskSpec, TrainSettings, AggregationSettings, PrivacySettings)))
         unknown = sorted(set(mapping) - known)
         if unknown:
             raise ConfigError(f"{where}.{unknown[0]} is not a known key. Known keys: {', '.join(sorted(known))}.")
-        server, task, train, agg = split_mapping(mapping, ServerSettings, TaskSpec, TrainSettings, AggregationSettings)
+        server, task, train, agg, priv = split_mapping(mapping, ServerSettings, TaskSpec, TrainSettings, AggregationSettings,
+                                                       PrivacySettings)
         return cls(
             server=build_config(ServerSettings, server, where),
             task=build_config(TaskSpec, task, where),
             train=build_config(TrainSettings, train, where),
             aggregation=build_config(AggregationSettings, agg, where),
+            privacy=build_config(PrivacySettings, priv, where),
         )
 
     def to_mapping(self) -> dict[str, Any]:
-        return {**to_mapping(self.server), **to_mapping(self.task), **to_mapping(self.train), **to_mapping(self.aggregation)}
+        return {**to_mapping(self.server), **to_mapping(self.task), **to_mapping(self.train), **to_mapping(self.aggregation),
+                **to_mapping(self.privacy)}
 
     def replace(self, **server_changes: Any) -> "RunConfig":
         return dataclasses.replace(self, server=dataclasses.replace(self.server, **server_changes))

@@ -21,8 +21,9 @@ CHECKPOINT, METRICS, SUMMARY, MODEL, PLOT, CONFIG = (
 METRIC_FIELDS = [
     "round", "version", "nodes_online", "selected", "replies", "accepted", "rejected",
     "test_accuracy", "test_loss", "train_loss", "bytes_down", "bytes_up",
-    "round_time_s", "wall_time_s", "rejected_by_rule",
+    "round_time_s", "wall_time_s", "rejected_by_rule", "epsilon", "local_epsilon_max", "clip",
 ]
+EPSILON_PLOT = "epsilon.png"
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
@@ -71,6 +72,34 @@ class RunDirectory:
         torch.save(state_dict, buf)
         _atomic_write(self.file(MODEL), buf.getvalue())
 
+    def plot_epsilon(self, rows: list[dict[str, Any]], title: str) -> None:
+        """``epsilon.png``: privacy spent per round (central epsilon and/or clients' largest)."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+        for key, label in (("epsilon", "central epsilon"), ("local_epsilon_max", "largest client epsilon")):
+            pts = [(r["round"], r[key]) for r in rows if r.get(key) is not None]
+            if pts:
+                ax.plot(*zip(*pts, strict=True), "o-", label=label)
+        ax.set_xlabel("round")
+        ax.set_ylabel("epsilon")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        self._save(fig, EPSILON_PLOT)
+
+    def _save(self, fig: Any, name: str) -> None:
+        import matplotlib.pyplot as plt
+
+        fig.tight_layout()
+        tmp = self.file(name + ".tmp.png")
+        fig.savefig(tmp)
+        plt.close(fig)
+        os.replace(tmp, self.file(name))
+
     def plot(self, rows: list[dict[str, Any]], title: str) -> None:
         """``accuracy.png``: test accuracy and loss per round."""
         import matplotlib
@@ -89,8 +118,4 @@ class RunDirectory:
         ax2.set_ylabel("test loss", color="tab:red")
         ax1.set_title(title)
         ax1.grid(alpha=0.3)
-        fig.tight_layout()
-        tmp = self.file(PLOT + ".tmp.png")
-        fig.savefig(tmp)
-        plt.close(fig)
-        os.replace(tmp, self.file(PLOT))
+        self._save(fig, PLOT)

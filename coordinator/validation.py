@@ -48,6 +48,7 @@ class ValidReply:
     train_loss: float
     nbytes: int
     norm: float
+    local_epsilon: float | None = None
 
 
 def validate_reply(reply: Message, exp: RoundExpectation) -> ValidReply:
@@ -102,4 +103,7 @@ def validate_reply(reply: Message, exp: RoundExpectation) -> ValidReply:
         raise RejectedReply(node, "stale-version", f"base-version must be {exp.version}; found {base!r}")
     loss = metrics.get("train-loss", float("nan"))
     loss = float(loss) if isinstance(loss, int | float) and math.isfinite(loss) else float("nan")
-    return ValidReply(node_id=node, parsed=parsed, num_examples=num, train_loss=loss, nbytes=nbytes, norm=norm)
+    eps = metrics.get("local-epsilon")
+    eps = float(eps) if isinstance(eps, int | float) and not isinstance(eps, bool) and math.isfinite(eps) else None
+    return ValidReply(node_id=node, parsed=parsed, num_examples=num, train_loss=loss, nbytes=nbytes, norm=norm,
+                      local_epsilon=eps)

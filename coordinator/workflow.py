@@ -22,12 +22,15 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 
 from aggregation import create_server_optimizer, get_device, tensor_to_array
-from clients.protocol import ARRAYS, CODEC, CONFIG, MESSAGE_TYPE_TRAIN, WEIGHTS, TrainInstruction
+from clients.protocol import ARRAYS, CODEC, CONFIG, LOCAL_DP, MESSAGE_TYPE_TRAIN, WEIGHTS, TrainInstruction
 from clients.tasks import get_task
 from clients.training import evaluate, load_flat
 
 from ._errors import CoordinatorError
+from privacy import BudgetExhausted
+
 from .config import RunConfig
+from .privacy_policy import CentralDp
 from .rundir import CONFIG as CONFIG_FILE
 from .rundir import SUMMARY, RunDirectory
 from .validation import RejectedReply, RoundExpectation, validate_reply
@@ -81,6 +84,9 @@ class SyncWorkflow:
         enc, _ = self.codec.encode(torch.zeros(self.numel))
         self.max_update_bytes = min(int(cfg.server.max_update_mb * 2**20), enc.nbytes + 1024)
         self.codec_header = dict(enc.header)
+        self.dp = (CentralDp(cfg.privacy, cfg.server.fraction_train, cfg.server.num_rounds, cfg.server.seed)
+                   if cfg.privacy.dp == "central" else None)
+        self.status = "completed"
         self.weights = self.task.init_weights(cfg.server.seed).to(self.device)
         self.round, self.version = 0, 0
         self.history: list[dict[str, Any]] = []
@@ -107,6 +113,8 @@ class SyncWorkflow:
         self.optimizer.load_state_dict(ckpt["optimizer"])
         self.history = list(ckpt["history"])
         self.rejections = Counter(ckpt["rejections"])
+        if self.dp is not None and ckpt.get("privacy"):
+            self.dp.load_state_dict(ckpt["privacy"])  # the spent budget carries over
         log(INFO, "[fedshield] resuming from %s at round %d (version %d, model sha256 %s)",
             self.run_dir.path, self.round + 1, self.version, weights_digest(self.weights))
 
@@ -115,6 +123,7 @@ class SyncWorkflow:
             "round": self.round, "version": self.version, "weights": self.weights.cpu(),
             "optimizer": self.optimizer.state_dict(), "history": self.history,
             "rejections": dict(self.rejections), "fingerprint": self.fingerprint(),
+            "privacy": self.dp.state_dict() if self.dp is not None else {},
         })
         self.run_dir.write_metrics(self.history)
 
@@ -145,6 +154,8 @@ class SyncWorkflow:
         array = tensor_to_array(self.weights)
         content = RecordDict({ARRAYS: ArrayRecord({WEIGHTS: array}), CONFIG: instr.to_record(),
                               CODEC: ConfigRecord(self.codec.config())})
+        if self.cfg.privacy.dp == "local":
+            content[LOCAL_DP] = ConfigRecord(self.cfg.privacy.local_record())
         ttl = self.cfg.server.round_timeout + 60.0
         msgs = [Message(content, dst_node_id=n, message_type=MESSAGE_TYPE_TRAIN, group_id=str(rnd), ttl=ttl)
                 for n in selected]
@@ -159,7 +170,11 @@ class SyncWorkflow:
         exp = RoundExpectation(round=rnd, version=self.version, numel=self.numel, max_examples=s.max_examples,
                                max_bytes=self.max_update_bytes, max_norm=s.max_update_norm, codec=self.codec,
                                codec_header=self.codec_header, sent=sent)
-        acc = self.cfg.aggregation.make_aggregator(self.numel, self.device, max(1, len(sent)))
+        slots = max(1, len(sent))
+        acc = (self.dp.make_aggregator(self.numel, self.device, slots) if self.dp is not None
+               else self.cfg.aggregation.make_aggregator(self.numel, self.device, slots))
+        norms: list[float] = []
+        local_eps: list[float] = []
         rejected: Counter[str] = Counter()
         loss_sum, bytes_up, replies = 0.0, 0, 0
         pending = dict.fromkeys(sent)  # ordered: in-process engines then add in send order
@@ -174,7 +189,11 @@ class SyncWorkflow:
                     rejected[rej.rule] += 1
                     log(WARNING, "[fedshield] round %d: rejected reply from node %d (%s): %s", rnd, rej.node_id, rej.rule, rej.detail)
                     continue
-                acc.add(self.codec, ok.parsed, float(ok.num_examples), norm=ok.norm)
+                # Under central DP every client weighs 1: its influence on the sum is then at most the clip norm.
+                acc.add(self.codec, ok.parsed, 1.0 if self.dp is not None else float(ok.num_examples), norm=ok.norm)
+                norms.append(ok.norm)
+                if ok.local_epsilon is not None:
+                    local_eps.append(ok.local_epsilon)
                 loss_sum += ok.train_loss * ok.num_examples
                 bytes_up += ok.nbytes
             if pending and self.clock.now() >= deadline:
@@ -182,12 +201,21 @@ class SyncWorkflow:
                 break
             if pending:
                 self.clock.sleep(s.poll_interval)
-        if acc.count:
+        extra: dict[str, Any] = {}
+        if self.dp is not None:  # noise is added even to an empty sum: the release is private either way
+            extra["clip"] = self.dp.clip
+            self.weights = self.optimizer.step(self.weights, self.dp.release(acc, len(sent), rnd))
+            self.version += 1
+            self.dp.after_round(self._rate, norms, len(sent))
+            extra["epsilon"] = self.dp.epsilon
+        elif acc.count:
             self.weights = self.optimizer.step(self.weights, acc.result())
             self.version += 1
         else:
             log(WARNING, "[fedshield] round %d: no valid update; the global model is unchanged", rnd)
-        return {"replies": replies, "accepted": acc.count, "rejected": sum(rejected.values()),
+        if local_eps:
+            extra["local_epsilon_max"] = max(local_eps)
+        return {**extra, "replies": replies, "accepted": acc.count, "rejected": sum(rejected.values()),
                 "rejected_by_rule": dict(rejected), "bytes_up": bytes_up,
                 "train_loss": loss_sum / acc.total_weight if acc.count else float("nan")}
 
@@ -195,6 +223,9 @@ class SyncWorkflow:
         start = self.clock.now()
         nodes = self._wait_for_nodes()
         selected = self.select(nodes, rnd)
+        self._rate = len(selected) / len(nodes)
+        if self.dp is not None:
+            self.dp.check_budget(self._rate)  # before anything is sent
         sent, bytes_down = self._send(rnd, selected)
         row: dict[str, Any] = {"round": rnd, "nodes_online": len(nodes), "selected": len(selected), "bytes_down": bytes_down}
         row.update(self._collect(rnd, sent))
@@ -210,7 +241,12 @@ class SyncWorkflow:
         total = self.cfg.server.num_rounds
         self.run_dir.write_json(CONFIG_FILE, self.cfg.to_mapping())
         for rnd in range(self.round + 1, total + 1):
-            row = self.run_round(rnd)
+            try:
+                row = self.run_round(rnd)
+            except BudgetExhausted as exc:
+                self.status = "budget-exhausted"
+                log(WARNING, "[fedshield] stopping before round %d: %s", rnd, exc)
+                break
             self.rejections.update(row["rejected_by_rule"])
             self.history.append(row)
             self.round = rnd
@@ -227,9 +263,11 @@ class SyncWorkflow:
         self.run_dir.save_model({k: v.detach().cpu() for k, v in self.model.state_dict().items()})
         if self.history:
             self.run_dir.plot(self.history, f"{self.cfg.task.task}: accuracy and loss per round")
+            if self.cfg.privacy.dp != "none":
+                self.run_dir.plot_epsilon(self.history, f"{self.cfg.task.task}: privacy spent ({self.cfg.privacy.dp} DP)")
         last = self.history[-1] if self.history else {}
         summary = {
-            "status": "completed", "rounds": self.round, "version": self.version, "task": self.cfg.task.task,
+            "status": self.status, "rounds": self.round, "version": self.version, "task": self.cfg.task.task,
             "final_test_accuracy": last.get("test_accuracy"), "final_test_loss": last.get("test_loss"),
             "total_bytes_down": sum(r["bytes_down"] for r in self.history),
             "total_bytes_up": sum(r["bytes_up"] for r in self.history),
@@ -237,6 +275,15 @@ class SyncWorkflow:
             "wall_time_s": time.monotonic() - self.wall_start, "num_parameters": self.numel,
             "run_dir": str(self.run_dir.path),
         }
+        if self.dp is not None:
+            summary.update({"epsilon": self.dp.epsilon, "delta": self.cfg.privacy.dp_delta,
+                            "noise_multiplier": self.dp.z, "privacy_guarantee": self.dp.describe()})
+        elif self.cfg.privacy.dp == "local":
+            eps = [r["local_epsilon_max"] for r in self.history if "local_epsilon_max" in r]
+            summary.update({"local_epsilon_max": max(eps) if eps else None, "delta": self.cfg.privacy.dp_delta,
+                            "privacy_guarantee": "example-level DP-SGD on each client (Opacus, RDP accountant per "
+                            f"client); the largest epsilon any client reported is {max(eps) if eps else float('nan'):.3g} "
+                            f"at delta {self.cfg.privacy.dp_delta:g}. The coordinator sees clients' noised updates."})
         self.run_dir.write_json(SUMMARY, summary)
         log(INFO, "[fedshield] run complete: accuracy %.4f after %d rounds; results in %s",
             summary["final_test_accuracy"] or float("nan"), self.round, self.run_dir.path)

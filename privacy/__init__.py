@@ -1,6 +1,7 @@
 """fedshield's privacy package: transport security and differential privacy (mechanisms, accounting, budget)."""
 
 from ._errors import PrivacyError
+from ._opacus import quiet_import_opacus
 from .accountant import BudgetExhausted, PrivacyBudget, PrivacyEvent, RdpAccountant, calibrate_noise_multiplier
 from .dp import AdaptiveClipping, CentralGaussianMechanism, GaussianNoise, clip_scale, effective_noise_multiplier
 from .transport import (
@@ -30,4 +31,5 @@ __all__ = [
     "effective_noise_multiplier",
     "init_certificates",
     "new_node_key",
+    "quiet_import_opacus",
 ]

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from numbers import Real
 from typing import Any
 
+from ._opacus import quiet_import_opacus
 from ._errors import PrivacyError
 
 _Z_RANGE = (0.01, 1000.0)  # calibration searches noise multipliers in this range
@@ -80,6 +81,7 @@ class PrivacyEvent:
 
 
 def _default_orders() -> tuple[float, ...]:
+    quiet_import_opacus()
     from opacus.accountants import RDPAccountant
 
     return tuple(float(a) for a in RDPAccountant.DEFAULT_ALPHAS)
@@ -89,6 +91,7 @@ def _default_orders() -> tuple[float, ...]:
 def _rdp_per_step(q: float, z: float, orders: tuple[float, ...]) -> tuple[float, ...]:
     """opacus's RDP of one sampled Gaussian step at each order; an order opacus cannot
     evaluate counts as inf (it then simply does not take part in the minimum)."""
+    quiet_import_opacus()
     from opacus.accountants.analysis import rdp as privacy_analysis
 
     out = []
@@ -101,6 +104,7 @@ def _rdp_per_step(q: float, z: float, orders: tuple[float, ...]) -> tuple[float,
 
 
 def _epsilon(orders: tuple[float, ...], rdp: Sequence[float], delta: float) -> float:
+    quiet_import_opacus()
     from opacus.accountants.analysis import rdp as privacy_analysis
 
     if all(r == 0 for r in rdp):

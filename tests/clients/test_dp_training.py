@@ -11,11 +11,11 @@ import pytest
 import torch
 from torch import nn
 
-from clients import ConfigError, TaskSpec, TrainSettings, build_config
-from clients._errors import ClientError
+from clients import ClientError, ConfigError, TaskSpec, TrainSettings, build_config
 from clients.dp_training import (
     LocalDpSettings,
     accountant_from_state,
+    private_generator,
     resolve_grad_sample_mode,
     train_local_dp,
 )
@@ -67,11 +67,13 @@ def test_settings_defaults_are_valid():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"noise_multiplier": 0.0}, "noise-multiplier must be a finite number > 0 (0 adds no noise: no privacy). Found 0.0."),
+        ({"noise_multiplier": 0.0},
+         "noise-multiplier must be a finite number > 0 (0 adds no noise: no privacy). Found 0.0."),
         ({"noise_multiplier": -1.0}, "noise-multiplier must be a finite number > 0"),
         ({"noise_multiplier": float("nan")}, "noise-multiplier must be a finite number > 0"),
         ({"noise_multiplier": float("inf")}, "noise-multiplier must be a finite number > 0"),
-        ({"max_grad_norm": 0.0}, "max-grad-norm must be a finite number > 0 (it bounds each example's influence). Found 0.0."),
+        ({"max_grad_norm": 0.0},
+         "max-grad-norm must be a finite number > 0 (it bounds each example's influence). Found 0.0."),
         ({"max_grad_norm": float("inf")}, "max-grad-norm must be a finite number > 0"),
         ({"delta": 0.0}, "delta must be in (0, 1). Found 0.0."),
         ({"delta": 1.0}, "delta must be in (0, 1). Found 1.0."),
@@ -154,6 +156,14 @@ def test_batches_are_poisson_sampled_unless_turned_off(task, data, poisson):
         assert abs(np.mean(sizes) - len(data) * q) < 3
     else:
         assert sizes == fixed
+
+
+def test_without_a_generator_the_draws_come_from_os_entropy(task, data):
+    dp = LocalDpSettings(noise_multiplier=1.0)
+    a, _, _ = train_local_dp(_model(task), data, SETTINGS, dp, None, None)
+    b, _, _ = train_local_dp(_model(task), data, SETTINGS, dp, None, None)
+    assert not torch.equal(flat_params(a), flat_params(b))
+    assert private_generator().initial_seed() != private_generator().initial_seed()
 
 
 def test_returned_model_is_the_plain_input_model(task, data):
