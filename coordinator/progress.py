@@ -9,10 +9,15 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 
 def format_row(row: dict[str, Any], total: int) -> str:
+    privacy = ""
+    if row.get("epsilon") is not None:
+        privacy = f"  eps {row['epsilon']:.3g}"
+    elif row.get("local_epsilon_max") is not None:
+        privacy = f"  client eps <= {row['local_epsilon_max']:.3g}"
     return (
         f"round {row['round']:>3}/{total}  acc {row['test_accuracy']:.4f}  loss {row['test_loss']:.4f}  "
         f"accepted {row['accepted']}/{row['selected']}  rejected {row['rejected']}  "
-        f"down {row['bytes_down'] / 1e6:.2f} MB  up {row['bytes_up'] / 1e6:.2f} MB  {row['round_time_s']:.2f} s"
+        f"down {row['bytes_down'] / 1e6:.2f} MB  up {row['bytes_up'] / 1e6:.2f} MB  {row['round_time_s']:.2f} s{privacy}"
     )
 
 

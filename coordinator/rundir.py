@@ -22,6 +22,7 @@ METRIC_FIELDS = [
     "round", "version", "nodes_online", "selected", "replies", "accepted", "rejected",
     "test_accuracy", "test_loss", "train_loss", "bytes_down", "bytes_up",
     "round_time_s", "wall_time_s", "rejected_by_rule", "epsilon", "local_epsilon_max", "clip",
+    "sim_time_s", "mean_staleness",
 ]
 EPSILON_PLOT = "epsilon.png"
 

@@ -31,6 +31,7 @@ from privacy import BudgetExhausted
 
 from .config import RunConfig
 from .privacy_policy import CentralDp
+from .progress import format_row
 from .rundir import CONFIG as CONFIG_FILE
 from .rundir import SUMMARY, RunDirectory
 from .validation import RejectedReply, RoundExpectation, validate_reply
@@ -251,9 +252,7 @@ class SyncWorkflow:
             self.history.append(row)
             self.round = rnd
             self._checkpoint()
-            log(INFO, "[fedshield] round %d/%d acc=%.4f loss=%.4f accepted=%d/%d rejected=%d down=%.2fMB up=%.2fMB time=%.2fs",
-                rnd, total, row["test_accuracy"], row["test_loss"], row["accepted"], row["selected"], row["rejected"],
-                row["bytes_down"] / 1e6, row["bytes_up"] / 1e6, row["round_time_s"])
+            log(INFO, "[fedshield] %s", format_row(row, total))
             if self.on_round:
                 self.on_round(row)
         return self.finish()

@@ -8,6 +8,13 @@ os.environ.setdefault("FEDSHIELD_DEVICE", "cpu")
 os.environ.setdefault("FEDSHIELD_TORCH_THREADS", "1")
 
 import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+# A loaded 2-core CI machine makes generation slow; that is not a failure of the code under test.
+settings.register_profile("fedshield", deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
+                                                 HealthCheck.data_too_large])
+settings.load_profile("fedshield")
 
 
 @pytest.fixture(autouse=True, scope="session")

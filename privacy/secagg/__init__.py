@@ -1,0 +1,34 @@
+"""Cryptographic core of SecAgg+ (Bell et al. 2020): Shamir sharing, key agreement, masking, graphs.
+
+Protocol stages over Flower messages are not here yet; these are the tested primitives.
+"""
+
+from .graph import Graph, check_threshold, choose_degree, complete_graph, harary_graph
+from .keys import KeyPair, PairwiseKeys, agree, decrypt_share, derive_pairwise, encrypt_share
+from .masking import dequantize, expand_seed, mask, quantization_step, quantize, ring_sum, unmask
+from .shamir import PRIME, Share, combine, split
+
+__all__ = [
+    "Graph",
+    "KeyPair",
+    "PRIME",
+    "PairwiseKeys",
+    "Share",
+    "agree",
+    "check_threshold",
+    "choose_degree",
+    "combine",
+    "complete_graph",
+    "decrypt_share",
+    "dequantize",
+    "derive_pairwise",
+    "encrypt_share",
+    "expand_seed",
+    "harary_graph",
+    "mask",
+    "quantization_step",
+    "quantize",
+    "ring_sum",
+    "split",
+    "unmask",
+]

@@ -1,0 +1,170 @@
+"""BufferedAsyncWorkflow (FedBuff) on the virtual-time Grid: learning, staleness weights, accounting."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Array, Message
+
+from clients.client_app import app
+from clients.protocol import ARRAYS
+from coordinator import CoordinatorError, RunConfig, RunDirectory, SyncWorkflow
+from coordinator.async_workflow import BufferedAsyncWorkflow
+from simulations.virtual import DeviceProfile, VirtualClock, VirtualGrid, tiered_profiles
+
+from .helpers import reply_with
+
+FAST = DeviceProfile("fast", compute_s_per_example=0.001, uplink_mbps=100.0, downlink_mbps=100.0, latency_s=0.01)
+SLOW = dataclasses.replace(FAST, tier="slow", compute_s_per_example=0.01)  # 10 examples x 3 epochs: 0.3 s vs 0.03 s
+MEDIUM = dataclasses.replace(FAST, tier="medium", compute_s_per_example=0.05)  # 1.5 s
+
+
+def cfg(**kw) -> RunConfig:
+    return RunConfig.from_mapping({"num-rounds": 10, "min-nodes": 1, "seed": 0, "round-timeout": 60.0, **kw})
+
+
+def constant_client(values: dict[int, float]):
+    """Replies with the delta ``values[node]`` everywhere (0 for other nodes), 10 examples."""
+
+    def client(msg: Message, ctx) -> Message:
+        numel = msg.content.array_records[ARRAYS]["weights"].shape[0]
+        return reply_with(msg, Array(np.full(numel, values.get(ctx.node_id, 0.0), np.float32)))
+
+    return client
+
+
+def make(tmp_path, client, profiles, name="run", seed=0, config=None, **kw):
+    clock = VirtualClock()
+    grid = VirtualGrid(client, len(profiles), clock, profiles, seed=seed)
+    snaps: dict[int, torch.Tensor] = {}
+    times: dict[int, float] = {}
+    wf = BufferedAsyncWorkflow(config or cfg(), grid, RunDirectory(tmp_path / name), clock, **kw)
+
+    def on_round(row):
+        snaps[row["round"]] = wf.weights.detach().clone()
+        times[row["round"]] = clock.now()
+
+    wf.on_round = on_round
+    snaps[0] = wf.weights.detach().clone()
+    return wf, grid, clock, snaps, times
+
+
+def check_accounting(wf, grid):
+    """Every dispatched message is accepted, rejected, or still in flight, exactly once."""
+    mids = [e.message_id for e in wf.ledger]
+    assert len(mids) == len(set(mids)), "a message was resolved twice"
+    assert not set(mids) & set(wf.inflight)
+    assert wf.accepted_total + wf.rejected_total + len(wf.inflight) == wf.dispatched == len(grid.records)
+    assert wf.accepted_total == sum(r["accepted"] for r in wf.history) == wf.buffer_size * len(wf.history)
+    assert wf.rejected_total == sum(r["rejected"] for r in wf.history)  # the run stops right at a release
+    # Never a second message to a node with one in flight.
+    assert all(r.outstanding_at_push == 0 for r in grid.records.values())
+
+
+def test_parameters_are_validated(tmp_path):
+    grid = VirtualGrid(constant_client({}), 2, VirtualClock(), [FAST, FAST])
+    for kw, match in [({"concurrency": 0}, "concurrency"), ({"buffer_size": 0}, "buffer_size"),
+                      ({"max_staleness": -1}, "max_staleness"), ({"staleness": "nope"}, "staleness"),
+                      ({"staleness": "hinge", "staleness_params": {"zzz": 1}}, "staleness"),
+                      ({"message_ttl": 0.0}, "message_ttl")]:
+        with pytest.raises(CoordinatorError, match=match):
+            BufferedAsyncWorkflow(cfg(), grid, RunDirectory(tmp_path / "v"), VirtualClock(), **kw)
+    central = cfg(dp="central", **{"dp-noise-multiplier": 1.0})
+    with pytest.raises(CoordinatorError, match="central"):
+        BufferedAsyncWorkflow(central, grid, RunDirectory(tmp_path / "c"), VirtualClock())
+
+
+def test_stale_update_weighted_by_polynomial_staleness(tmp_path):
+    # Fast nodes 1001, 1002 send zero deltas and release every 2 replies; slow node 1003 sends ones,
+    # trained on version 0, arriving after many releases.
+    wf, grid, _, snaps, _ = make(tmp_path, constant_client({1003: 1.0}), [FAST, FAST, SLOW],
+                                 concurrency=3, buffer_size=2, max_staleness=1000)
+    wf.run()
+    slow = [e for e in wf.ledger if e.node_id == 1003 and e.outcome == "accepted"]
+    assert slow, "the slow node's update must be accepted"
+    e = slow[0]
+    assert e.base_version == 0 and e.staleness == e.version_at_arrival - e.base_version >= 3
+    assert e.weight == pytest.approx(10 * (1 + e.staleness) ** -0.5)  # num_examples x 1/sqrt(1+s)
+    # The release holding it moved the model by w_slow / (sum of the buffer's weights), everywhere.
+    buf = [x for x in wf.ledger if x.released_in == e.released_in]
+    assert len(buf) == 2
+    expected = e.weight / sum(x.weight for x in buf)
+    step = snaps[e.released_in] - snaps[e.released_in - 1]
+    torch.testing.assert_close(step, torch.full_like(step, expected), rtol=1e-5, atol=1e-6)
+    # Fresh updates weigh num_examples exactly.
+    assert all(x.weight == 10.0 for x in wf.ledger if x.outcome == "accepted" and x.staleness == 0)
+    check_accounting(wf, grid)
+
+
+def test_too_stale_updates_refused_and_counted(tmp_path):
+    wf, grid, _, snaps, _ = make(tmp_path, constant_client({1003: 1.0}), [FAST, FAST, SLOW],
+                                 concurrency=3, buffer_size=2, max_staleness=1)
+    s = wf.run()
+    stale = [e for e in wf.ledger if e.outcome == "too-stale"]
+    assert stale and all(e.node_id == 1003 for e in stale)
+    assert s["rejected_by_rule"]["too-stale"] == len(stale)
+    assert all(e.version_at_arrival - e.base_version > 1 for e in stale)
+    assert torch.equal(snaps[len(wf.history)], snaps[0])  # only zero deltas were ever applied
+    # The slow node became idle after its refused reply and was asked again.
+    assert sum(r.node_id == 1003 for r in grid.records.values()) >= 2
+    check_accounting(wf, grid)
+
+
+def test_expired_messages_free_the_node_without_livelock(tmp_path):
+    never = dataclasses.replace(FAST, tier="hopeless", compute_s_per_example=100.0)  # 3000 s > ttl
+    wf, grid, clock, _, _ = make(tmp_path, constant_client({}), [MEDIUM, MEDIUM, never],
+                                 config=cfg(**{"num-rounds": 30}), concurrency=3, buffer_size=2, message_ttl=5.0)
+    s = wf.run()
+    errors = [e for e in wf.ledger if e.outcome == "error-reply"]
+    assert errors and all(e.node_id == 1003 for e in errors)
+    to_hopeless = [r for r in grid.records.values() if r.node_id == 1003]
+    # Re-asked only after each expiry (ttl 5 s), never while a message was in flight.
+    assert len(to_hopeless) <= clock.now() / 5.0 + 1
+    assert s["rounds"] == 30
+    check_accounting(wf, grid)
+
+
+def test_replays_exactly(tmp_path):
+    def once(name):
+        wf, grid, clock, _, _ = make(tmp_path, app, tiered_profiles(8, seed=1), name=name, seed=1,
+                                     config=cfg(**{"num-rounds": 6}), concurrency=4, buffer_size=2)
+        wf.run()
+        return wf.weights, clock.now(), [(e.node_id, e.outcome, e.staleness) for e in wf.ledger]
+
+    a, b = once("a"), once("b")
+    assert torch.equal(a[0], b[0]) and a[1:] == b[1:]
+
+
+def _first_time_at(rows_times, threshold):
+    return next((t for acc, t in rows_times if acc >= threshold), float("inf"))
+
+
+def test_digits_fedbuff_band_and_faster_than_sync_to_85(tmp_path):
+    n = 20
+    profiles = tiered_profiles(n, seed=0)  # 70% edge CPUs (5% dropout, 80% availability), 25% laptops, 5% GPUs
+    wall = time.monotonic()
+    wf, grid, clock, _, times = make(tmp_path, app, profiles, name="async",
+                                     config=cfg(**{"num-rounds": 30, "round-timeout": 30.0}),
+                                     concurrency=10, buffer_size=5, max_staleness=20)
+    s = wf.run()
+    async_wall = time.monotonic() - wall
+    assert 0.88 <= s["final_test_accuracy"] <= 0.995
+    check_accounting(wf, grid)
+    t_async = _first_time_at([(r["test_accuracy"], r["sim_time_s"]) for r in wf.history], 0.85)
+
+    sclock = VirtualClock()
+    sgrid = VirtualGrid(app, n, sclock, profiles, seed=0)
+    sync_rows: list[tuple[float, float]] = []
+    sync = SyncWorkflow(cfg(**{"num-rounds": 8, "round-timeout": 30.0, "min-nodes": 5}), sgrid,
+                        RunDirectory(tmp_path / "sync"), sclock,
+                        on_round=lambda row: sync_rows.append((row["test_accuracy"], sclock.now())))
+    sync.run()
+    t_sync = _first_time_at(sync_rows, 0.85)
+    print(f"\nsimulated time to 0.85 accuracy: async {t_async:.2f} s, sync {t_sync:.2f} s; "
+          f"async 30 releases {s['sim_time_s']:.2f} s sim, {async_wall:.2f} s wall; sync 8 rounds {sclock.now():.2f} s sim")
+    assert t_async < t_sync < float("inf")
+    assert async_wall < 30

@@ -1,0 +1,197 @@
+"""The virtual-time engine: clock, device profiles, VirtualGrid, and SyncWorkflow running on it."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
+from flwr.common.constant import ErrorCode
+
+from clients.client_app import app
+from clients.protocol import ARRAYS, CONFIG
+from coordinator import RunConfig, RunDirectory, SyncWorkflow
+from simulations.inprocess import InProcessGrid
+from simulations.virtual import (
+    DEFAULT_TIERS,
+    DeviceProfile,
+    VirtualClock,
+    VirtualGrid,
+    message_nbytes,
+    tiered_profiles,
+)
+from tests.coordinator.helpers import reply_with
+
+FLAT = DeviceProfile("flat", compute_s_per_example=0.01, uplink_mbps=8.0, downlink_mbps=16.0, latency_s=0.1)
+
+
+def zeros_client(msg: Message, ctx) -> Message:
+    numel = msg.content.array_records[ARRAYS]["weights"].shape[0]
+    return reply_with(msg, Array(np.zeros(numel, np.float32)))  # num-examples 10
+
+
+def instruction(node: int, numel: int = 1000, ttl: float | None = None, epochs: int = 2) -> Message:
+    content = RecordDict({ARRAYS: ArrayRecord({"weights": Array(np.zeros(numel, np.float32))}),
+                          CONFIG: ConfigRecord({"version": 0, "local-epochs": epochs})})
+    return Message(content, dst_node_id=node, message_type="train", group_id="1", ttl=ttl)
+
+
+# -- clock -----------------------------------------------------------------------
+def test_clock_sleep_jumps_to_next_event_and_advance_to_is_monotonic():
+    clock = VirtualClock()
+    clock.sleep(2.5)
+    assert clock.now() == 2.5
+    events = [3.0, 10.0]
+    clock.add_source(lambda t: min((e for e in events if e > t), default=None))
+    clock.sleep(100.0)
+    assert clock.now() == 3.0  # woke at the completion, not after 100 s
+    clock.sleep(0.5)
+    assert clock.now() == 3.5
+    clock.advance_to(20.0)
+    assert clock.now() == 20.0
+    clock.sleep(1.0)  # no event left in the future
+    assert clock.now() == 21.0
+    with pytest.raises(ValueError):
+        clock.advance_to(5.0)
+    with pytest.raises(ValueError):
+        clock.sleep(-1)
+
+
+# -- profiles --------------------------------------------------------------------
+def test_profile_validation():
+    with pytest.raises(ValueError, match="availability"):
+        dataclasses.replace(FLAT, availability=0.0)
+    with pytest.raises(ValueError, match="dropout"):
+        dataclasses.replace(FLAT, dropout=1.0)
+    with pytest.raises(ValueError, match="uplink"):
+        dataclasses.replace(FLAT, uplink_mbps=0)
+
+
+def test_tiered_profiles_counts_and_seeded_shuffle():
+    profs = tiered_profiles(20, seed=3)
+    counts = {t: sum(p.tier == t for p in profs) for t in ("edge-cpu", "laptop", "gpu-server")}
+    assert counts == {"edge-cpu": 14, "laptop": 5, "gpu-server": 1}
+    assert profs == tiered_profiles(20, DEFAULT_TIERS, seed=3)
+    assert profs != tiered_profiles(20, seed=4)
+    assert len(tiered_profiles(7)) == 7
+
+
+# -- grid --------------------------------------------------------------------------
+def test_reply_visible_at_completion_time_and_busy_node_queues():
+    clock = VirtualClock()
+    grid = VirtualGrid(zeros_client, 2, clock, [FLAT, FLAT])
+    m1, m2 = instruction(1001), instruction(1001)
+    down = message_nbytes(m1)
+    assert 4000 <= down <= 4200  # float32 data plus the serialized array header
+    id1, id2 = grid.push_messages([m1, m2])
+    r1, r2 = grid.records[id1], grid.records[id2]
+    up = r1.bytes_up
+    assert 4000 <= up <= 4200
+    expected = 0.1 + 8 * down / 16e6 + 0.01 * 10 * 2 + 0.1 + 8 * up / 8e6
+    assert r1.done == pytest.approx(expected)
+    assert r2.start == pytest.approx(r1.done) and r2.done == pytest.approx(2 * expected)  # queued behind the first
+    assert r2.outstanding_at_push == 1
+    assert list(grid.pull_messages([id1, id2])) == []  # nothing arrived yet
+    clock.sleep(1000.0)
+    assert clock.now() == pytest.approx(r1.done)
+    (rep,) = grid.pull_messages([id1, id2])
+    assert rep.metadata.reply_to_message_id == id1
+    assert list(grid.pull_messages([id1])) == []  # each reply once
+    clock.sleep(1000.0)
+    assert [r.metadata.reply_to_message_id for r in grid.pull_messages([id1, id2])] == [id2]
+
+
+def test_expired_message_gives_error_reply_at_ttl():
+    slow = dataclasses.replace(FLAT, compute_s_per_example=10.0)
+    clock = VirtualClock()
+    grid = VirtualGrid(zeros_client, 1, clock, [slow])
+    (mid,) = grid.push_messages([instruction(1001, ttl=50.0)])
+    clock.sleep(1e6)
+    assert clock.now() == 50.0
+    (rep,) = grid.pull_messages([mid])
+    assert rep.has_error() and rep.error.code == ErrorCode.MESSAGE_UNAVAILABLE
+    assert grid.records[mid].expired
+
+
+def test_availability_windows_are_seeded():
+    flaky = dataclasses.replace(FLAT, availability=0.5)
+
+    def online_trace(seed):
+        clock = VirtualClock()
+        grid = VirtualGrid(zeros_client, 30, clock, lambda i: flaky, seed=seed, availability_window_s=10.0)
+        trace = []
+        for _ in range(5):
+            trace.append(tuple(grid.get_node_ids()))
+            clock.sleep(10.0)
+        return trace
+
+    a = online_trace(1)
+    assert a == online_trace(1)
+    assert a != online_trace(2)
+    assert all(5 <= len(t) <= 25 for t in a) and len(set(a)) > 1
+
+
+# -- SyncWorkflow on the virtual grid ------------------------------------------------
+def _cfg(**kw) -> RunConfig:
+    return RunConfig.from_mapping({"num-rounds": 4, "min-nodes": 2, "seed": 0, "round-timeout": 120.0, **kw})
+
+
+def _reliable(p: DeviceProfile) -> DeviceProfile:
+    return dataclasses.replace(p, availability=1.0, dropout=0.0)
+
+
+def run_sync_virtual(tmp_path, name, n=10, grid_seed=0, profiles=None, **kw):
+    clock = VirtualClock()
+    grid = VirtualGrid(app, n, clock, profiles or [_reliable(p) for p in tiered_profiles(n, seed=grid_seed)], seed=grid_seed)
+    ends: list[float] = []
+    wf = SyncWorkflow(_cfg(**kw), grid, RunDirectory(tmp_path / name), clock, on_round=lambda row: ends.append(clock.now()))
+    start = time.monotonic()
+    wf.run()
+    return wf, grid, ends, time.monotonic() - start
+
+
+def test_sync_round_time_is_the_slowest_selected_client(tmp_path):
+    wf, grid, ends, wall = run_sync_virtual(tmp_path, "a", **{"fraction-train": 0.6})
+    starts = [0.0] + ends[:-1]
+    for row, t0, t1 in zip(wf.history, starts, ends, strict=True):
+        recs = [r for r in grid.records.values() if t0 <= r.pushed_at < t1]
+        assert len(recs) == row["selected"] == 6
+        slowest = max(r.done - r.pushed_at for r in recs)
+        assert row["round_time_s"] == pytest.approx(slowest, rel=1e-9)
+        assert t1 == pytest.approx(t0 + slowest)
+    sim = ends[-1]
+    print(f"\nsync on virtual grid: {sim:.2f} s simulated in {wall:.2f} s wall")
+    assert sim > 5.0  # edge devices with 3 local epochs take seconds
+    assert wall < sim / 2 and wall < 20  # waiting costs no wall time
+
+
+def test_sync_on_virtual_grid_replays_exactly(tmp_path):
+    a, _, ends_a, _ = run_sync_virtual(tmp_path, "a", grid_seed=5, **{"fraction-train": 0.5, "seed": 5})
+    b, _, ends_b, _ = run_sync_virtual(tmp_path, "b", grid_seed=5, **{"fraction-train": 0.5, "seed": 5})
+    assert torch.equal(a.weights, b.weights)
+    assert ends_a == ends_b
+    assert [r["round_time_s"] for r in a.history] == [r["round_time_s"] for r in b.history]
+
+
+def test_sync_virtual_matches_inprocess(tmp_path):
+    kw = {"fraction-train": 0.5, "num-rounds": 3}
+    virt, _, _, _ = run_sync_virtual(tmp_path, "v", **kw)
+    ref = SyncWorkflow(_cfg(**kw), InProcessGrid(app, 10), RunDirectory(tmp_path / "ref"))
+    ref.run()
+    # Same selection, same client seeds: only the order of the float sums differs.
+    torch.testing.assert_close(virt.weights, ref.weights, rtol=1e-5, atol=1e-6)
+    assert [r["test_accuracy"] for r in virt.history] == pytest.approx([r["test_accuracy"] for r in ref.history], abs=0.01)
+
+
+def test_sync_with_dropouts_waits_until_deadline(tmp_path):
+    lossy = [dataclasses.replace(FLAT, dropout=0.5)] * 6
+    wf, _, _, _ = run_sync_virtual(tmp_path, "d", n=6, profiles=lossy, **{"num-rounds": 3, "round-timeout": 40.0})
+    lost = [r for r in wf.history if r["replies"] < r["selected"]]
+    assert lost, "with 50% dropout some round must miss replies"
+    for r in lost:
+        assert r["round_time_s"] == pytest.approx(40.0, abs=0.2)
+    assert all(math.isfinite(r["round_time_s"]) for r in wf.history)
