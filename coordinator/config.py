@@ -104,6 +104,34 @@ class AggregationSettings:
         return create_aggregator(self.aggregator, numel, device, max_clients, **params)
 
 
+WORKFLOWS = ("sync", "fedbuff")
+
+
+@dataclasses.dataclass(frozen=True)
+class AsyncSettings:
+    """Which round logic runs: synchronous rounds, or buffered asynchronous aggregation (FedBuff)."""
+
+    workflow: str = "sync"
+    concurrency: int = 10
+    buffer_size: int = 5
+    max_staleness: int = 20
+    staleness: str = "polynomial"
+    staleness_a: float = 0.5
+
+    def __post_init__(self) -> None:
+        check(self.workflow in WORKFLOWS, "workflow", f"be one of {list(WORKFLOWS)}", self.workflow)
+        check(self.concurrency >= 1, "concurrency", "be >= 1", self.concurrency)
+        check(self.buffer_size >= 1, "buffer-size", "be >= 1", self.buffer_size)
+        check(self.max_staleness >= 0, "max-staleness", "be >= 0", self.max_staleness)
+        check(self.staleness in ("constant", "polynomial"), "staleness", "be constant or polynomial", self.staleness)
+        check(self.staleness_a >= 0, "staleness-a", "be >= 0", self.staleness_a)
+
+    def workflow_kwargs(self) -> dict[str, Any]:
+        return {"concurrency": self.concurrency, "buffer_size": self.buffer_size, "max_staleness": self.max_staleness,
+                "staleness": self.staleness,
+                "staleness_params": {"a": self.staleness_a} if self.staleness == "polynomial" else {}}
+
+
 DP_MODES = ("none", "central", "local")
 
 
@@ -159,6 +187,7 @@ class RunConfig:
     train: TrainSettings = TrainSettings()
     aggregation: AggregationSettings = AggregationSettings()
     privacy: PrivacySettings = PrivacySettings()
+    asynchrony: AsyncSettings = AsyncSettings()
 
     def __post_init__(self) -> None:
         if self.privacy.dp == "central":
@@ -168,23 +197,25 @@ class RunConfig:
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, Any], where: str = "run") -> "RunConfig":
         """Build from one flat kebab-case mapping; unknown keys are an error."""
-        known = set().union(*(config_keys(c) for c in (ServerSettings, TaskSpec, TrainSettings, AggregationSettings, PrivacySettings)))
+        known = set().union(*(config_keys(c) for c in (ServerSettings, TaskSpec, TrainSettings, AggregationSettings, PrivacySettings,
+                                         AsyncSettings)))
         unknown = sorted(set(mapping) - known)
         if unknown:
             raise ConfigError(f"{where}.{unknown[0]} is not a known key. Known keys: {', '.join(sorted(known))}.")
-        server, task, train, agg, priv = split_mapping(mapping, ServerSettings, TaskSpec, TrainSettings, AggregationSettings,
-                                                       PrivacySettings)
+        server, task, train, agg, priv, asy = split_mapping(mapping, ServerSettings, TaskSpec, TrainSettings,
+                                                            AggregationSettings, PrivacySettings, AsyncSettings)
         return cls(
             server=build_config(ServerSettings, server, where),
             task=build_config(TaskSpec, task, where),
             train=build_config(TrainSettings, train, where),
             aggregation=build_config(AggregationSettings, agg, where),
             privacy=build_config(PrivacySettings, priv, where),
+            asynchrony=build_config(AsyncSettings, asy, where),
         )
 
     def to_mapping(self) -> dict[str, Any]:
         return {**to_mapping(self.server), **to_mapping(self.task), **to_mapping(self.train), **to_mapping(self.aggregation),
-                **to_mapping(self.privacy)}
+                **to_mapping(self.privacy), **to_mapping(self.asynchrony)}
 
     def replace(self, **server_changes: Any) -> "RunConfig":
         return dataclasses.replace(self, server=dataclasses.replace(self.server, **server_changes))

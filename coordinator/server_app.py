@@ -11,7 +11,17 @@ from flwr.serverapp import Grid, ServerApp
 
 from .config import RunConfig
 from .rundir import RunDirectory
-from .workflow import RoundCallback, SyncWorkflow
+from .workflow import Clock, RoundCallback, SyncWorkflow
+
+
+def make_workflow(cfg: RunConfig, grid: Grid, run_dir: RunDirectory, clock: Clock | None = None,
+                  on_round: RoundCallback | None = None) -> SyncWorkflow:
+    """The round logic ``cfg`` asks for (synchronous, or FedBuff) on this Grid and Clock."""
+    if cfg.asynchrony.workflow == "fedbuff":
+        from .async_workflow import BufferedAsyncWorkflow
+
+        return BufferedAsyncWorkflow(cfg, grid, run_dir, clock, on_round, **cfg.asynchrony.workflow_kwargs())
+    return SyncWorkflow(cfg, grid, run_dir, clock=clock, on_round=on_round)
 
 HOME_ENV = "FEDSHIELD_HOME"
 
@@ -34,7 +44,7 @@ def make_server_app(
     def main(grid: Grid, context: Context) -> None:
         run_cfg = cfg if cfg is not None else RunConfig.from_mapping(context.run_config)
         run_dir = RunDirectory(run_cfg.server.run_dir or default_run_dir(context.run_id))
-        summary = SyncWorkflow(run_cfg, grid, run_dir, on_round=on_round).run()
+        summary = make_workflow(run_cfg, grid, run_dir, on_round=on_round).run()
         if result is not None:
             result.update(summary)
 

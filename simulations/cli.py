@@ -83,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("simulate", help="run a scenario on one machine (Flower's simulation engine)")
     s.add_argument("scenario", nargs="?", help="scenario TOML (default: the packaged default scenario)")
-    s.add_argument("--engine", choices=["flower", "inprocess"], help="override the scenario's engine")
+    s.add_argument("--engine", choices=["flower", "inprocess", "virtual"],
+                   help="override the scenario's engine (virtual: simulated time from device tiers)")
     s.add_argument("--run-dir", help="results directory (default: runs/NAME-TIMESTAMP); an existing one resumes")
     s.add_argument("--rounds", type=int, help="override run.num-rounds")
     s.add_argument("--set", action="append", metavar="TABLE.KEY=VALUE", help="override any scenario key")

@@ -7,12 +7,13 @@ import os
 from pathlib import Path
 from typing import Any
 
-from coordinator import CoordinatorError, RunDirectory, SyncWorkflow
+from coordinator import CoordinatorError, RunDirectory
 from coordinator.progress import RoundProgress
-from coordinator.server_app import make_server_app
+from coordinator.server_app import make_server_app, make_workflow
 from coordinator.workflow import RoundCallback
 
 from .inprocess import InProcessGrid
+from .virtual import VirtualClock, VirtualGrid, tiered_profiles
 from .scenario import Scenario
 
 
@@ -53,7 +54,17 @@ def run_inprocess_engine(scn: Scenario, on_round: RoundCallback | None) -> dict[
     from clients.client_app import app as client_app
 
     grid = InProcessGrid(client_app, scn.sim.num_supernodes)
-    return SyncWorkflow(scn.run, grid, RunDirectory(scn.run.server.run_dir), on_round=on_round).run()
+    return make_workflow(scn.run, grid, RunDirectory(scn.run.server.run_dir), on_round=on_round).run()
+
+
+def run_virtual_engine(scn: Scenario, on_round: RoundCallback | None) -> dict[str, Any]:
+    """The same workflow on the virtual clock: replies arrive at times drawn from device-profile tiers."""
+    from clients.client_app import app as client_app
+
+    clock = VirtualClock()
+    profiles = tiered_profiles(scn.sim.num_supernodes, seed=scn.run.server.seed)
+    grid = VirtualGrid(client_app, scn.sim.num_supernodes, clock, profiles, seed=scn.run.server.seed)
+    return make_workflow(scn.run, grid, RunDirectory(scn.run.server.run_dir), clock=clock, on_round=on_round).run()
 
 
 def run_scenario(scn: Scenario, run_dir: str | Path, show_progress: bool = True) -> dict[str, Any]:
@@ -61,7 +72,7 @@ def run_scenario(scn: Scenario, run_dir: str | Path, show_progress: bool = True)
     scn = Scenario(sim=scn.sim, run=scn.run.replace(run_dir=str(Path(run_dir).resolve())))
     start = RunDirectory(run_dir).load_checkpoint()
     done = int(start["round"]) if start else 0
-    engine = run_flower_engine if scn.sim.engine == "flower" else run_inprocess_engine
+    engine = {"flower": run_flower_engine, "inprocess": run_inprocess_engine, "virtual": run_virtual_engine}[scn.sim.engine]
     if not show_progress:
         return engine(scn, None)
     title = f"{scn.sim.name} ({scn.sim.engine})"

@@ -12,7 +12,7 @@ from typing import Any
 from clients.config import ConfigError, build_config, check
 from coordinator.config import RunConfig
 
-ENGINES = ("flower", "inprocess")
+ENGINES = ("flower", "inprocess", "virtual")
 
 
 @dataclasses.dataclass(frozen=True)
