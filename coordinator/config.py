@@ -22,6 +22,7 @@ class ServerSettings:
     min_nodes: int = 2
     wait_nodes_timeout: float = 120.0
     round_timeout: float = 300.0
+    close_after_replies: int = 0
     poll_interval: float = 0.1
     server_optimizer: str = "fedavg"
     server_lr: float = 1.0
@@ -45,6 +46,8 @@ class ServerSettings:
         check(self.min_nodes >= 1, "min-nodes", "be >= 1", self.min_nodes)
         check(self.wait_nodes_timeout > 0, "wait-nodes-timeout", "be > 0 seconds", self.wait_nodes_timeout)
         check(self.round_timeout > 0, "round-timeout", "be > 0 seconds", self.round_timeout)
+        check(self.close_after_replies >= 0, "close-after-replies", "be >= 0 (0: wait for every reply)",
+              self.close_after_replies)
         check(0 < self.poll_interval <= 10, "poll-interval", "be in (0, 10] seconds", self.poll_interval)
         opts = available_server_optimizers()
         check(self.server_optimizer in opts, "server-optimizer", f"be one of {opts}", self.server_optimizer)

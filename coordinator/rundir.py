@@ -19,7 +19,7 @@ CHECKPOINT, METRICS, SUMMARY, MODEL, PLOT, CONFIG = (
     "checkpoint.pt", "metrics.csv", "summary.json", "model.pt", "accuracy.png", "config.json",
 )
 METRIC_FIELDS = [
-    "round", "version", "nodes_online", "selected", "replies", "accepted", "rejected",
+    "round", "version", "nodes_online", "selected", "replies", "accepted", "rejected", "late",
     "test_accuracy", "test_loss", "train_loss", "bytes_down", "bytes_up",
     "round_time_s", "wall_time_s", "rejected_by_rule", "epsilon", "local_epsilon_max", "clip",
     "sim_time_s", "mean_staleness",

@@ -197,6 +197,9 @@ class SyncWorkflow:
                     local_eps.append(ok.local_epsilon)
                 loss_sum += ok.train_loss * ok.num_examples
                 bytes_up += ok.nbytes
+            if pending and s.close_after_replies and acc.count >= s.close_after_replies:
+                log(INFO, "[fedshield] round %d: %d updates in; closing, %d late replies dropped", rnd, acc.count, len(pending))
+                break
             if pending and self.clock.now() >= deadline:
                 log(WARNING, "[fedshield] round %d: deadline of %.1f s passed with %d replies missing", rnd, s.round_timeout, len(pending))
                 break
@@ -216,7 +219,7 @@ class SyncWorkflow:
             log(WARNING, "[fedshield] round %d: no valid update; the global model is unchanged", rnd)
         if local_eps:
             extra["local_epsilon_max"] = max(local_eps)
-        return {**extra, "replies": replies, "accepted": acc.count, "rejected": sum(rejected.values()),
+        return {**extra, "replies": replies, "accepted": acc.count, "rejected": sum(rejected.values()), "late": len(pending),
                 "rejected_by_rule": dict(rejected), "bytes_up": bytes_up,
                 "train_loss": loss_sum / acc.total_weight if acc.count else float("nan")}
 

@@ -31,3 +31,22 @@ def test_virtual_engine_fedbuff_records_simulated_time_and_staleness(tmp_path):
 def test_unknown_workflow_is_one_clear_error():
     with pytest.raises(ConfigError, match="workflow must be one of"):
         _scn("virtual", workflow="async")
+
+
+def test_over_selection_closes_the_round_when_enough_updates_are_in(tmp_path):
+    from clients.client_app import app
+    from coordinator import RunConfig, RunDirectory, SyncWorkflow
+    from simulations import VirtualClock, VirtualGrid, tiered_profiles
+
+    def run(name, **kw):
+        cfg = RunConfig.from_mapping({"num-rounds": 3, "min-nodes": 4, "round-timeout": 60.0, **kw})
+        clock = VirtualClock()
+        grid = VirtualGrid(app, 12, clock, tiered_profiles(12, seed=0), seed=0)
+        wf = SyncWorkflow(cfg, grid, RunDirectory(tmp_path / name), clock=clock)
+        wf.run()
+        return wf.history
+
+    everyone = run("all")
+    early = run("early", **{"close-after-replies": 4})
+    assert all(r["accepted"] == 4 and r["late"] == r["selected"] - 4 - r["rejected"] for r in early)
+    assert sum(r["round_time_s"] for r in early) < sum(r["round_time_s"] for r in everyone)
