@@ -1,0 +1,89 @@
+"""Stragglers: simulated time to a target accuracy, synchronous vs over-selection vs FedBuff.
+
+    python benchmarks/async_vs_sync.py [--clients 100] [--target 0.90] [--json FILE]
+
+digits, Dirichlet(0.5), on the virtual-clock engine with the default device tiers (70% edge
+CPU on slow links, 25% laptops, 5% GPU servers; simulations/virtual.py). All three runs use the
+same workflow code as the service; only the Grid (virtual) and the config differ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# This folder must not be on the path: benchmarks/aggregation.py would shadow the package.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+_spec = importlib.util.spec_from_file_location("_report", _HERE / "_report.py")
+_report = importlib.util.module_from_spec(_spec)
+sys.modules["_report"] = _report
+_spec.loader.exec_module(_report)
+
+from clients.client_app import app  # noqa: E402
+from coordinator import RunConfig, RunDirectory  # noqa: E402
+from coordinator.server_app import make_workflow  # noqa: E402
+from simulations import VirtualClock, VirtualGrid, tiered_profiles  # noqa: E402
+
+
+def run(clients: int, rounds: int, target: float, **kw) -> dict:
+    cfg = RunConfig.from_mapping({"num-rounds": rounds, "round-timeout": 120.0, "seed": 0, **kw})
+    clock = VirtualClock()
+    grid = VirtualGrid(app, clients, clock, tiered_profiles(clients, seed=0), seed=0)
+    with tempfile.TemporaryDirectory() as d:
+        t0 = time.perf_counter()
+        wf = make_workflow(cfg, grid, RunDirectory(d), clock=clock)
+        wf.run()
+        wall = time.perf_counter() - t0
+    sim, updates, reached = 0.0, 0, None
+    for row in wf.history:
+        sim = row.get("sim_time_s") or sim + row["round_time_s"]
+        updates += row["accepted"]
+        if reached is None and row["test_accuracy"] >= target:
+            reached = (sim, updates, row["round"])
+    return {"reached": reached, "sim_total": clock.now(), "wall": wall, "final": wf.history[-1]["test_accuracy"]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--clients", type=int, default=100)
+    p.add_argument("--target", type=float, default=0.90)
+    p.add_argument("--rounds", type=int, default=60)
+    p.add_argument("--json")
+    a = p.parse_args()
+    logging.getLogger("flwr").setLevel(logging.WARNING)
+    rep = _report.Report("async_vs_sync")
+    per_round = 20
+    cases = {
+        "sync FedAvg, 20 asked, wait for all": {"min-nodes": per_round, "fraction-train": 0.01},
+        "sync, over-selection 30 asked, close at 20": {"min-nodes": 30, "fraction-train": 0.01,
+                                                        "close-after-replies": per_round},
+        "FedBuff K=10, C=20, 1/sqrt(1+s)": {"min-nodes": 1, "workflow": "fedbuff", "buffer-size": 10,
+                                            "concurrency": 20, "staleness": "polynomial", "staleness-a": 0.5},
+    }
+    results = {name: run(a.clients, a.rounds, a.target, **kw) for name, kw in cases.items()}
+    base = results["sync FedAvg, 20 asked, wait for all"]["reached"]
+    for name, res in results.items():
+        if res["reached"] is None:
+            rep.add(f"{name}: never reached {a.target} in {a.rounds} releases (final {res['final']:.3f})",
+                    res["sim_total"], "s", "", None, "", False)
+            continue
+        sim, updates, rnd = res["reached"]
+        target = {"FedBuff": ">= 3x sooner", "sync, over": ">= 1.5x sooner"}
+        tgt = next((v for k, v in target.items() if name.startswith(k)), "")
+        speed = base[0] / sim if base else None
+        met = None if not tgt or speed is None else speed >= float(tgt.split("x")[0].lstrip(">= "))
+        rep.add(f"{name}: simulated s to {a.target} (round {rnd}, {updates} updates)", sim, "s",
+                "sync FedAvg (wait for all)", base[0] if base else None, tgt, met)
+        rep.add(f"{name}: virtual engine speed (simulated / wall)", res["sim_total"] / res["wall"], "x",
+                "real time", None, "", None)
+    rep.write_json(a.json)
+
+
+if __name__ == "__main__":
+    main()
