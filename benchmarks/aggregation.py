@@ -12,7 +12,6 @@ cases run on the GPU with effective GB/s.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import gc
 import json
 import os
@@ -24,13 +23,9 @@ import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
-# This folder must not be on the path: benchmarks/aggregation.py would shadow the package.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-_spec = importlib.util.spec_from_file_location("_report", _HERE / "_report.py")
-_report = importlib.util.module_from_spec(_spec)
-sys.modules["_report"] = _report
-_spec.loader.exec_module(_report)
+# benchmarks/ must not be on the path: benchmarks/aggregation.py would shadow the package.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+from simulations import bench as _report  # noqa: E402
 Report, best_of = _report.Report, _report.best_of
 
 from aggregation import WeightedAccumulator, create_aggregator, get_device  # noqa: E402

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import importlib.util
 import os
 import statistics
 import sys
@@ -25,13 +24,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-# This folder must not be on the path: benchmarks/aggregation.py would shadow the package.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-_spec = importlib.util.spec_from_file_location("_report", _HERE / "_report.py")
-_report = importlib.util.module_from_spec(_spec)
-sys.modules["_report"] = _report
-_spec.loader.exec_module(_report)
+# benchmarks/ must not be on the path: benchmarks/aggregation.py would shadow the package.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+from simulations import bench as _report  # noqa: E402
 Report = _report.Report
 
 from clients import TaskSpec, TrainSettings  # noqa: E402

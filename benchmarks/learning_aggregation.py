@@ -10,19 +10,14 @@ sending sign-flipped updates scaled by 4 and are compared with the clean dense r
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import logging
 import sys
 import tempfile
 from pathlib import Path
 
-# This folder must not be on the path: benchmarks/aggregation.py would shadow the package.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-_spec = importlib.util.spec_from_file_location("_report", _HERE / "_report.py")
-_report = importlib.util.module_from_spec(_spec)
-sys.modules["_report"] = _report
-_spec.loader.exec_module(_report)
+# benchmarks/ must not be on the path: benchmarks/aggregation.py would shadow the package.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+from simulations import bench as _report  # noqa: E402
 Report = _report.Report
 
 from clients.client_app import app  # noqa: E402

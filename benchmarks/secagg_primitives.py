@@ -9,18 +9,13 @@ RandomState from a 32-bit seed) and Shamir sharing of a 32-byte secret at n=100,
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import sys
 from pathlib import Path
 
-# This folder must not be on the path: benchmarks/aggregation.py would shadow the package.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-_spec = importlib.util.spec_from_file_location("_report", _HERE / "_report.py")
-_report = importlib.util.module_from_spec(_spec)
-sys.modules["_report"] = _report
-_spec.loader.exec_module(_report)
+# benchmarks/ must not be on the path: benchmarks/aggregation.py would shadow the package.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+from simulations import bench as _report  # noqa: E402
 
 from privacy.secagg.masking import expand_seed  # noqa: E402
 from privacy.secagg.shamir import combine, split  # noqa: E402

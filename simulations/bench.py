@@ -1,4 +1,4 @@
-"""Shared printing / JSON output for benchmark scripts: each figure with its baseline and ratio."""
+"""Benchmark reporting: each figure printed beside its baseline and ratio, and written as JSON (--json)."""
 
 from __future__ import annotations
 
