@@ -166,7 +166,6 @@ def test_sync_round_time_is_the_slowest_selected_client(tmp_path):
     sim = ends[-1]
     print(f"\nsync on virtual grid: {sim:.2f} s simulated in {wall:.2f} s wall")
     assert sim > 5.0  # edge devices with 3 local epochs take seconds
-    assert wall < sim / 2 and wall < 20  # waiting costs no wall time
 
 
 def test_sync_on_virtual_grid_replays_exactly(tmp_path):
@@ -195,3 +194,14 @@ def test_sync_with_dropouts_waits_until_deadline(tmp_path):
     for r in lost:
         assert r["round_time_s"] == pytest.approx(40.0, abs=0.2)
     assert all(math.isfinite(r["round_time_s"]) for r in wf.history)
+
+
+def test_waiting_on_the_virtual_clock_never_sleeps_on_the_wall(tmp_path, monkeypatch):
+    import time as _time
+
+    def no_sleep(_seconds):
+        raise AssertionError("the virtual engine must not sleep in real time")
+
+    monkeypatch.setattr(_time, "sleep", no_sleep)
+    wf, _grid, ends, _wall = run_sync_virtual(tmp_path, "nosleep", **{"fraction-train": 0.6})
+    assert ends[-1] > 5.0 and len(wf.history) > 0
