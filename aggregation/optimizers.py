@@ -15,30 +15,22 @@ from typing import Any
 import torch
 
 from ._errors import AggregationError
+from ._registry import Registry
 
-_REGISTRY: dict[str, Callable[..., "ServerOptimizer"]] = {}
+_REGISTRY = Registry("server optimizer")
 
 
 def register_server_optimizer(name: str) -> Callable[[type], type]:
     """Class decorator: make a server optimizer available under ``name``."""
-
-    def deco(cls: type) -> type:
-        if name in _REGISTRY:
-            raise AggregationError(f"server optimizer name must be unique. Found {name!r} registered twice.")
-        _REGISTRY[name] = cls
-        return cls
-
-    return deco
+    return _REGISTRY.decorator(name)
 
 
 def available_server_optimizers() -> list[str]:
-    return sorted(_REGISTRY)
+    return _REGISTRY.names()
 
 
 def create_server_optimizer(name: str, **kwargs: Any) -> "ServerOptimizer":
-    if name not in _REGISTRY:
-        raise AggregationError(f"server optimizer must be one of {available_server_optimizers()}. Found {name!r}.")
-    return _REGISTRY[name](**kwargs)
+    return _REGISTRY.build(name, **kwargs)
 
 
 class ServerOptimizer(ABC):

@@ -27,7 +27,6 @@ tensor([2., 0., 6.])
 
 from __future__ import annotations
 
-import inspect
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
@@ -37,26 +36,19 @@ from typing import Any, ClassVar
 import torch
 
 from ._errors import AggregationError
+from ._registry import Registry
 
-_REGISTRY: dict[str, type[Aggregator]] = {}
+_REGISTRY = Registry("aggregator")
 _WORK_ELEMENTS = 1 << 22  # default chunk: about this many buffer elements per column chunk
 
 
 def register_aggregator(name: str) -> Callable[[type], type]:
     """Class decorator: make an aggregation rule available under ``name``."""
-
-    def deco(cls: type) -> type:
-        if name in _REGISTRY:
-            raise AggregationError(f"aggregator name must be unique. Found {name!r} registered twice.")
-        cls.name = name
-        _REGISTRY[name] = cls
-        return cls
-
-    return deco
+    return _REGISTRY.decorator(name, set_name=True)
 
 
 def available_aggregators() -> list[str]:
-    return sorted(_REGISTRY)
+    return _REGISTRY.names()
 
 
 def create_aggregator(name: str, numel: int, device: torch.device | str, max_clients: int, **params: Any) -> Aggregator:
@@ -65,14 +57,7 @@ def create_aggregator(name: str, numel: int, device: torch.device | str, max_cli
     Unknown names and unknown or bad parameters raise AggregationError (a silently
     dropped robustness parameter would weaken the rule without a word).
     """
-    if name not in _REGISTRY:
-        raise AggregationError(f"aggregator must be one of {available_aggregators()}. Found {name!r}.")
-    cls = _REGISTRY[name]
-    try:
-        inspect.signature(cls).bind(numel, device, max_clients, **params)
-    except TypeError as exc:
-        raise AggregationError(f"aggregator {name!r} parameters must be known. Found error: {exc}.") from None
-    return cls(numel, device, max_clients, **params)
+    return _REGISTRY.build(name, numel, device, max_clients, **params)
 
 
 def _check(ok: bool, what: str, rule: str, found: Any) -> None:

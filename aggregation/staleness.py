@@ -21,37 +21,25 @@ from numbers import Integral, Real
 from typing import Any, ClassVar
 
 from ._errors import AggregationError
+from ._registry import Registry
 
-_REGISTRY: dict[str, type[StalenessFunction]] = {}
+_REGISTRY = Registry("staleness function")
 _TINY = sys.float_info.min  # the smallest factor returned, so that a factor is never 0
 _HUGE = 2**1000  # staleness beyond this does not fit a float comfortably
 
 
 def register_staleness(name: str) -> Callable[[type], type]:
     """Class decorator: make a staleness function available under ``name``."""
-
-    def deco(cls: type) -> type:
-        if name in _REGISTRY:
-            raise AggregationError(f"staleness function name must be unique. Found {name!r} registered twice.")
-        cls.name = name
-        _REGISTRY[name] = cls
-        return cls
-
-    return deco
+    return _REGISTRY.decorator(name, set_name=True)
 
 
 def available_staleness_functions() -> list[str]:
-    return sorted(_REGISTRY)
+    return _REGISTRY.names()
 
 
 def create_staleness(name: str, **params: Any) -> StalenessFunction:
     """Build the staleness function ``name``; unknown names or parameters raise AggregationError."""
-    if name not in _REGISTRY:
-        raise AggregationError(f"staleness function must be one of {available_staleness_functions()}. Found {name!r}.")
-    try:
-        return _REGISTRY[name](**params)
-    except TypeError as exc:
-        raise AggregationError(f"staleness {name!r} parameters must be known. Found error: {exc}.") from None
+    return _REGISTRY.build(name, **params)
 
 
 def _param(name: str, x: Any, *, positive: bool) -> float:

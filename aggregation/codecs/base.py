@@ -16,7 +16,7 @@ Records on the wire::
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -24,6 +24,7 @@ import torch
 from flwr.app import Array
 
 from .._errors import AggregationError
+from .._registry import Registry
 
 Header = dict[str, int | float | str | bool]
 
@@ -85,28 +86,20 @@ class Codec(ABC):
         return {"codec": self.name}
 
 
-_REGISTRY: dict[str, Callable[..., Codec]] = {}
+_REGISTRY = Registry("codec")
 
 
 def register_codec(cls: type[Codec]) -> type[Codec]:
-    if cls.name in _REGISTRY:
-        raise AggregationError(f"codec name must be unique. Found {cls.name!r} registered twice.")
-    _REGISTRY[cls.name] = cls
-    return cls
+    return _REGISTRY.add(cls.name, cls)
 
 
 def available_codecs() -> list[str]:
-    return sorted(_REGISTRY)
+    return _REGISTRY.names()
 
 
 def create_codec(name: str, **params: Any) -> Codec:
     """Build a codec by name; unknown parameters and bad values raise AggregationError."""
-    if name not in _REGISTRY:
-        raise AggregationError(f"codec must be one of {available_codecs()}. Found {name!r}.")
-    try:
-        return _REGISTRY[name](**params)
-    except TypeError as exc:
-        raise AggregationError(f"codec {name!r} parameters must be known. Found error: {exc}.") from None
+    return _REGISTRY.build(name, **params)
 
 
 def require(ok: bool, fld: str, rule: str, found: Any) -> None:

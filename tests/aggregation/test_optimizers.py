@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import math
 
 import numpy as np
@@ -25,7 +27,7 @@ from aggregation import (
 @pytest.fixture
 def registry(monkeypatch):
     """A private copy of the registry, so tests may register names freely."""
-    reg = dict(optimizers._REGISTRY)
+    reg = copy.copy(optimizers._REGISTRY)
     monkeypatch.setattr(optimizers, "_REGISTRY", reg)
     return reg
 

@@ -13,6 +13,8 @@ Tolerances (float32 results against float64 references, ``eps`` = float32 epsilo
 
 from __future__ import annotations
 
+import copy
+
 import math
 
 import numpy as np
@@ -345,7 +347,7 @@ def test_bad_sizes_raise(numel, max_clients, match):
 
 def test_registry_lists_sorted_names_and_refuses_duplicates(monkeypatch):
     assert available_aggregators() == sorted(RULES)
-    monkeypatch.setattr(robust, "_REGISTRY", dict(robust._REGISTRY))
+    monkeypatch.setattr(robust, "_REGISTRY", copy.copy(robust._REGISTRY))
     with pytest.raises(AggregationError, match=r"must be unique\. Found 'median' registered twice"):
         register_aggregator("median")(robust.Median)
     with pytest.raises(TypeError):

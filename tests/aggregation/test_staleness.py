@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import math
 
 import numpy as np
@@ -95,7 +97,7 @@ def test_bad_parameters_raise(name, params, match):
 
 def test_registry_refuses_duplicates(monkeypatch):
     assert available_staleness_functions() == ["constant", "hinge", "polynomial"]
-    monkeypatch.setattr(staleness, "_REGISTRY", dict(staleness._REGISTRY))
+    monkeypatch.setattr(staleness, "_REGISTRY", copy.copy(staleness._REGISTRY))
     with pytest.raises(AggregationError, match=r"must be unique\. Found 'hinge' registered twice"):
         register_staleness("hinge")(staleness.Hinge)
     with pytest.raises(TypeError):

@@ -1,0 +1,55 @@
+"""One registry mechanism for everything chosen by name (codecs, rules, optimizers, staleness)."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from ._errors import AggregationError
+
+
+class Registry(dict):
+    """``name -> class``; a name registered twice is an error, an unknown name lists the known ones."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+
+    def __reduce__(self):  # copy.copy keeps the kind (tests swap in private copies)
+        return (_rebuild, (self.kind, dict(self)))
+
+    def add(self, name: str, cls: type) -> type:
+        if name in self:
+            raise AggregationError(f"{self.kind} name must be unique. Found {name!r} registered twice.")
+        self[name] = cls
+        return cls
+
+    def decorator(self, name: str, set_name: bool = False):
+        """A class decorator registering under ``name`` (and setting ``cls.name`` if asked)."""
+
+        def deco(cls: type) -> type:
+            if set_name:
+                cls.name = name
+            return self.add(name, cls)
+
+        return deco
+
+    def names(self) -> list[str]:
+        return sorted(self)
+
+    def build(self, name: str, *args: Any, **params: Any) -> Any:
+        """Instantiate ``name``; unknown names and parameters raise AggregationError."""
+        if name not in self:
+            raise AggregationError(f"{self.kind} must be one of {self.names()}. Found {name!r}.")
+        cls = self[name]
+        try:
+            inspect.signature(cls).bind(*args, **params)
+        except TypeError as exc:
+            raise AggregationError(f"{self.kind} {name!r} parameters must be known. Found error: {exc}.") from None
+        return cls(*args, **params)
+
+
+def _rebuild(kind: str, items: dict) -> Registry:
+    reg = Registry(kind)
+    reg.update(items)
+    return reg
