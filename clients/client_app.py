@@ -13,6 +13,7 @@ from flwr.clientapp import ClientApp
 from aggregation import AggregationError, array_to_tensor, get_device, tensor_to_array
 
 from .data import client_data
+from .profile import measure_profile
 from .config import build_config
 from .protocol import CODEC, LOCAL_DP, WEIGHTS, codec_from_record, parse_train_message, train_reply_content
 from .tasks import get_task
@@ -92,6 +93,7 @@ def run_train(msg: Message, context: Context) -> Message:
         "train-loss": float(stats["train-loss"]),
         "train-time-s": float(stats["train-time-s"]),
         **({"local-epsilon": float(stats["local-epsilon"])} if "local-epsilon" in stats else {}),
+        **measure_profile(task, device, batch_size=instr.train.batch_size, node_config=context.node_config),
         "client-time-s": time.perf_counter() - start,
     }
     return Message(train_reply_content(encoded, metrics), reply_to=msg)

@@ -3,6 +3,7 @@
 from ._errors import CoordinatorError
 from .async_workflow import BufferedAsyncWorkflow
 from .config import RunConfig, ServerSettings
+from .profiles import ProfileRegistry, select_fast_fair, select_uniform
 from .rundir import RunDirectory
 from .validation import RejectedReply, RoundExpectation, validate_reply
 from .workflow import Clock, SyncWorkflow, WallClock
@@ -11,6 +12,7 @@ __all__ = [
     "BufferedAsyncWorkflow",
     "Clock",
     "CoordinatorError",
+    "ProfileRegistry",
     "RejectedReply",
     "RoundExpectation",
     "RunConfig",
@@ -18,5 +20,7 @@ __all__ = [
     "ServerSettings",
     "SyncWorkflow",
     "WallClock",
+    "select_fast_fair",
+    "select_uniform",
     "validate_reply",
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -10,6 +11,8 @@ from aggregation import AggregationError, available_server_optimizers, create_ag
 from aggregation.codecs import Codec, create_codec
 from clients.config import TaskSpec, TrainSettings, build_config, check, config_keys, split_mapping, to_mapping
 from clients._errors import ConfigError
+
+from .profiles import SELECTION_POLICIES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +38,8 @@ class ServerSettings:
     max_update_mb: float = 512.0
     max_update_norm: float = 1.0e4
     device: str = "auto"
+    selection: str = "uniform"
+    fairness: float = 2.0
 
     def optimizer_params(self) -> dict[str, Any]:
         return {"lr": self.server_lr, "momentum": self.server_momentum, "beta1": self.server_beta1,
@@ -56,6 +61,9 @@ class ServerSettings:
         check(self.max_examples >= 1, "max-examples", "be >= 1", self.max_examples)
         check(self.max_update_mb > 0, "max-update-mb", "be > 0", self.max_update_mb)
         check(self.max_update_norm > 0, "max-update-norm", "be > 0", self.max_update_norm)
+        check(self.selection in SELECTION_POLICIES, "selection", f"be one of {list(SELECTION_POLICIES)}", self.selection)
+        check(math.isfinite(self.fairness) and self.fairness >= 1, "fairness",
+              "be a finite number >= 1 (every client's participation stays >= fair share / fairness)", self.fairness)
         check(self.device in ("auto", "cpu") or self.device.startswith("cuda"), "device", "be auto, cpu or cuda[:N]", self.device)
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import random
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -22,7 +21,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 
 from aggregation import create_server_optimizer, get_device, tensor_to_array
-from clients.protocol import ARRAYS, CODEC, CONFIG, LOCAL_DP, MESSAGE_TYPE_TRAIN, WEIGHTS, TrainInstruction
+from clients.protocol import ARRAYS, CODEC, CONFIG, LOCAL_DP, MESSAGE_TYPE_TRAIN, METRICS, WEIGHTS, TrainInstruction
 from clients.tasks import get_task
 from clients.training import evaluate, load_flat
 
@@ -31,6 +30,7 @@ from privacy import BudgetExhausted
 
 from .config import RunConfig
 from .privacy_policy import CentralDp
+from .profiles import ProfileRegistry, select_fast_fair, select_uniform
 from .progress import format_row
 from .rundir import CONFIG as CONFIG_FILE
 from .rundir import SUMMARY, RunDirectory
@@ -92,6 +92,7 @@ class SyncWorkflow:
         self.round, self.version = 0, 0
         self.history: list[dict[str, Any]] = []
         self.rejections: Counter[str] = Counter()
+        self.profiles = ProfileRegistry()
         self.wall_start = time.monotonic()
         self._resume()
 
@@ -116,6 +117,8 @@ class SyncWorkflow:
         self.rejections = Counter(ckpt["rejections"])
         if self.dp is not None and ckpt.get("privacy"):
             self.dp.load_state_dict(ckpt["privacy"])  # the spent budget carries over
+        if ckpt.get("profiles"):
+            self.profiles.load_state_dict(ckpt["profiles"])
         log(INFO, "[fedshield] resuming from %s at round %d (version %d, model sha256 %s)",
             self.run_dir.path, self.round + 1, self.version, weights_digest(self.weights))
 
@@ -125,6 +128,7 @@ class SyncWorkflow:
             "optimizer": self.optimizer.state_dict(), "history": self.history,
             "rejections": dict(self.rejections), "fingerprint": self.fingerprint(),
             "privacy": self.dp.state_dict() if self.dp is not None else {},
+            "profiles": self.profiles.state_dict(),
         })
         self.run_dir.write_metrics(self.history)
 
@@ -144,10 +148,17 @@ class SyncWorkflow:
             self.clock.sleep(min(1.0, s.wait_nodes_timeout))
 
     def select(self, nodes: list[int], rnd: int) -> list[int]:
-        """Seeded sample of ``fraction-train`` of the online nodes (at least ``min-nodes``)."""
+        """``fraction-train`` of the online nodes (at least ``min-nodes``), by the ``selection`` policy.
+
+        ``uniform``: a seeded random sample. ``fast-fair``: fast nodes first, with
+        priority for any node below its fair share / ``fairness`` (see
+        :func:`coordinator.profiles.select_fast_fair`).
+        """
         s = self.cfg.server
         k = min(len(nodes), max(s.min_nodes, math.ceil(s.fraction_train * len(nodes))))
-        return sorted(random.Random(f"{s.seed}:{rnd}").sample(sorted(nodes), k))
+        if s.selection == "fast-fair":
+            return select_fast_fair(nodes, k, self.profiles, s.fairness, s.seed, rnd)
+        return select_uniform(nodes, k, s.seed, rnd)
 
     def _send(self, rnd: int, selected: list[int]) -> tuple[dict[str, int], int]:
         instr = TrainInstruction(round=rnd, version=self.version, seed=self.cfg.server.seed,
@@ -179,7 +190,8 @@ class SyncWorkflow:
         rejected: Counter[str] = Counter()
         loss_sum, bytes_up, replies = 0.0, 0, 0
         pending = dict.fromkeys(sent)  # ordered: in-process engines then add in send order
-        deadline = self.clock.now() + s.round_timeout
+        sent_at = self.clock.now()
+        deadline = sent_at + s.round_timeout
         while pending:
             for reply in self.grid.pull_messages(list(pending)):
                 pending.pop(reply.metadata.reply_to_message_id, None)
@@ -193,6 +205,8 @@ class SyncWorkflow:
                 # Under central DP every client weighs 1: its influence on the sum is then at most the clip norm.
                 acc.add(self.codec, ok.parsed, 1.0 if self.dp is not None else float(ok.num_examples), norm=ok.norm)
                 norms.append(ok.norm)
+                self.profiles.update(ok.node_id, reply.content.metric_records[METRICS], self.clock.now() - sent_at)
+                self.profiles.participated(ok.node_id)
                 if ok.local_epsilon is not None:
                     local_eps.append(ok.local_epsilon)
                 loss_sum += ok.train_loss * ok.num_examples
@@ -205,6 +219,8 @@ class SyncWorkflow:
                 break
             if pending:
                 self.clock.sleep(s.poll_interval)
+        for mid in pending:  # no reply in time: the elapsed time is a lower bound on this node's round trip
+            self.profiles.observe_time(sent[mid], self.clock.now() - sent_at)
         extra: dict[str, Any] = {}
         if self.dp is not None:  # noise is added even to an empty sum: the release is private either way
             extra["clip"] = self.dp.clip

@@ -1,0 +1,177 @@
+"""The coordinator's registry of client device profiles, and selection policies that use it.
+
+Clients report a profile in each train reply (see ``clients.profile``). It is
+untrusted input: every value is checked (a number, finite, in a plausible range)
+and a bad one is ignored, never raised on. The coordinator's own measurement,
+the round-trip time it observed, is what the fast-fair policy ranks by.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ._errors import CoordinatorError
+
+__all__ = ["SELECTION_POLICIES", "ProfileRegistry", "select_fast_fair", "select_uniform"]
+
+SELECTION_POLICIES = ("fast-fair", "uniform")
+
+# Accepted ranges for reported values; anything else is dropped.
+PROFILE_RANGES: dict[str, tuple[float, float]] = {
+    "profile-cpus": (1, 65_536),
+    "profile-mem-gb": (0.0, 1.0e6),
+    "profile-cuda": (0, 1),
+    "profile-step-ms": (1.0e-6, 1.0e7),
+    "profile-link-mbps": (1.0e-6, 1.0e7),
+}
+INTEGER_KEYS = ("profile-cpus", "profile-cuda")
+MAX_TIME_S = 1.0e7  # an observed round trip above this is not a measurement
+
+
+def _number(x: Any) -> float | None:
+    if isinstance(x, bool) or not isinstance(x, int | float):
+        return None
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
+class ProfileRegistry:
+    """Per node: the last valid profile, an EMA of observed round-trip seconds, a participation count.
+
+    ``alpha`` is the EMA weight of the newest observation (in (0, 1]).
+    """
+
+    def __init__(self, alpha: float = 0.3) -> None:
+        if _number(alpha) is None or not 0 < alpha <= 1:
+            raise CoordinatorError(f"alpha must be in (0, 1]. Found {alpha!r}.")
+        self.alpha = float(alpha)
+        self.profiles: dict[int, dict[str, int | float]] = {}
+        self.ema_time: dict[int, float] = {}
+        self.counts: dict[int, int] = {}
+
+    # -- updates -------------------------------------------------------------
+    def update(self, node_id: int, metrics: Mapping[str, Any] | None = None, elapsed_s: float | None = None) -> None:
+        """Record one reply from ``node_id``: its reported profile and the observed round trip.
+
+        Invalid profile values (not numbers, NaN/inf, out of range) are ignored.
+        """
+        node = int(node_id)
+        clean = self.clean_profile(metrics or {})
+        if clean:
+            self.profiles[node] = {**self.profiles.get(node, {}), **clean}
+        if elapsed_s is not None:
+            self.observe_time(node, elapsed_s)
+
+    def observe_time(self, node_id: int, elapsed_s: float) -> None:
+        """Fold one observed round trip (seconds) into the node's EMA; invalid times are ignored."""
+        t = _number(elapsed_s)
+        if t is None or t < 0:
+            return
+        t = min(t, MAX_TIME_S)
+        node = int(node_id)
+        old = self.ema_time.get(node)
+        self.ema_time[node] = t if old is None else (1 - self.alpha) * old + self.alpha * t
+
+    def participated(self, node_id: int) -> None:
+        """Count one accepted update from ``node_id``."""
+        node = int(node_id)
+        self.counts[node] = self.counts.get(node, 0) + 1
+
+    @staticmethod
+    def clean_profile(metrics: Mapping[str, Any]) -> dict[str, int | float]:
+        """The valid profile values in ``metrics`` (others are dropped silently)."""
+        out: dict[str, int | float] = {}
+        for key, (lo, hi) in PROFILE_RANGES.items():
+            x = _number(metrics.get(key))
+            if x is None or not lo <= x <= hi:
+                continue
+            out[key] = int(x) if key in INTEGER_KEYS else x
+        return out
+
+    # -- queries -------------------------------------------------------------
+    def count(self, node_id: int) -> int:
+        return self.counts.get(int(node_id), 0)
+
+    def speed_key(self, node_id: int) -> tuple[int, float]:
+        """Sort key, lower is preferred: unmeasured nodes first (to measure them), then by EMA time.
+
+        Among unmeasured nodes a reported step time orders them.
+        """
+        node = int(node_id)
+        if node in self.ema_time:
+            return (1, self.ema_time[node])
+        return (0, float(self.profiles.get(node, {}).get("profile-step-ms", 0.0)))
+
+    # -- state ---------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Plain ints, floats and str-keyed dicts (loads with ``torch.load(weights_only=True)``)."""
+        nodes = set(self.profiles) | set(self.ema_time) | set(self.counts)
+        out: dict[str, dict[str, Any]] = {}
+        for n in sorted(nodes):
+            entry: dict[str, Any] = {"count": self.counts.get(n, 0), "profile": dict(self.profiles.get(n, {}))}
+            if n in self.ema_time:
+                entry["ema-time-s"] = self.ema_time[n]
+            out[str(n)] = entry
+        return {"alpha": self.alpha, "nodes": out}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore from :meth:`state_dict` (values are re-validated)."""
+        alpha = _number(state.get("alpha"))
+        if alpha is not None and 0 < alpha <= 1:
+            self.alpha = alpha
+        self.profiles, self.ema_time, self.counts = {}, {}, {}
+        for key, entry in dict(state.get("nodes", {})).items():
+            try:
+                node = int(key)
+            except (TypeError, ValueError):
+                continue
+            if not isinstance(entry, Mapping):
+                continue
+            count = entry.get("count", 0)
+            if isinstance(count, int) and not isinstance(count, bool) and count > 0:
+                self.counts[node] = count
+            clean = self.clean_profile(entry.get("profile") or {})
+            if clean:
+                self.profiles[node] = clean
+            if "ema-time-s" in entry:
+                self.observe_time(node, entry["ema-time-s"])
+
+
+def select_uniform(nodes: Sequence[int], k: int, seed: int, rnd: int) -> list[int]:
+    """A seeded uniform sample of ``k`` of ``nodes`` (sorted)."""
+    return sorted(random.Random(f"{seed}:{rnd}").sample(sorted(nodes), k))
+
+
+def select_fast_fair(nodes: Sequence[int], k: int, registry: ProfileRegistry, fairness: float, seed: int,
+                     rnd: int) -> list[int]:
+    """Pick ``k`` of ``nodes``, fast ones first, starving none (sorted).
+
+    A node whose participation count is below ``fair / fairness`` has priority,
+    where ``fair = (participations so far among the online nodes + k) / len(nodes)``
+    is each node's fair share after this round (``rounds * k / n`` when every
+    selected node's update is accepted). Starved nodes go first (fewest
+    participations first); the remaining slots go to the fastest nodes by
+    :meth:`ProfileRegistry.speed_key`. Ties break by a draw seeded with
+    ``(seed, rnd)``, so the choice is deterministic. So long as the starved nodes
+    fit in ``k`` slots each round, every node's count stays at or above
+    ``fair / fairness``.
+    """
+    if _number(fairness) is None or fairness < 1:
+        raise CoordinatorError(f"fairness must be >= 1. Found {fairness!r}.")
+    pool = sorted(int(n) for n in nodes)
+    k = max(0, min(int(k), len(pool)))
+    if k == 0:
+        return []
+    rng = random.Random(f"{seed}:{rnd}:fast-fair")
+    tiebreak = {n: rng.random() for n in pool}
+    fair = (sum(registry.count(n) for n in pool) + k) / len(pool)
+    floor = fair / fairness
+    starved = sorted((n for n in pool if registry.count(n) < floor), key=lambda n: (registry.count(n), tiebreak[n]))
+    chosen = starved[:k]
+    taken = set(chosen)
+    rest = sorted((n for n in pool if n not in taken), key=lambda n: (*registry.speed_key(n), tiebreak[n]))
+    chosen += rest[: k - len(chosen)]
+    return sorted(chosen)

@@ -1,0 +1,214 @@
+"""Device profiles: the registry's validation and state, the fast-fair policy, the end-to-end path."""
+
+from __future__ import annotations
+
+import io
+import math
+import random
+import statistics
+
+import pytest
+import torch
+
+from clients.client_app import run_train
+from clients.config import TaskSpec
+from clients.profile import PROFILE_KEYS, measure_profile
+from clients.tasks import get_task
+from coordinator import (CoordinatorError, ProfileRegistry, RunConfig, RunDirectory, SyncWorkflow, select_fast_fair,
+                         select_uniform)
+from coordinator.rundir import CHECKPOINT
+from simulations.virtual import VirtualClock, VirtualGrid, tiered_profiles
+
+GOOD = {"profile-cpus": 8, "profile-mem-gb": 16.0, "profile-cuda": 0, "profile-step-ms": 2.5, "profile-link-mbps": 50.0}
+
+
+# -- registry ------------------------------------------------------------------------
+def test_registry_keeps_valid_profile_and_ema():
+    reg = ProfileRegistry(alpha=0.5)
+    reg.update(7, {**GOOD, "num-examples": 10}, elapsed_s=2.0)
+    reg.update(7, GOOD, elapsed_s=4.0)
+    assert reg.profiles[7] == GOOD
+    assert reg.ema_time[7] == pytest.approx(3.0)
+    reg.participated(7)
+    reg.participated(7)
+    assert reg.count(7) == 2 and reg.count(8) == 0
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), -1, -1.0, 0, 1e300, True, "fast", None,
+                                 [1], {"a": 1}])
+def test_registry_ignores_bad_values_without_raising(bad):
+    reg = ProfileRegistry()
+    reg.update(1, GOOD, elapsed_s=1.0)
+    reg.update(1, {k: bad for k in GOOD}, elapsed_s=bad)  # type: ignore[arg-type]
+    # every value either stays the old good one or is a valid replacement in range
+    prof = reg.profiles[1]
+    assert set(prof) == set(GOOD)
+    for k, v in prof.items():
+        assert v == GOOD[k] or (k == "profile-cuda" and v in (0, 1)) or (k == "profile-mem-gb" and v == 0)
+    # a bad time is ignored; 0 s counts; a huge one is clamped to the largest plausible round trip
+    assert 0 <= reg.ema_time[1] <= 1e7
+    if bad not in (0, 1e300):
+        assert reg.ema_time[1] == pytest.approx(1.0)
+    reg.update(2, {}, elapsed_s=None)
+    reg.update(3, {"profile-step-ms": bad})  # type: ignore[dict-item]
+    assert 2 not in reg.profiles and 2 not in reg.ema_time
+    assert "profile-step-ms" not in reg.profiles.get(3, {})
+
+
+def test_registry_missing_and_huge_values():
+    reg = ProfileRegistry()
+    reg.update(1, {"profile-cpus": 10**9, "profile-step-ms": 1e12, "profile-cuda": 7}, elapsed_s=1e30)
+    assert 1 not in reg.profiles
+    assert reg.ema_time[1] <= 1e7  # clamped to the largest plausible round trip
+    reg.update(2, {"profile-cpus": 4})
+    assert reg.profiles[2] == {"profile-cpus": 4}
+    with pytest.raises(CoordinatorError, match="alpha"):
+        ProfileRegistry(alpha=0.0)
+
+
+def test_registry_state_survives_weights_only_load():
+    reg = ProfileRegistry(alpha=0.25)
+    for n in range(1001, 1006):
+        reg.update(n, {**GOOD, "profile-step-ms": float(n - 1000)}, elapsed_s=0.1 * n)
+        for _ in range(n - 1000):
+            reg.participated(n)
+    reg.update(2**63 - 1, {}, elapsed_s=3.0)  # Flower node ids can be large
+    buf = io.BytesIO()
+    torch.save({"profiles": reg.state_dict()}, buf)
+    buf.seek(0)
+    state = torch.load(buf, weights_only=True)["profiles"]
+    back = ProfileRegistry()
+    back.load_state_dict(state)
+    assert back.alpha == reg.alpha and back.profiles == reg.profiles
+    assert back.counts == reg.counts and back.ema_time == pytest.approx(reg.ema_time)
+    back.load_state_dict({"nodes": {"x": {}, "5": "junk", "6": {"count": -3, "ema-time-s": float("nan")}}})
+    assert back.counts == {} and back.ema_time == {}
+
+
+# -- policies ------------------------------------------------------------------------
+def test_uniform_is_todays_seeded_sample():
+    nodes = list(range(1001, 1051))
+    for seed in (0, 7):
+        for rnd in range(1, 20):
+            expect = sorted(random.Random(f"{seed}:{rnd}").sample(sorted(nodes), 10))
+            assert select_uniform(reversed(nodes), 10, seed, rnd) == expect
+
+
+def test_workflow_select_dispatches_on_config(tmp_path):
+    from clients.client_app import app
+    from simulations.inprocess import InProcessGrid
+
+    nodes = list(range(1001, 1011))
+    base = {"num-rounds": 2, "min-nodes": 2, "task": "digits", "seed": 3, "fraction-train": 0.3}
+    wf = SyncWorkflow(RunConfig.from_mapping(base), InProcessGrid(app, 10), RunDirectory(tmp_path / "u"))
+    assert wf.select(nodes, 4) == sorted(random.Random("3:4").sample(nodes, 3))
+    ff = SyncWorkflow(RunConfig.from_mapping({**base, "selection": "fast-fair"}), InProcessGrid(app, 10),
+                      RunDirectory(tmp_path / "f"))
+    for n in nodes:
+        ff.profiles.observe_time(n, float(n))
+    assert len(ff.select(nodes, 4)) == 3  # nobody has participated yet: every node is below its fair share
+    for n in nodes:
+        ff.profiles.counts[n] = 5  # everyone at their fair share: the fastest win
+    assert ff.select(nodes, 4) == [1001, 1002, 1003]
+
+
+def simulate(policy, speeds: dict[int, float], k: int, rounds: int, seed: int = 0):
+    reg = ProfileRegistry()
+    picked_times = []
+    for rnd in range(1, rounds + 1):
+        sel = policy(list(speeds), k, reg, rnd)
+        assert len(sel) == k == len(set(sel))
+        for n in sel:
+            reg.update(n, {"profile-step-ms": speeds[n] * 1e3}, elapsed_s=speeds[n])
+            reg.participated(n)
+            picked_times.append(speeds[n])
+    return reg, statistics.fmean(picked_times)
+
+
+@pytest.mark.parametrize("fairness", [1.0, 1.5, 2.0, 4.0])
+def test_fast_fair_starves_no_one_and_prefers_fast(fairness):
+    n, k, rounds = 50, 10, 300
+    rng = random.Random(1)
+    ids = rng.sample(range(1, 10**6), n)
+    speeds = {node: 0.01 * 100 ** (i / (n - 1)) for i, node in enumerate(ids)}  # 100x spread
+    reg, ff_mean = simulate(lambda nodes, k, reg, rnd: select_fast_fair(nodes, k, reg, fairness, 0, rnd),
+                            speeds, k, rounds)
+    _, uni_mean = simulate(lambda nodes, k, reg, rnd: select_uniform(nodes, k, 0, rnd), speeds, k, rounds)
+    fair = rounds * k / n
+    counts = [reg.count(node) for node in ids]
+    assert sum(counts) == rounds * k
+    assert min(counts) >= fair / fairness
+    if fairness > 1:
+        assert ff_mean < 0.8 * uni_mean
+        fastest = min(speeds, key=speeds.get)
+        assert reg.count(fastest) > fair
+
+
+def test_fast_fair_is_deterministic_and_validates():
+    reg = ProfileRegistry()
+    nodes = list(range(20))
+    for node in nodes:
+        reg.observe_time(node, 1.0)  # all tied: the seeded draw decides
+    a = select_fast_fair(nodes, 5, reg, 2.0, seed=1, rnd=3)
+    assert a == select_fast_fair(list(reversed(nodes)), 5, reg, 2.0, seed=1, rnd=3)
+    assert a != select_fast_fair(nodes, 5, reg, 2.0, seed=1, rnd=4) or a != select_fast_fair(nodes, 5, reg, 2.0, 2, 3)
+    assert select_fast_fair(nodes, 50, reg, 2.0, 0, 1) == nodes
+    assert select_fast_fair([], 5, reg, 2.0, 0, 1) == []
+    with pytest.raises(CoordinatorError, match="fairness"):
+        select_fast_fair(nodes, 5, reg, 0.5, 0, 1)
+
+
+def test_config_rejects_bad_selection():
+    from clients import ConfigError
+
+    with pytest.raises(ConfigError, match="selection"):
+        RunConfig.from_mapping({"selection": "fastest"})
+    with pytest.raises(ConfigError, match="fairness"):
+        RunConfig.from_mapping({"fairness": 0.9})
+    with pytest.raises(ConfigError, match="fairness"):
+        RunConfig.from_mapping({"fairness": float("inf")})
+
+
+# -- client side -----------------------------------------------------------------------
+def test_measure_profile_is_cheap_cached_and_numeric():
+    task = get_task(TaskSpec(task="digits"))
+    p = measure_profile(task, torch.device("cpu"), batch_size=16, node_config={"link-mbps": 25})
+    assert set(p) == set(PROFILE_KEYS)
+    assert all(isinstance(v, int | float) and not isinstance(v, bool) for v in p.values())
+    assert p["profile-cpus"] >= 1 and p["profile-cuda"] == 0 and p["profile-mem-gb"] > 0
+    assert 0 < p["profile-step-ms"] < 50 and p["profile-link-mbps"] == 25.0
+    q = measure_profile(task, torch.device("cpu"), batch_size=16, node_config={"link-mbps": float("nan")})
+    assert "profile-link-mbps" not in q and q["profile-step-ms"] == p["profile-step-ms"]  # cached
+    assert ProfileRegistry.clean_profile(p) == p  # what an honest client sends passes validation
+
+
+# -- end to end ------------------------------------------------------------------------
+def test_fast_fair_end_to_end_on_virtual_grid(tmp_path):
+    replies = []
+
+    def client(msg, ctx):
+        reply = run_train(msg, ctx)
+        replies.append(dict(reply.content.metric_records["metrics"]))
+        return reply
+
+    def run(num_rounds):
+        cfg = RunConfig.from_mapping({"num-rounds": num_rounds, "min-nodes": 4, "round-timeout": 60.0, "task": "digits",
+                                      "fraction-train": 0.25, "selection": "fast-fair", "seed": 0})
+        clock = VirtualClock()
+        grid = VirtualGrid(client, 20, clock, tiered_profiles(20, seed=0), seed=0)
+        wf = SyncWorkflow(cfg, grid, RunDirectory(tmp_path), clock=clock)
+        wf.run()
+        return wf
+
+    wf = run(4)
+    assert len(wf.history) == 4
+    assert all(r["selected"] == max(4, math.ceil(0.25 * r["nodes_online"])) for r in wf.history)
+    assert sum(r["accepted"] for r in wf.history) > 0
+    assert replies and all(m["profile-step-ms"] > 0 and "profile-cpus" in m for m in replies)
+    assert sum(wf.profiles.counts.values()) == sum(r["accepted"] for r in wf.history)
+    assert all("profile-step-ms" in wf.profiles.profiles[n] for n in wf.profiles.counts)
+    state = torch.load(tmp_path / CHECKPOINT, weights_only=True)
+    assert state["profiles"] == wf.profiles.state_dict()
+    resumed = run(5)  # resumes from round 5 with the registry restored
+    assert len(resumed.history) == 5
+    assert sum(resumed.profiles.counts.values()) == sum(r["accepted"] for r in resumed.history)
