@@ -35,6 +35,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 
 from aggregation import tensor_to_array
+from privacy import BudgetExhausted
 from aggregation.staleness import StalenessFunction, create_staleness
 from clients.protocol import ARRAYS, CODEC, CONFIG, LOCAL_DP, MESSAGE_TYPE_TRAIN, WEIGHTS, TrainInstruction
 from clients.training import evaluate, load_flat
@@ -113,9 +114,6 @@ class BufferedAsyncWorkflow(SyncWorkflow):
                 raise CoordinatorError(f"staleness must be a known function: {exc}") from None
         else:
             raise CoordinatorError(f"staleness must be a name or a StalenessFunction. Found {type(staleness).__name__}.")
-        if cfg.privacy.dp == "central":
-            raise CoordinatorError("dp must not be 'central' with BufferedAsyncWorkflow: its accounting is per "
-                                   "synchronous round (use dp='local' or 'none').")
         super().__init__(cfg, grid, run_dir, clock, on_round)
         s = cfg.server
         self.message_ttl = float(message_ttl if message_ttl is not None else s.round_timeout)
@@ -129,6 +127,12 @@ class BufferedAsyncWorkflow(SyncWorkflow):
         self.dispatched = 0
         self._seq = 0
         self._resolved: set[str] = set()
+
+    def dp_sampling_rate(self) -> float:
+        """Central DP is accounted per buffer release with q = 1: no sampling amplification is claimed
+        for asynchronous releases (which clients are in a buffer depends on their speed, not on a
+        random sample)."""
+        return 1.0
 
     def fingerprint(self) -> dict[str, Any]:
         return {**super().fingerprint(), "workflow": "fedbuff"}
@@ -144,6 +148,8 @@ class BufferedAsyncWorkflow(SyncWorkflow):
 
     # -- dispatch ------------------------------------------------------------
     def _new_aggregator(self) -> Any:
+        if self.dp is not None:  # each update clipped to the DP clip norm
+            return self.dp.make_aggregator(self.numel, self.device, self.buffer_size)
         return self.cfg.aggregation.make_aggregator(self.numel, self.device, self.buffer_size)
 
     def _dispatch(self, nodes: list[int]) -> tuple[int, int]:
@@ -210,11 +216,16 @@ class BufferedAsyncWorkflow(SyncWorkflow):
                 self._resolved.add(mid)
                 window["replies"] += 1
                 if self._take(reply, mid, flight, acc, window) and acc.count >= self.buffer_size:
-                    self._release(acc, window, t0, last_release, nodes)
+                    try:
+                        self._release(acc, window, t0, last_release, nodes)
+                    except BudgetExhausted as exc:
+                        self.status = "budget-exhausted"
+                        log(WARNING, "[fedshield] async: stopping before release %d: %s", self.round + 1, exc)
+                        break
                     last_release = self.clock.now()
                     acc = self._new_aggregator()
                     window = self._fresh_window()
-            if self.round >= total:
+            if self.round >= total or self.status == "budget-exhausted":
                 break
             if not replies:
                 if self.clock.now() - last_event >= self.stall_timeout:
@@ -228,7 +239,7 @@ class BufferedAsyncWorkflow(SyncWorkflow):
     @staticmethod
     def _fresh_window() -> dict[str, Any]:
         return {"selected": 0, "bytes_down": 0, "replies": 0, "rejected": Counter(), "bytes_up": 0, "loss_sum": 0.0,
-                "staleness": [], "local_eps": []}
+                "staleness": [], "local_eps": [], "norms": []}
 
     def _take(self, reply: Message, mid: str, flight: Flight, acc: Any, window: dict[str, Any]) -> bool:
         """Validate one reply and add it to the buffer; return whether it was accepted."""
@@ -243,7 +254,11 @@ class BufferedAsyncWorkflow(SyncWorkflow):
             self.ledger.append(LedgerEntry(mid, flight.node_id, flight.base_version, self.version, rej.rule))
             log(WARNING, "[fedshield] async: rejected reply from node %d (%s): %s", rej.node_id, rej.rule, rej.detail)
             return False
-        weight = float(ok.num_examples) * self.staleness_fn(staleness)
+        # Under central DP a client's weight is its staleness factor (<= 1), so its influence on the
+        # noised sum stays at most the clip norm.
+        factor = self.staleness_fn(staleness)
+        weight = factor if self.dp is not None else float(ok.num_examples) * factor
+        window["norms"].append(ok.norm)
         acc.add(self.codec, ok.parsed, weight, norm=ok.norm)
         self.ledger.append(LedgerEntry(mid, flight.node_id, flight.base_version, self.version, "accepted",
                                        staleness, weight, self.round + 1))
@@ -255,7 +270,15 @@ class BufferedAsyncWorkflow(SyncWorkflow):
         return True
 
     def _release(self, acc: Any, window: dict[str, Any], t0: float, last_release: float, nodes: list[int]) -> None:
-        self.weights = self.optimizer.step(self.weights, acc.result())
+        extra: dict[str, Any] = {}
+        if self.dp is not None:
+            self.dp.check_budget(1.0)  # before the noised model is published
+            extra["clip"] = self.dp.clip
+            self.weights = self.optimizer.step(self.weights, self.dp.release(acc, self.buffer_size, self.round + 1))
+            self.dp.after_round(1.0, window["norms"], self.buffer_size)
+            extra["epsilon"] = self.dp.epsilon
+        else:
+            self.weights = self.optimizer.step(self.weights, acc.result())
         self.version += 1
         self.round += 1
         load_flat(self.model, self.weights)
@@ -263,6 +286,7 @@ class BufferedAsyncWorkflow(SyncWorkflow):
         now = self.clock.now()
         rejected: Counter[str] = window["rejected"]
         row: dict[str, Any] = {
+            **extra,
             "round": self.round, "nodes_online": len(nodes), "selected": window["selected"],
             "bytes_down": window["bytes_down"], "replies": window["replies"], "accepted": acc.count,
             "rejected": sum(rejected.values()), "rejected_by_rule": dict(rejected), "bytes_up": window["bytes_up"],

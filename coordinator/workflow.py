@@ -85,7 +85,7 @@ class SyncWorkflow:
         enc, _ = self.codec.encode(torch.zeros(self.numel))
         self.max_update_bytes = min(int(cfg.server.max_update_mb * 2**20), enc.nbytes + 1024)
         self.codec_header = dict(enc.header)
-        self.dp = (CentralDp(cfg.privacy, cfg.server.fraction_train, cfg.server.num_rounds, cfg.server.seed)
+        self.dp = (CentralDp(cfg.privacy, self.dp_sampling_rate(), cfg.server.num_rounds, cfg.server.seed)
                    if cfg.privacy.dp == "central" else None)
         self.status = "completed"
         self.weights = self.task.init_weights(cfg.server.seed).to(self.device)
@@ -95,6 +95,10 @@ class SyncWorkflow:
         self.profiles = ProfileRegistry()
         self.wall_start = time.monotonic()
         self._resume()
+
+    def dp_sampling_rate(self) -> float:
+        """The sampling rate central DP is calibrated for: each round samples ``fraction-train`` of the clients."""
+        return self.cfg.server.fraction_train
 
     # -- state -------------------------------------------------------------
     def fingerprint(self) -> dict[str, Any]:

@@ -73,9 +73,7 @@ def test_parameters_are_validated(tmp_path):
                       ({"message_ttl": 0.0}, "message_ttl")]:
         with pytest.raises(CoordinatorError, match=match):
             BufferedAsyncWorkflow(cfg(), grid, RunDirectory(tmp_path / "v"), VirtualClock(), **kw)
-    central = cfg(dp="central", **{"dp-noise-multiplier": 1.0})
-    with pytest.raises(CoordinatorError, match="central"):
-        BufferedAsyncWorkflow(central, grid, RunDirectory(tmp_path / "c"), VirtualClock())
+    # Central DP is supported (accounted per release): see tests/coordinator/test_privacy_policy.py.
 
 
 def test_stale_update_weighted_by_polynomial_staleness(tmp_path):

@@ -93,3 +93,24 @@ def test_local_dp_clients_report_their_epsilon(tmp_path):
     eps = [r["local_epsilon_max"] for r in wf.history]
     assert 0 < eps[0] < eps[1]  # each client's ledger persists across rounds and grows
     assert s["local_epsilon_max"] == pytest.approx(eps[1]) and "DP-SGD" in s["privacy_guarantee"]
+
+
+def test_central_dp_under_fedbuff_accounts_per_release(tmp_path):
+    """FedBuff under central DP: one q=1 Gaussian event per buffer release; the budget stops releases."""
+    from coordinator import BufferedAsyncWorkflow
+
+    def fedbuff(name, **kw):
+        cfg = RunConfig.from_mapping({**BASE, "num-rounds": 4, "dp": "central", "dp-noise-multiplier": 2.0, **kw})
+        wf = BufferedAsyncWorkflow(cfg, InProcessGrid(app, 6), RunDirectory(tmp_path / name), concurrency=4,
+                                   buffer_size=2)
+        return wf, wf.run()
+
+    wf, s = fedbuff("a")
+    ref = RdpAccountant(1e-5)
+    eps = []
+    for _ in range(4):
+        ref.compose(PrivacyEvent(1.0, 2.0))
+        eps.append(ref.epsilon())
+    assert [r["epsilon"] for r in wf.history] == pytest.approx(eps, rel=1e-9)
+    wf, s = fedbuff("b", **{"target-epsilon": (eps[1] + eps[2]) / 2})
+    assert s["status"] == "budget-exhausted" and s["rounds"] == 2 and s["epsilon"] <= eps[1] + 1e-12
