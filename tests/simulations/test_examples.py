@@ -1,0 +1,27 @@
+"""Every example the README points at parses with the current configuration schema."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from coordinator.service import load_coordinator_config
+from simulations import load_scenario
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+@pytest.mark.parametrize("path", sorted((EXAMPLES / "scenarios").glob("*.toml")), ids=lambda p: p.name)
+def test_example_scenarios_load(path):
+    scn = load_scenario(path)
+    assert scn.sim.name and scn.run.server.num_rounds >= 1
+
+
+def test_example_coordinator_config_loads():
+    cfg = load_coordinator_config(EXAMPLES / "coordinator.toml")
+    assert len(cfg.service.enrolled_keys) == 3 and cfg.run.server.min_nodes == 3
+
+
+def test_packaged_default_scenario_equals_the_example():
+    assert load_scenario(None) == load_scenario(EXAMPLES / "scenarios" / "default.toml")
