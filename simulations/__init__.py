@@ -1,20 +1,34 @@
-"""fedshield's simulations: scenarios, engines (Flower's Ray engine, in-process), the CLI."""
+"""fedshield's simulations: scenarios, engines (Flower's Ray engine, in-process, virtual clock), the CLI.
 
-from .inprocess import InProcessGrid, ensure_task_identity
-from .runner import run_scenario
-from .scenario import Scenario, SimulationSettings, load_scenario
-from .virtual import DEFAULT_TIERS, DeviceProfile, VirtualClock, VirtualGrid, tiered_profiles
+Exports resolve lazily, so the ``fedshield`` entry point (``simulations.cli``) starts
+without importing torch or Flower until a command needs them.
+"""
 
-__all__ = [
-    "DEFAULT_TIERS",
-    "DeviceProfile",
-    "InProcessGrid",
-    "Scenario",
-    "SimulationSettings",
-    "VirtualClock",
-    "VirtualGrid",
-    "ensure_task_identity",
-    "load_scenario",
-    "run_scenario",
-    "tiered_profiles",
-]
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
+
+_EXPORTS = {
+    "DEFAULT_TIERS": ".virtual",
+    "DeviceProfile": ".virtual",
+    "InProcessGrid": ".inprocess",
+    "Scenario": ".scenario",
+    "SimulationSettings": ".scenario",
+    "VirtualClock": ".virtual",
+    "VirtualGrid": ".virtual",
+    "ensure_task_identity": ".inprocess",
+    "load_scenario": ".scenario",
+    "run_scenario": ".runner",
+    "tiered_profiles": ".virtual",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(_EXPORTS[name], __name__), name)
+    globals()[name] = value
+    return value

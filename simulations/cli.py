@@ -137,12 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)  # --help and usage errors need no heavy import
     from aggregation import AggregationError
     from clients import ClientError
     from coordinator import CoordinatorError
     from privacy import PrivacyError
 
-    args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except (ClientError, CoordinatorError, AggregationError, PrivacyError) as exc:
