@@ -68,6 +68,11 @@ class WeightedAccumulator:
         if isinstance(weight, bool) or not (math.isfinite(weight) and weight > 0):
             raise AggregationError(f"weight must be finite and > 0. Found {weight}.")
 
+    @property
+    def total(self) -> torch.Tensor:
+        """The running weighted sum itself (not a copy): read it, do not write to it."""
+        return self._sum
+
     def mean(self) -> torch.Tensor:
         """The weighted mean (a new tensor); raises if nothing was added."""
         if self.count == 0:

@@ -36,6 +36,7 @@ from typing import Any, ClassVar
 import torch
 
 from ._errors import AggregationError
+from .accumulator import WeightedAccumulator
 from ._registry import Registry
 
 _REGISTRY = Registry("aggregator")
@@ -163,11 +164,11 @@ class Aggregator(ABC):
 
 
 class _Streaming(Aggregator):
-    """``sum_i w_i * s_i * x_i / sum_i w_i`` in one running sum, ``s_i`` from ``_scale``."""
+    """``sum_i w_i * s_i * x_i / sum_i w_i`` in one running sum (a WeightedAccumulator), ``s_i`` from ``_scale``."""
 
     def __init__(self, numel: int, device: torch.device | str, max_clients: int) -> None:
         super().__init__(numel, device, max_clients)
-        self._sum = torch.zeros(numel, dtype=torch.float32, device=self.device)
+        self._acc = WeightedAccumulator(numel, device=self.device)
 
     peak_bytes = property(lambda self: 4 * self.numel)
     work_bytes = property(lambda self: 4 * self.numel)
@@ -179,14 +180,14 @@ class _Streaming(Aggregator):
         if norm is None:
             norm = float(codec.norm(parsed))
             _check(math.isfinite(norm), "update norm", "be finite", norm)
-        codec.add_into(parsed, self._sum, weight * self._scale(norm))
+        self._acc.add_parsed(codec, parsed, weight * self._scale(norm))
 
     def _result(self) -> torch.Tensor:
-        return self._sum / self.total_weight
+        return self._acc.total / self.total_weight  # the unscaled weights: a clipped update counts fully
 
     def reset(self) -> None:
         super().reset()
-        self._sum.zero_()
+        self._acc.reset()
 
 
 @register_aggregator("mean")
