@@ -28,7 +28,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 from simulations import bench as _report  # noqa: E402
 Report, best_of = _report.Report, _report.best_of
 
-from aggregation import WeightedAccumulator, create_aggregator, get_device  # noqa: E402
+from aggregation import create_aggregator, get_device  # noqa: E402
 from aggregation.codecs import create_codec  # noqa: E402
 
 
@@ -45,12 +45,14 @@ def make_records(codec, n_clients: int, numel: int, seed: int = 0) -> list[Recor
     return out
 
 
-def ours_mean(codec, records, numel: int, device) -> torch.Tensor:
-    acc = WeightedAccumulator(numel, device=device)
+def ours_mean(codec, records, numel: int, device, validate: bool = False) -> torch.Tensor:
+    """The coordinator's path: parse each record, (optionally) its norm check, add into the "mean" rule."""
+    acc = create_aggregator("mean", numel, device, len(records))
     for rec in records:
         parsed = codec.parse(dict(rec["arrays"].items()), dict(rec["codec"]), numel, 1 << 40)
-        acc.add_parsed(codec, parsed, float(rec["metrics"]["num-examples"]))
-    out = acc.mean()
+        norm = codec.norm(parsed) if validate else None
+        acc.add(codec, parsed, float(rec["metrics"]["num-examples"]), norm=norm)
+    out = acc.result()
     if device.type == "cuda":
         torch.cuda.synchronize()
     return out
@@ -87,6 +89,9 @@ def dense_cases(rep: Report, n: int, numel: int, device) -> float:
             "flwr aggregate (legacy)", flwr_legacy * 1e3, ">= 5x faster", flwr_legacy / ours >= 5)
     rep.add(f"dense fp32 mean {tag} [{device.type}] vs read floor", ours * 1e3, "ms", "torch sum over same bytes",
             floor * 1e3, "<= 2x floor", ours <= 2 * floor, ratio=ours / floor)
+    validated = best_of(lambda: ours_mean(codec, records, numel, device, validate=True), repeat=5)
+    rep.add(f"dense fp32 mean {tag} [{device.type}] + per-update norm check vs aggregate_arrayrecords",
+            validated * 1e3, "ms", "flwr aggregate_arrayrecords (validates nothing)", flwr_new * 1e3, "", None)
     if device.type == "cuda":
         gbs = n * numel * 4 / ours / 1e9
         rep.add(f"dense fp32 effective bandwidth [{device.type}]", gbs, "GB/s", "host->device copies included", None, "")
@@ -142,21 +147,21 @@ def robust_cases(rep: Report, n: int, numel: int, device) -> None:
 _MEMORY_CHILD = r"""
 import resource, sys, torch
 from flwr.app import ArrayRecord
-from aggregation import WeightedAccumulator
+from aggregation import create_aggregator
 from aggregation.codecs import create_codec
 n, numel = int(sys.argv[1]), int(sys.argv[2])
 codec = create_codec("dense")
 gen = torch.Generator().manual_seed(0)
 torch.randn(numel, generator=gen); codec.encode(torch.zeros(numel))  # warm allocator and code paths
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-acc = WeightedAccumulator(numel)
+acc = create_aggregator("mean", numel, "cpu", n)
 for i in range(n):  # records arrive one at a time, as from the network
     enc, _ = codec.encode(torch.randn(numel, generator=gen))
     rec = ArrayRecord(enc.arrays)
     del enc
-    acc.add_parsed(codec, codec.parse(rec, {"codec": "dense", "numel": numel, "dtype": "float32"}, numel, 1 << 40), 1.0)
+    acc.add(codec, codec.parse(rec, {"codec": "dense", "numel": numel, "dtype": "float32"}, numel, 1 << 40), 1.0)
     del rec
-acc.mean()
+acc.result()
 print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base)
 """
 
