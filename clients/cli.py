@@ -17,7 +17,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 from ._errors import ClientError
@@ -128,15 +127,15 @@ def _watch(proc: subprocess.Popen) -> tuple[int | None, int | None]:
     """
     exit_code = refusal = None
     assert proc.stdout is not None
-    fatal_at: float | None = None
+    stopping = False
     for line in proc.stdout:
         sys.stderr.write(line)
         m = _FATAL.search(line)
         if m:
             exit_code = int(m.group(1)) if m.group(1) else (exit_code or 305)
             refusal = int(m.group(2)) if m.group(2) else refusal
-            if fatal_at is None:
-                fatal_at = time.monotonic()
+            if not stopping:
+                stopping = True
                 timer = threading.Timer(5.0, _stop_group, (proc,))
                 timer.daemon = True
                 timer.start()

@@ -93,6 +93,7 @@ def test_three_node_tls_run_and_unenrolled_key_refused(tmp_path, procs, fedshiel
     rows = _rows(run_dir)
     assert [int(r["round"]) for r in rows] == [1, 2, 3]
     assert all(int(r["accepted"]) == 3 and int(r["rejected"]) == 0 for r in rows)
+    print("\n3-node TLS deployment, seconds per round:", [round(float(r["round_time_s"]), 2) for r in rows])
     accs = [float(r["test_accuracy"]) for r in rows]
     assert accs[-1] > _initial_accuracy() + 0.5  # accuracy rose from the untrained model
     assert accs[-1] >= accs[0] - 0.02
