@@ -66,8 +66,8 @@ def encode_with_feedback(codec, delta: torch.Tensor, context: Context, gen: torc
     return encoded
 
 
-def run_train(msg: Message, context: Context) -> Message:
-    """Handle one train message: the whole client-side round."""
+def local_update(msg: Message, context: Context) -> tuple[torch.Tensor, dict[str, int | float], torch.Generator]:
+    """Train on the node's data from the message's global model; return the delta (new - old) and metrics."""
     start = time.perf_counter()
     instr, arrays = parse_train_message(msg)
     task = get_task(instr.task)
@@ -85,8 +85,6 @@ def run_train(msg: Message, context: Context) -> Message:
     else:
         stats = train_with_local_dp(model, data, instr, local_dp, context)
     delta = flat_params(model).cpu().sub_(weights)
-    codec = codec_from_record(msg.content.config_records.get(CODEC))
-    encoded = encode_with_feedback(codec, delta, context, gen)
     metrics = {
         "num-examples": len(data),
         "base-version": instr.version,
@@ -96,9 +94,27 @@ def run_train(msg: Message, context: Context) -> Message:
         **measure_profile(task, device, batch_size=instr.train.batch_size, node_config=context.node_config),
         "client-time-s": time.perf_counter() - start,
     }
+    return delta, metrics, gen
+
+
+def run_train(msg: Message, context: Context) -> Message:
+    """Handle one train message: the whole client-side round."""
+    start = time.perf_counter()
+    delta, metrics, gen = local_update(msg, context)
+    codec = codec_from_record(msg.content.config_records.get(CODEC))
+    encoded = encode_with_feedback(codec, delta, context, gen)
+    metrics["client-time-s"] = time.perf_counter() - start
     return Message(train_reply_content(encoded, metrics), reply_to=msg)
 
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     return run_train(msg, context)
+
+
+@app.train("secagg")
+def train_secagg(msg: Message, context: Context) -> Message:
+    """One stage of a SecAgg+ round (see clients/secure.py)."""
+    from .secure import run_secagg_stage
+
+    return run_secagg_stage(msg, context)

@@ -13,6 +13,13 @@ Reply (client -> coordinator)::
     content["codec"]   ConfigRecord {"codec": name, "numel": n, <the codec's header>}
     content["metrics"] MetricRecord {num-examples, base-version, train-loss, train-time-s}
 
+SecAgg+ rounds use message type "train.secagg"; each stage's message and reply
+carry content["secagg"] ConfigRecord {stage, round, ...}, plus per stage:
+"secagg-keys" {node: public keys} (share-keys), "secagg-shares" {node: ciphertext}
+(share-keys reply, masked-input), the train records above (masked-input), and
+in the masked-input reply content["arrays"] {"masked": uint ring vector} with
+content["metrics"]. See privacy/secagg/protocol.py and clients/secure.py.
+
 A reply without a "codec" record whose arrays are exactly {"delta": float32} is
 read as dense float32: the plain format any Flower ClientApp can send.
 """
@@ -33,6 +40,8 @@ from .config import TaskSpec, TrainSettings, build_config, check, split_mapping,
 ARRAYS, CONFIG, METRICS, CODEC, LOCAL_DP = "arrays", "config", "metrics", "codec", "local-dp"
 WEIGHTS, DELTA = "weights", "delta"
 MESSAGE_TYPE_TRAIN = "train"
+MESSAGE_TYPE_SECAGG = "train.secagg"
+SECAGG, SECAGG_KEYS, SECAGG_SHARES, MASKED = "secagg", "secagg-keys", "secagg-shares", "masked"
 
 
 @dataclass(frozen=True)
@@ -91,3 +100,11 @@ def parse_train_message(msg: Message) -> tuple[TrainInstruction, ArrayRecord]:
 def train_reply_content(encoded: Encoded, metrics: dict[str, int | float]) -> RecordDict:
     return RecordDict({ARRAYS: ArrayRecord(encoded.arrays), CODEC: ConfigRecord(encoded.header),
                        METRICS: MetricRecord(metrics)})
+
+
+def message_nbytes(msg: Message) -> int:
+    """Payload bytes of a message: Array data plus bytes values in config records (0 for an error message)."""
+    if msg.has_error():
+        return 0
+    arrays = sum(len(a.data) for rec in msg.content.array_records.values() for a in rec.values())
+    return arrays + sum(len(v) for rec in msg.content.config_records.values() for v in rec.values() if isinstance(v, bytes))

@@ -189,6 +189,74 @@ class PrivacySettings:
                 "delta": self.dp_delta}
 
 
+SECURE_AGGREGATION = ("none", "secagg+")
+
+
+@dataclasses.dataclass(frozen=True)
+class SecureAggSettings:
+    """SecAgg+ (privacy/secagg): the coordinator learns only the sum of the clients' updates.
+
+    ``secagg-degree`` 0 picks the smallest even k (and t = k/2 + 1) for which, at
+    ``secagg-dropout-rate``, every node keeps t surviving neighbours except with
+    probability 2**-20; ``secagg-degree`` >= n - 1 is the complete graph.
+    ``secagg-clip`` bounds every coordinate (values beyond it are clipped and
+    counted); ``secagg-bits`` is the ring size (32, or 16 / 8 to send fewer bytes);
+    ``secagg-sparse-ratio`` < 1 sends a shared random subset of coordinates with
+    error feedback.
+    """
+
+    secure_aggregation: str = "none"
+    secagg_degree: int = 0
+    secagg_threshold: int = 0
+    secagg_dropout_rate: float = 0.1
+    secagg_bits: int = 32
+    secagg_clip: float = 1.0
+    secagg_weighting: str = "num-examples"
+    secagg_max_weight: int = 1000
+    secagg_sparse_ratio: float = 1.0
+    secagg_stage_timeout: float = 60.0
+
+    def __post_init__(self) -> None:
+        check(self.secure_aggregation in SECURE_AGGREGATION, "secure-aggregation", f"be one of {list(SECURE_AGGREGATION)}",
+              self.secure_aggregation)
+        check(self.secagg_degree == 0 or self.secagg_degree >= 2, "secagg-degree",
+              "be 0 (choose from secagg-dropout-rate) or an integer >= 2", self.secagg_degree)
+        check(self.secagg_threshold == 0 or self.secagg_threshold >= 2, "secagg-threshold",
+              "be 0 (k/2 + 1) or an integer >= 2", self.secagg_threshold)
+        if self.secagg_degree and self.secagg_threshold:
+            check(self.secagg_degree / 2 < self.secagg_threshold <= self.secagg_degree, "secagg-threshold",
+                  f"satisfy k/2 < t <= k with k = secagg-degree = {self.secagg_degree} (t <= k/2 would let the "
+                  "coordinator rebuild both secrets of one client)", self.secagg_threshold)
+        check(0 <= self.secagg_dropout_rate < 0.5, "secagg-dropout-rate", "be in [0, 0.5)", self.secagg_dropout_rate)
+        check(self.secagg_bits in (8, 16, 32), "secagg-bits", "be 8, 16 or 32", self.secagg_bits)
+        check(math.isfinite(self.secagg_clip) and self.secagg_clip > 0, "secagg-clip", "be a finite number > 0",
+              self.secagg_clip)
+        check(self.secagg_weighting in ("num-examples", "uniform"), "secagg-weighting", "be num-examples or uniform",
+              self.secagg_weighting)
+        check(self.secagg_max_weight >= 1, "secagg-max-weight", "be >= 1 (examples; larger counts are capped)",
+              self.secagg_max_weight)
+        check(0 < self.secagg_sparse_ratio <= 1, "secagg-sparse-ratio", "be in (0, 1]", self.secagg_sparse_ratio)
+        check(self.secagg_stage_timeout > 0, "secagg-stage-timeout", "be > 0 seconds", self.secagg_stage_timeout)
+
+    @property
+    def enabled(self) -> bool:
+        return self.secure_aggregation != "none"
+
+    def graph(self, n: int) -> tuple[int, int]:
+        """(k, t) for ``n`` selected nodes."""
+        from privacy.secagg import choose_degree
+
+        if self.secagg_degree:
+            k = min(self.secagg_degree, n - 1)
+            k = k if k == n - 1 or k % 2 == 0 else k - 1
+        else:
+            k, _ = choose_degree(n, self.secagg_dropout_rate)
+        t = self.secagg_threshold or k // 2 + 1
+        if not k / 2 < t <= k:
+            raise ConfigError(f"secagg-threshold must satisfy k/2 < t <= k; with {n} nodes k = {k}. Found t = {t}.")
+        return k, t
+
+
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     """Everything a run needs: server settings, the task, the clients' training."""
@@ -199,8 +267,19 @@ class RunConfig:
     aggregation: AggregationSettings = AggregationSettings()
     privacy: PrivacySettings = PrivacySettings()
     asynchrony: AsyncSettings = AsyncSettings()
+    secure: SecureAggSettings = SecureAggSettings()
 
     def __post_init__(self) -> None:
+        if self.secure.enabled:
+            for ok, key, rule, found in (
+                (self.aggregation.aggregator == "mean", "aggregator", "be 'mean'", self.aggregation.aggregator),
+                (self.aggregation.codec == "dense", "codec", "be 'dense' (use secagg-bits / secagg-sparse-ratio to "
+                 "compress)", self.aggregation.codec),
+                (self.privacy.dp != "central", "dp", "not be 'central' (the coordinator cannot clip updates it cannot see)",
+                 self.privacy.dp),
+                (self.asynchrony.workflow == "sync", "workflow", "be 'sync'", self.asynchrony.workflow),
+            ):
+                check(ok, key, f"{rule} under secure-aggregation = {self.secure.secure_aggregation!r}", found)
         if self.privacy.dp == "central":
             check(self.aggregation.aggregator == "mean", "aggregator",
                   "be 'mean' under central DP (each update is clipped to dp-clip and weighted 1)", self.aggregation.aggregator)
@@ -209,12 +288,13 @@ class RunConfig:
     def from_mapping(cls, mapping: Mapping[str, Any], where: str = "run") -> "RunConfig":
         """Build from one flat kebab-case mapping; unknown keys are an error."""
         known = set().union(*(config_keys(c) for c in (ServerSettings, TaskSpec, TrainSettings, AggregationSettings, PrivacySettings,
-                                         AsyncSettings)))
+                                         AsyncSettings, SecureAggSettings)))
         unknown = sorted(set(mapping) - known)
         if unknown:
             raise ConfigError(f"{where}.{unknown[0]} is not a known key. Known keys: {', '.join(sorted(known))}.")
-        server, task, train, agg, priv, asy = split_mapping(mapping, ServerSettings, TaskSpec, TrainSettings,
-                                                            AggregationSettings, PrivacySettings, AsyncSettings)
+        server, task, train, agg, priv, asy, sec = split_mapping(mapping, ServerSettings, TaskSpec, TrainSettings,
+                                                                 AggregationSettings, PrivacySettings, AsyncSettings,
+                                                                 SecureAggSettings)
         return cls(
             server=build_config(ServerSettings, server, where),
             task=build_config(TaskSpec, task, where),
@@ -222,11 +302,12 @@ class RunConfig:
             aggregation=build_config(AggregationSettings, agg, where),
             privacy=build_config(PrivacySettings, priv, where),
             asynchrony=build_config(AsyncSettings, asy, where),
+            secure=build_config(SecureAggSettings, sec, where),
         )
 
     def to_mapping(self) -> dict[str, Any]:
         return {**to_mapping(self.server), **to_mapping(self.task), **to_mapping(self.train), **to_mapping(self.aggregation),
-                **to_mapping(self.privacy), **to_mapping(self.asynchrony)}
+                **to_mapping(self.privacy), **to_mapping(self.asynchrony), **to_mapping(self.secure)}
 
     def replace(self, **server_changes: Any) -> "RunConfig":
         return dataclasses.replace(self, server=dataclasses.replace(self.server, **server_changes))

@@ -22,7 +22,8 @@ METRIC_FIELDS = [
     "round", "version", "nodes_online", "selected", "replies", "accepted", "rejected", "late",
     "test_accuracy", "test_loss", "train_loss", "bytes_down", "bytes_up",
     "round_time_s", "wall_time_s", "rejected_by_rule", "epsilon", "local_epsilon_max", "clip",
-    "sim_time_s", "mean_staleness",
+    "sim_time_s", "mean_staleness", "secagg_degree", "secagg_threshold", "secagg_survivors", "secagg_dropped",
+    "secagg_clipped", "secagg_server_s", "secagg_failure",
 ]
 EPSILON_PLOT = "epsilon.png"
 

@@ -34,6 +34,7 @@ from .profiles import ProfileRegistry, select_fast_fair, select_uniform
 from .progress import format_row
 from .rundir import CONFIG as CONFIG_FILE
 from .rundir import SUMMARY, RunDirectory
+from .secure import SecureRound
 from .validation import RejectedReply, RoundExpectation, validate_reply
 
 
@@ -93,6 +94,7 @@ class SyncWorkflow:
         self.history: list[dict[str, Any]] = []
         self.rejections: Counter[str] = Counter()
         self.profiles = ProfileRegistry()
+        self.secure = SecureRound(self) if cfg.secure.enabled else None
         self.wall_start = time.monotonic()
         self._resume()
 
@@ -250,9 +252,16 @@ class SyncWorkflow:
         self._rate = len(selected) / len(nodes)
         if self.dp is not None:
             self.dp.check_budget(self._rate)  # before anything is sent
-        sent, bytes_down = self._send(rnd, selected)
-        row: dict[str, Any] = {"round": rnd, "nodes_online": len(nodes), "selected": len(selected), "bytes_down": bytes_down}
-        row.update(self._collect(rnd, sent))
+        row: dict[str, Any] = {"round": rnd, "nodes_online": len(nodes), "selected": len(selected)}
+        if self.secure is not None:
+            update, secure_row = self.secure.run(rnd, selected)
+            row.update(secure_row)
+            if update is not None:
+                self.weights = self.optimizer.step(self.weights, update)
+                self.version += 1
+        else:
+            sent, row["bytes_down"] = self._send(rnd, selected)
+            row.update(self._collect(rnd, sent))
         load_flat(self.model, self.weights)
         row["test_accuracy"], row["test_loss"] = evaluate(self.model, self.task.test_set)
         row["version"] = self.version
@@ -297,6 +306,10 @@ class SyncWorkflow:
             "wall_time_s": time.monotonic() - self.wall_start, "num_parameters": self.numel,
             "run_dir": str(self.run_dir.path),
         }
+        if self.secure is not None:
+            summary.update({"secure_aggregation": self.cfg.secure.secure_aggregation,
+                            "secagg_failed_rounds": sum(1 for r in self.history if r.get("secagg_failure")),
+                            "secagg_clipped_total": sum(r.get("secagg_clipped", 0) for r in self.history)})
         if self.dp is not None:
             summary.update({"epsilon": self.dp.epsilon, "delta": self.cfg.privacy.dp_delta,
                             "noise_multiplier": self.dp.z, "privacy_guarantee": self.dp.describe()})

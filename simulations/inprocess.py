@@ -11,8 +11,11 @@ import uuid
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from flwr.app import Context, Message, RecordDict
-from flwr.common.constant import SUPERLINK_NODE_ID
+from logging import WARNING
+
+from flwr.app import Context, Error, Message, RecordDict
+from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
+from flwr.common.logger import log
 from flwr.supercore.run import Run
 from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
@@ -26,6 +29,15 @@ def ensure_task_identity(run_id: int = 1) -> None:
         TaskIdentity.run_id  # noqa: B018 - raises when unset
     except RuntimeError:
         TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = run_id, SUPERLINK_NODE_ID, 1
+
+
+def call_client(client: ClientFn, msg: Message, ctx: Context) -> Message:
+    """Run the client on one message; like Flower, a raising ClientApp becomes an error reply."""
+    try:
+        return client(msg, ctx)
+    except Exception as exc:  # noqa: BLE001 - the node's failure is the round's data, not the engine's crash
+        log(WARNING, "[fedshield] node %d: client raised %r", ctx.node_id, exc)
+        return Message(error=Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=repr(exc)[:500]), reply_to=msg)
 
 
 class InProcessGrid(Grid):
@@ -67,7 +79,7 @@ class InProcessGrid(Grid):
             if node not in self.contexts:
                 continue
             msg.metadata.__dict__["_message_id"] = mid = uuid.uuid4().hex
-            self._replies[mid] = self._client(msg, self.contexts[node])
+            self._replies[mid] = call_client(self._client, msg, self.contexts[node])
             ids.append(mid)
         return ids
 

@@ -37,16 +37,14 @@ import math
 import random
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from logging import WARNING
 from typing import Any
 
 from flwr.app import Error, Message
 from flwr.common.constant import ErrorCode
-from flwr.common.logger import log
 
-from clients.protocol import CONFIG, METRICS
+from clients.protocol import CONFIG, METRICS, message_nbytes
 
-from .inprocess import ClientFn, InProcessGrid
+from .inprocess import ClientFn, InProcessGrid, call_client
 
 __all__ = [
     "DEFAULT_TIERS",
@@ -193,13 +191,6 @@ class MessageRecord:
     pulled_at: float | None = None
 
 
-def message_nbytes(msg: Message) -> int:
-    """Sum of the Array data lengths in a message (0 for an error message)."""
-    if msg.has_error():
-        return 0
-    return sum(len(a.data) for rec in msg.content.array_records.values() for a in rec.values())
-
-
 class VirtualGrid(InProcessGrid):
     """An in-process Grid on a virtual clock; node ``1001 + i`` has profile ``profile_fn(i)``."""
 
@@ -279,12 +270,7 @@ class VirtualGrid(InProcessGrid):
             p = self.profiles[node]
             noise = rng.lognormvariate(0.0, p.sigma) if p.sigma > 0 else 1.0
             dropped = rng.random() < p.dropout
-            try:
-                reply = self._client(msg, self.contexts[node])
-            except Exception as exc:  # noqa: BLE001 - Flower turns a raising ClientApp into an error reply
-                log(WARNING, "[fedshield] virtual node %d: client raised %r", node, exc)
-                reply = Message(error=Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=repr(exc)[:500]),
-                                reply_to=msg)
+            reply = call_client(self._client, msg, self.contexts[node])
             ttl = msg.metadata.ttl
             deadline = now + ttl if ttl else math.inf
             down, up = message_nbytes(msg), message_nbytes(reply)

@@ -1,11 +1,13 @@
 """Cryptographic core of SecAgg+ (Bell et al. 2020): Shamir sharing, key agreement, masking, graphs.
 
-Protocol stages over Flower messages are not here yet; these are the tested primitives.
+The protocol's state machines are in ``protocol`` (client and server, four stages),
+the clipped/weighted/quantized input in ``inputs``; coordinator/secure.py and
+clients/secure.py carry them over Flower messages.
 """
 
 from .graph import Graph, check_threshold, choose_degree, complete_graph, harary_graph
 from .keys import KeyPair, PairwiseKeys, agree, decrypt_share, derive_pairwise, encrypt_share
-from .masking import dequantize, expand_seed, mask, quantization_step, quantize, ring_sum, unmask
+from .masking import SEED_BYTES, dequantize, expand_seed, mask, quantization_step, quantize, ring_sum, unmask
 from .shamir import PRIME, Share, combine, split
 
 __all__ = [
@@ -13,6 +15,7 @@ __all__ = [
     "KeyPair",
     "PRIME",
     "PairwiseKeys",
+    "SEED_BYTES",
     "Share",
     "agree",
     "check_threshold",

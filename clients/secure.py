@@ -1,0 +1,125 @@
+"""The client's side of a SecAgg+ round, one Flower message per stage.
+
+Between stages the client's secrets (its two private keys, its self-mask seed,
+the shares it holds) live in the node's ``Context.state``, which Flower keeps
+on the device for the run; they are never logged or sent anywhere else, and
+they are deleted when the round's unmask stage is answered.
+"""
+
+from __future__ import annotations
+
+import time
+
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+
+from aggregation import array_to_tensor, tensor_to_array
+from privacy import PrivacyError
+from privacy.secagg.inputs import encode_input, input_length, shared_subset
+from privacy.secagg.protocol import PublicKeys, SecAggClient, SecAggParams, ring_dtype
+
+from ._errors import ClientError
+from .protocol import ARRAYS, MASKED, METRICS, SECAGG, SECAGG_KEYS, SECAGG_SHARES
+
+STATE = "fedshield.secagg"
+RESIDUAL = "fedshield.secagg-residual"
+_PLAN = ("numel", "sparse-ratio", "subset-seed", "weighting", "max-weight")
+
+
+def _node_map(record: ConfigRecord | None, what: str) -> dict[int, bytes]:
+    if record is None:
+        raise ClientError(f"secagg message must carry a '{what}' record.")
+    out = {}
+    for key, value in record.items():
+        if not key.isdigit() or not isinstance(value, bytes):
+            raise ClientError(f"'{what}' must map node ids to bytes. Found key {key[:20]!r}.")
+        out[int(key)] = value
+    return out
+
+
+def _reply(msg: Message, stage: str, rnd: int, **records) -> Message:
+    content = RecordDict({SECAGG: ConfigRecord({"stage": stage, "round": rnd}), **records})
+    return Message(content, reply_to=msg)
+
+
+def _weight(plan: dict, num_examples: int) -> float:
+    if plan["weighting"] == "uniform":
+        return 1.0
+    return min(num_examples, int(plan["max-weight"])) / int(plan["max-weight"])
+
+
+def _masked_input(msg: Message, context: Context, client: SecAggClient, plan: dict) -> Message:
+    from .client_app import local_update
+
+    start = time.perf_counter()
+    client.receive_shares(_node_map(msg.content.config_records.get(SECAGG_SHARES), SECAGG_SHARES))
+    delta, metrics, _ = local_update(msg, context)
+    numel = int(plan["numel"])
+    if delta.numel() != numel:
+        raise ClientError(f"the model has {delta.numel()} parameters; the round was set up for {numel}.")
+    subset = shared_subset(plan["subset-seed"], numel, float(plan["sparse-ratio"]))
+    if subset is None:
+        values = delta
+        context.state.array_records.pop(RESIDUAL, None)
+    else:  # error feedback: what this round does not send is added to the next update
+        if RESIDUAL in context.state.array_records:
+            delta = delta + array_to_tensor(context.state.array_records[RESIDUAL]["r"], "float32", numel)
+        values = delta[subset]
+        delta[subset] = 0.0
+        context.state.array_records[RESIDUAL] = ArrayRecord({"r": tensor_to_array(delta)})
+    q, clipped = encode_input(values, _weight(plan, int(metrics["num-examples"])), client.params)
+    masked = client.mask(q).numpy().astype(ring_dtype(client.params.bits))
+    metrics.update({"secagg-clipped": clipped, "client-time-s": metrics["client-time-s"] + time.perf_counter() - start})
+    return _reply(msg, "masked-input", client.params.round, **{ARRAYS: ArrayRecord({MASKED: Array(masked)}),
+                                                             METRICS: MetricRecord(metrics)})
+
+
+def run_secagg_stage(msg: Message, context: Context) -> Message:
+    """Answer one stage; a message out of order, for another round or malformed raises (an error reply)."""
+    rec = msg.content.config_records.get(SECAGG)
+    if rec is None or not isinstance(rec.get("stage"), str) or not isinstance(rec.get("round"), int):
+        raise ClientError(f"secagg message must carry a '{SECAGG}' record with stage and round.")
+    stage, rnd = str(rec["stage"]), int(rec["round"])
+    me = int(context.node_id)
+    try:
+        if stage == "setup":
+            params = SecAggParams.from_fields(dict(rec))
+            plan = {k: rec.get(k) for k in _PLAN}
+            if (not isinstance(plan["numel"], int) or not isinstance(plan["subset-seed"], bytes)
+                    or plan["weighting"] not in ("uniform", "num-examples")
+                    or not isinstance(plan["max-weight"], int) or plan["max-weight"] < 1):
+                raise ClientError("secagg setup must carry numel, subset-seed, weighting and max-weight.")
+            subset = shared_subset(plan["subset-seed"], plan["numel"], float(plan["sparse-ratio"]))
+            if input_length(plan["numel"], subset) != params.dim:
+                raise ClientError(f"secagg vector length {params.dim} does not match the model and sparse ratio.")
+            client, keys = SecAggClient.setup(me, params)
+            context.state.config_records[STATE] = ConfigRecord({**client.to_fields(), **{f"plan.{k}": v for k, v in plan.items()}})
+            return _reply(msg, stage, rnd, **{SECAGG_KEYS: ConfigRecord({str(me): keys.to_bytes()})})
+        saved = context.state.config_records.get(STATE)
+        if saved is None:
+            raise ClientError(f"secagg {stage!r} message arrived but this node has no round in progress.")
+        client = SecAggClient.from_fields(dict(saved))
+        plan = {k: saved[f"plan.{k}"] for k in _PLAN}
+        if rnd != client.params.round:
+            raise ClientError(f"secagg message is for round {rnd}; this node is in round {client.params.round}.")
+        if stage == "share-keys":
+            keys = {v: PublicKeys.from_bytes(v, b) for v, b in _node_map(msg.content.config_records.get(SECAGG_KEYS),
+                                                                          SECAGG_KEYS).items()}
+            cts = client.share_keys(keys)
+            reply = _reply(msg, stage, rnd, **{SECAGG_SHARES: ConfigRecord({str(v): ct for v, ct in cts.items()})})
+        elif stage == "masked-input":
+            reply = _masked_input(msg, context, client, plan)
+        elif stage == "unmask":
+            surv, drop = rec.get("survivors"), rec.get("dropped")
+            if not isinstance(surv, list) or not isinstance(drop, list):
+                raise ClientError("secagg unmask must list survivors and dropped nodes.")
+            shares = client.unmask([int(v) for v in surv], [int(v) for v in drop])
+            reply = _reply(msg, stage, rnd, **{SECAGG_SHARES: ConfigRecord(shares)})
+        else:
+            raise ClientError(f"secagg stage must be one of setup, share-keys, masked-input, unmask. Found {stage[:20]!r}.")
+    except PrivacyError as exc:
+        raise ClientError(f"secagg {stage}: {exc}") from None
+    if client.stage == "done":
+        context.state.config_records.pop(STATE, None)  # the round's secrets are no longer needed
+    else:
+        context.state.config_records[STATE] = ConfigRecord({**client.to_fields(), **{f"plan.{k}": v for k, v in plan.items()}})
+    return reply

@@ -1,0 +1,247 @@
+"""A synchronous round under SecAgg+: four stages of Flower messages on the workflow's Grid.
+
+The coordinator here only relays public keys and ciphertexts, sums masked
+vectors in the ring, and unmasks the sum; it never holds one client's update.
+Every reply is checked (the same envelope rules as plain rounds, then the
+protocol's own rules); a rejected or missing reply makes that node a dropout,
+which the protocol recovers from while enough neighbours survive. When it
+cannot, the round ends with a clear reason and the global model is unchanged.
+Nothing secret is logged: keys, shares, masks and masked vectors never reach a
+log line (tests scan the logs).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections import Counter
+from collections.abc import Callable
+from logging import INFO, WARNING
+from typing import TYPE_CHECKING, Any
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
+from flwr.common.logger import log
+
+from aggregation import tensor_to_array
+from clients.protocol import (
+    ARRAYS,
+    CONFIG,
+    MASKED,
+    MESSAGE_TYPE_SECAGG,
+    METRICS,
+    SECAGG,
+    SECAGG_KEYS,
+    SECAGG_SHARES,
+    TrainInstruction,
+    WEIGHTS,
+    message_nbytes,
+)
+from privacy.secagg import SEED_BYTES
+from privacy.secagg.inputs import decode_sum, input_length, shared_subset
+from privacy.secagg.protocol import (
+    PublicKeys,
+    SecAggAborted,
+    SecAggParams,
+    SecAggRejected,
+    SecAggServer,
+    ring_dtype,
+)
+
+if TYPE_CHECKING:
+    from .workflow import SyncWorkflow
+
+Handler = Callable[[int, Message], None]
+
+
+class SecureRound:
+    """Runs the four SecAgg+ stages of one round for a :class:`SyncWorkflow`."""
+
+    def __init__(self, wf: "SyncWorkflow") -> None:
+        self.wf = wf
+        self.settings = wf.cfg.secure
+
+    # -- transport ---------------------------------------------------------------------------
+    def _exchange(self, rnd: int, stage: str, contents: dict[int, RecordDict], timeout: float, handle: Handler,
+                  stats: dict[str, Any]) -> set[int]:
+        """Send one stage's messages; hand each valid reply to ``handle``; return the nodes it accepted."""
+        grid, clock = self.wf.grid, self.wf.clock
+        msgs = [Message(content, dst_node_id=node, message_type=MESSAGE_TYPE_SECAGG, group_id=str(rnd),
+                        ttl=timeout + 60.0) for node, content in contents.items()]
+        ids = list(grid.push_messages(msgs))
+        sent = {mid: m.metadata.dst_node_id for mid, m in zip(ids, msgs, strict=False)}
+        stats["bytes_down"] += sum(message_nbytes(m) for m in msgs[:len(ids)])
+        rejected: Counter[str] = stats["rejected_by_rule"]
+        accepted: set[int] = set()
+        pending = dict.fromkeys(sent)
+        deadline = clock.now() + timeout
+        while pending:
+            for reply in grid.pull_messages(list(pending)):
+                mid = reply.metadata.reply_to_message_id
+                if pending.pop(mid, "gone") == "gone":
+                    continue  # not ours or already seen: Grid ids are unique, nothing to count
+                node = sent[mid]
+                stats["replies"] += 1
+                try:
+                    self._check_envelope(reply, node, rnd, stage)
+                    t0 = time.perf_counter()
+                    handle(node, reply)
+                    stats["server_s"][stage] = stats["server_s"].get(stage, 0.0) + time.perf_counter() - t0
+                except SecAggRejected as rej:
+                    rejected[rej.rule] += 1
+                    log(WARNING, "[fedshield] round %d secagg %s: rejected node %d (%s): %s", rnd, stage, node,
+                        rej.rule, rej.detail)
+                    continue
+                accepted.add(node)
+                stats["bytes_up"] += message_nbytes(reply)
+            if pending and clock.now() >= deadline:
+                log(WARNING, "[fedshield] round %d secagg %s: %d of %d nodes did not answer within %.1f s",
+                    rnd, stage, len(pending), len(sent), timeout)
+                break
+            if pending:
+                clock.sleep(self.wf.cfg.server.poll_interval)
+        log(INFO, "[fedshield] round %d secagg %s: %d of %d nodes in", rnd, stage, len(accepted), len(contents))
+        return accepted
+
+    @staticmethod
+    def _check_envelope(reply: Message, node: int, rnd: int, stage: str) -> None:
+        if reply.has_error():
+            raise SecAggRejected(node, "error-reply", f"code {reply.error.code}: {reply.error.reason[:200]}")
+        if reply.metadata.src_node_id != node:
+            raise SecAggRejected(reply.metadata.src_node_id, "unknown-sender", f"reply must come from node {node}")
+        rec = reply.content.config_records.get(SECAGG)
+        if reply.metadata.group_id != str(rnd) or rec is None or rec.get("round") != rnd:
+            raise SecAggRejected(node, "wrong-round", f"reply must belong to round {rnd}")
+        if rec.get("stage") != stage:
+            raise SecAggRejected(node, "wrong-stage", f"reply must answer stage {stage!r}; found "
+                                                      f"{str(rec.get('stage'))[:20]!r} (replayed or out of order)")
+
+    @staticmethod
+    def _node_map(reply: Message, name: str, node: int) -> dict[int, bytes]:
+        rec = reply.content.config_records.get(name)
+        if rec is None:
+            raise SecAggRejected(node, "missing-record", f"reply must hold a '{name}' record")
+        out = {}
+        for key, value in rec.items():
+            if not key.isdigit() or not isinstance(value, bytes):
+                raise SecAggRejected(node, "bad-share", f"'{name}' must map node ids to bytes")
+            out[int(key)] = value
+        return out
+
+    # -- the round ---------------------------------------------------------------------------
+    def run(self, rnd: int, selected: list[int]) -> tuple[torch.Tensor | None, dict[str, Any]]:
+        """Run the stages; return the weighted mean update (None if the round failed) and the round's row."""
+        wf, st = self.wf, self.settings
+        numel = wf.numel
+        stats: dict[str, Any] = {"replies": 0, "bytes_up": 0, "bytes_down": 0, "rejected_by_rule": Counter(),
+                                 "server_s": {}}
+        subset_seed = os.urandom(SEED_BYTES)
+        subset = shared_subset(subset_seed, numel, st.secagg_sparse_ratio)
+        k, t = st.graph(len(selected))
+        params = SecAggParams.create(rnd, selected, degree=k, threshold=t, bits=st.secagg_bits, clip=st.secagg_clip,
+                                     dim=input_length(numel, subset))
+        server = SecAggServer(params, wf.device)
+        losses: dict[int, tuple[float, int]] = {}
+        clipped = 0
+        update = None
+        reason = ""
+        timeout = st.secagg_stage_timeout
+        try:
+            setup = ConfigRecord({"stage": "setup", **params.to_fields(), "numel": numel, "sparse-ratio": st.secagg_sparse_ratio,
+                                  "subset-seed": subset_seed, "weighting": st.secagg_weighting,
+                                  "max-weight": st.secagg_max_weight})
+
+            def on_keys(node: int, reply: Message) -> None:
+                keys = self._node_map(reply, SECAGG_KEYS, node)
+                if set(keys) != {node}:
+                    raise SecAggRejected(node, "unknown-sender", "a node may advertise only its own keys")
+                server.on_keys(node, PublicKeys.from_bytes(node, keys[node]))
+
+            self._exchange(rnd, "setup", {n: RecordDict({SECAGG: setup}) for n in selected}, timeout, on_keys, stats)
+
+            requests = server.share_keys_requests()
+            self._exchange(rnd, "share-keys", {
+                n: RecordDict({SECAGG: ConfigRecord({"stage": "share-keys", "round": rnd}),
+                               SECAGG_KEYS: ConfigRecord({str(v): pk.to_bytes() for v, pk in keys.items()})})
+                for n, keys in requests.items()}, timeout,
+                lambda node, reply: server.on_shares(node, self._node_map(reply, SECAGG_SHARES, node)), stats)
+
+            requests3 = server.masked_input_requests()
+            instr = TrainInstruction(round=rnd, version=wf.version, seed=wf.cfg.server.seed, task=wf.cfg.task,
+                                     train=wf.cfg.train)
+            train = {ARRAYS: ArrayRecord({WEIGHTS: tensor_to_array(wf.weights)}), CONFIG: instr.to_record()}
+            max_bytes = params.dim * ring_dtype(params.bits).itemsize + 1024
+
+            def on_masked(node: int, reply: Message) -> None:
+                nonlocal clipped
+                arrays = reply.content.array_records.get(ARRAYS)
+                metrics = reply.content.metric_records.get(METRICS)
+                if arrays is None or MASKED not in arrays or metrics is None:
+                    raise SecAggRejected(node, "missing-record", f"reply must hold '{ARRAYS}'/'{MASKED}' and '{METRICS}'")
+                array = arrays[MASKED]
+                if len(array.data) > max_bytes:
+                    raise SecAggRejected(node, "oversized", f"masked input must be <= {max_bytes} bytes; "
+                                                            f"found {len(array.data)}")
+                num = metrics.get("num-examples")
+                if not isinstance(num, int) or isinstance(num, bool) or not 0 < num <= wf.cfg.server.max_examples:
+                    raise SecAggRejected(node, "bad-num-examples", f"num-examples must be an integer in "
+                                                                   f"[1, {wf.cfg.server.max_examples}]; found {num!r}")
+                if metrics.get("base-version") != wf.version:
+                    raise SecAggRejected(node, "stale-version", f"base-version must be {wf.version}")
+                try:
+                    vector = array.numpy()
+                except Exception:  # noqa: BLE001 - any undecodable payload is the client's fault
+                    raise SecAggRejected(node, "bad-array", "masked input is not a decodable array") from None
+                server.add_masked(node, vector)
+                loss = metrics.get("train-loss")
+                if isinstance(loss, int | float) and math.isfinite(loss):
+                    losses[node] = (float(loss), num)
+                c = metrics.get("secagg-clipped", 0)
+                clipped += int(c) if isinstance(c, int) and c >= 0 else 0
+
+            self._exchange(rnd, "masked-input", {
+                n: RecordDict({SECAGG: ConfigRecord({"stage": "masked-input", "round": rnd}),
+                               SECAGG_SHARES: ConfigRecord({str(u): ct for u, ct in cts.items()}), **train})
+                for n, cts in requests3.items()}, wf.cfg.server.round_timeout, on_masked, stats)
+
+            requests4 = server.unmask_requests()
+            self._exchange(rnd, "unmask", {
+                n: RecordDict({SECAGG: ConfigRecord({"stage": "unmask", "round": rnd, "survivors": surv, "dropped": drop})})
+                for n, (surv, drop) in requests4.items()}, timeout,
+                lambda node, reply: server.on_unmask(node, {k: v for k, v in (reply.content.config_records.get(SECAGG_SHARES)
+                                                                               or {}).items()}), stats)
+            t0 = time.perf_counter()
+            result = server.finish()
+            weighted, weight = decode_sum(result)
+            stats["server_s"]["finish"] = time.perf_counter() - t0
+            if not weight > 0:
+                raise SecAggAborted("the survivors' summed weight is not positive")
+            update = torch.zeros(numel, dtype=torch.float32, device=wf.device)
+            mean = (weighted / weight).to(torch.float32).to(wf.device)
+            if subset is None:
+                update.copy_(mean)
+            else:
+                update[subset.to(wf.device)] = mean
+            survivors, dropped = result.survivors, result.dropped
+        except SecAggAborted as exc:
+            reason = str(exc)
+            log(WARNING, "[fedshield] round %d: secure aggregation failed: %s; the global model is unchanged", rnd, reason)
+            survivors, dropped = tuple(sorted(server.survivors)), ()
+        rejected = stats["rejected_by_rule"]
+        weight_sum = sum(n for _, n in losses.values())
+        row = {
+            "replies": stats["replies"], "accepted": len(survivors) if update is not None else 0,
+            "rejected": sum(rejected.values()), "late": len(selected) - len(survivors), "rejected_by_rule": dict(rejected),
+            "bytes_up": stats["bytes_up"], "bytes_down": stats["bytes_down"],
+            "train_loss": sum(l * n for l, n in losses.values()) / weight_sum if weight_sum else float("nan"),
+            "secagg_degree": params.degree, "secagg_threshold": params.threshold, "secagg_survivors": len(survivors),
+            "secagg_dropped": len(dropped), "secagg_clipped": clipped,
+            "secagg_server_s": round(sum(stats["server_s"].values()), 4),
+        }
+        if reason:
+            row["secagg_failure"] = reason
+        if clipped:
+            log(WARNING, "[fedshield] round %d secagg: clients clipped %d coordinates to secagg-clip=%g", rnd, clipped,
+                st.secagg_clip)
+        return update, row

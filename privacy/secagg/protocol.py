@@ -1,0 +1,535 @@
+"""The SecAgg+ protocol (Bell et al. 2020) as two state machines: one client, one server.
+
+Four stages, each one round trip of messages between the server and the clients
+it picked (the transport is the caller's: fedshield drives them over Flower's
+Grid; tests call the methods directly):
+
+1. ``setup``        server -> client: the round's public parameters (nodes, graph
+                    seed, k, t, ring bits, clip range, vector length).
+                    client -> server: two X25519 public keys (``c`` for share
+                    transport, ``s`` for pairwise masks) and SHA-256 of its
+                    self-mask seed (lets the server check the seed it recovers).
+2. ``share-keys``   server -> client: its neighbours' public keys.
+                    client -> server: for each neighbour, AES-GCM ciphertext of
+                    (Shamir share of the self-mask seed, Shamir share of ``s``'s
+                    private key), bound to sender, receiver, round and stage.
+3. ``masked-input`` server -> client: the ciphertexts addressed to it (which
+                    also says which neighbours are still in).
+                    client -> server: its quantized vector plus the self mask and
+                    the pairwise masks with those neighbours, mod 2**bits.
+4. ``unmask``       server -> client: which of its neighbours survived and which
+                    dropped. client -> server: self-mask shares of survivors and
+                    key shares of dropped neighbours, never both for one node.
+
+The server learns the ring sum of the survivors' vectors and nothing about one
+vector, unless it holds ``t`` shares of both secrets of one client, which
+``t > k / 2`` and the clients' refusal to reveal both prevent. Any client may
+vanish at any stage; the round completes while every survivor's self seed and
+every dropped client's key can still be rebuilt from ``t`` shares, and
+otherwise :class:`SecAggAborted` says why. A malformed, replayed or
+unauthenticated message raises :class:`SecAggRejected` naming the node and the
+rule; the caller counts it and treats that node as dropped, so honest clients'
+rounds are not corrupted.
+
+Limits (stated, not hidden): a client can still add any ring element as its
+input (SecAgg hides inputs, so no norm check is possible; clip and range are
+the client's own); the server picks the graph seed (a malicious server could
+bias the graph; Bell et al. assume a semi-honest server for graph choice).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import struct
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .._errors import PrivacyError
+from .graph import Graph, check_threshold, complete_graph, harary_graph
+from .keys import KEY_BYTES, KeyPair, agree, decrypt_share, derive_pairwise, encrypt_share
+from .masking import SEED_BYTES, expand_seed, quantization_step
+from .shamir import Share, combine, split
+
+STAGES = ("setup", "share-keys", "masked-input", "unmask")
+MAX_DIM = 1 << 31
+_PAYLOAD = struct.Struct("<QQII")  # sender, receiver, self-seed share length, key share length
+
+
+class SecAggRejected(PrivacyError):
+    """One message broke a protocol rule; ``rule`` is a short stable name for metrics."""
+
+    def __init__(self, node_id: int, rule: str, detail: str) -> None:
+        super().__init__(f"node {node_id}: {rule}: {detail}")
+        self.node_id, self.rule, self.detail = node_id, rule, detail
+
+
+class SecAggAborted(PrivacyError):
+    """The round cannot complete securely (too few survivors, or shares that do not rebuild)."""
+
+
+def ring_dtype(bits: int) -> np.dtype:
+    """The smallest unsigned dtype that holds a ``bits``-bit ring element (the wire format)."""
+    return np.dtype("<u1") if bits <= 8 else np.dtype("<u2") if bits <= 16 else np.dtype("<u4")
+
+
+def seed_digest(seed: bytes) -> bytes:
+    return hashlib.sha256(b"fedshield/secagg/v1/self-seed" + seed).digest()
+
+
+@dataclass(frozen=True)
+class SecAggParams:
+    """The round's public parameters; both sides derive the same graph from them."""
+
+    round: int
+    session: int  # random per round: binds keys and ciphertexts to this one execution
+    nodes: tuple[int, ...]  # the selected node ids, sorted
+    degree: int  # neighbours per node (n - 1: the complete graph)
+    threshold: int
+    bits: int
+    clip: float
+    dim: int  # length of the masked vector
+    graph_seed: bytes
+
+    def __post_init__(self) -> None:
+        nodes = tuple(int(v) for v in self.nodes)
+        if list(nodes) != sorted(set(nodes)) or len(nodes) < 3:
+            raise PrivacyError(f"secure aggregation needs >= 3 distinct sorted node ids. Found {len(nodes)} "
+                               f"({'unsorted or repeated' if len(nodes) >= 3 else 'too few'}).")
+        object.__setattr__(self, "nodes", nodes)
+        n = len(nodes)
+        if not isinstance(self.degree, int) or self.degree < 2:
+            raise PrivacyError(f"secagg degree k must be an integer >= 2. Found {self.degree!r}.")
+        k = min(self.degree, n - 1)
+        if k < n - 1 and k % 2:
+            raise PrivacyError(f"secagg degree k must be even below n - 1 = {n - 1} (a Harary graph). Found {k}.")
+        object.__setattr__(self, "degree", k)
+        check_threshold(self.threshold, k)
+        if not isinstance(self.bits, int) or not 1 <= self.bits <= 32 or n >= 1 << self.bits:
+            raise PrivacyError(f"secagg bits must be an integer in [1, 32] with n = {n} < 2**bits. Found {self.bits!r}.")
+        if not (isinstance(self.clip, int | float) and math.isfinite(self.clip) and self.clip > 0):
+            raise PrivacyError(f"secagg clip range must be a finite number > 0. Found {self.clip!r}.")
+        if not isinstance(self.dim, int) or not 1 <= self.dim <= MAX_DIM:
+            raise PrivacyError(f"secagg vector length must be in [1, {MAX_DIM}]. Found {self.dim!r}.")
+        if not isinstance(self.graph_seed, bytes) or len(self.graph_seed) != SEED_BYTES:
+            raise PrivacyError(f"secagg graph seed must be {SEED_BYTES} bytes.")
+        for name in ("round", "session"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or not 0 <= value < 1 << 63:
+                raise PrivacyError(f"secagg {name} must be an integer in [0, 2**63). Found {value!r}.")
+
+    @classmethod
+    def create(cls, round: int, nodes: Iterable[int], *, degree: int, threshold: int, bits: int, clip: float,
+               dim: int) -> "SecAggParams":
+        """Fresh public randomness (session id, graph seed) from the OS."""
+        return cls(round=round, session=int.from_bytes(os.urandom(8), "little") >> 1, nodes=tuple(sorted(nodes)),
+                   degree=degree, threshold=threshold, bits=bits, clip=float(clip), dim=dim,
+                   graph_seed=os.urandom(SEED_BYTES))
+
+    def graph(self) -> Graph:
+        if self.degree >= len(self.nodes) - 1:
+            return complete_graph(self.nodes)
+        return harary_graph(self.nodes, self.degree, self.graph_seed)
+
+    @property
+    def step(self) -> float:
+        """Quantization step: ``n`` inputs in [-clip, clip] sum below 2**bits."""
+        return quantization_step(self.clip, len(self.nodes), self.bits)
+
+    @property
+    def levels(self) -> int:
+        return ((1 << self.bits) - 1) // len(self.nodes)
+
+    def to_fields(self) -> dict:
+        return {"round": self.round, "session": self.session, "nodes": list(self.nodes), "degree": self.degree,
+                "threshold": self.threshold, "bits": self.bits, "clip": float(self.clip), "dim": self.dim,
+                "graph-seed": self.graph_seed}
+
+    @classmethod
+    def from_fields(cls, fields: Mapping) -> "SecAggParams":
+        want = {"round": int, "session": int, "nodes": list, "degree": int, "threshold": int, "bits": int,
+                "clip": float, "dim": int, "graph-seed": bytes}
+        for key, typ in want.items():
+            if not isinstance(fields.get(key), typ) or isinstance(fields.get(key), bool):
+                raise PrivacyError(f"secagg parameter {key} must be a {typ.__name__}. Found {type(fields.get(key)).__name__}.")
+        if len(fields["nodes"]) > 1 << 20 or not all(isinstance(v, int) for v in fields["nodes"]):
+            raise PrivacyError("secagg parameter nodes must be a list of at most 2**20 integers.")
+        return cls(round=fields["round"], session=fields["session"], nodes=tuple(fields["nodes"]),
+                   degree=fields["degree"], threshold=fields["threshold"], bits=fields["bits"], clip=fields["clip"],
+                   dim=fields["dim"], graph_seed=fields["graph-seed"])
+
+
+@dataclass(frozen=True)
+class PublicKeys:
+    """What a client advertises: ``c`` (share transport), ``s`` (pairwise masks), SHA-256 of its self seed."""
+
+    c: bytes
+    s: bytes
+    seed_hash: bytes
+
+    def to_bytes(self) -> bytes:
+        return self.c + self.s + self.seed_hash
+
+    @classmethod
+    def from_bytes(cls, node: int, data: bytes) -> "PublicKeys":
+        if not isinstance(data, bytes) or len(data) != 3 * KEY_BYTES:
+            raise SecAggRejected(node, "bad-keys", f"public keys must be {3 * KEY_BYTES} bytes; found "
+                                                   f"{len(data) if isinstance(data, bytes) else type(data).__name__}")
+        return cls(data[:KEY_BYTES], data[KEY_BYTES:2 * KEY_BYTES], data[2 * KEY_BYTES:])
+
+
+def _share_index(neighbours: Iterable[int], node: int) -> int:
+    """x-coordinate (1-based) of ``node`` among a sorted neighbourhood."""
+    return sorted(neighbours).index(node) + 1
+
+
+def _seal(payload_sender: int, receiver: int, self_share: bytes, key_share: bytes) -> bytes:
+    return _PAYLOAD.pack(payload_sender, receiver, len(self_share), len(key_share)) + self_share + key_share
+
+
+def _open(data: bytes, sender: int, receiver: int) -> tuple[Share, Share]:
+    if len(data) < _PAYLOAD.size:
+        raise SecAggRejected(sender, "bad-share", "share payload is shorter than its header")
+    src, dst, n1, n2 = _PAYLOAD.unpack_from(data)
+    if (src, dst) != (sender, receiver) or len(data) != _PAYLOAD.size + n1 + n2:
+        raise SecAggRejected(sender, "bad-share", "share payload names other nodes or has a wrong length")
+    try:
+        return (Share.from_bytes(data[_PAYLOAD.size:_PAYLOAD.size + n1]),
+                Share.from_bytes(data[_PAYLOAD.size + n1:]))
+    except PrivacyError as exc:
+        raise SecAggRejected(sender, "bad-share", str(exc)) from None
+
+
+# ---------------------------------------------------------------------------------------------- client
+@dataclass(repr=False)
+class SecAggClient:
+    """One client's side of one round. Holds secrets: never log it (its repr shows none)."""
+
+    node_id: int
+    params: SecAggParams
+    stage: str = "setup"
+    c: KeyPair | None = None
+    s: KeyPair | None = None
+    self_seed: bytes = b""
+    peers: dict[int, PublicKeys] = field(default_factory=dict)  # neighbours' keys (from share-keys)
+    held: dict[int, tuple[bytes, bytes]] = field(default_factory=dict)  # shares others gave me (serialised)
+    maskers: tuple[int, ...] = ()  # neighbours I masked with
+
+    def __repr__(self) -> str:
+        return f"SecAggClient(node={self.node_id}, round={self.params.round}, stage={self.stage!r})"
+
+    def _expect(self, stage: str) -> None:
+        if self.stage != stage:
+            raise SecAggRejected(self.node_id, "wrong-stage", f"expected a {self.stage!r} message; got {stage!r} "
+                                                              "(replayed or out of order)")
+
+    @property
+    def neighbours(self) -> frozenset[int]:
+        return self.params.graph()[self.node_id]
+
+    @classmethod
+    def setup(cls, node_id: int, params: SecAggParams) -> tuple["SecAggClient", PublicKeys]:
+        """Stage 1: fresh keys and self seed for this round; returns what to advertise."""
+        if node_id not in params.nodes:
+            raise SecAggRejected(node_id, "not-selected", "this node is not among the round's nodes")
+        me = cls(node_id=node_id, params=params, c=KeyPair.generate(), s=KeyPair.generate(),
+                 self_seed=os.urandom(SEED_BYTES), stage="share-keys")
+        return me, PublicKeys(me.c.public_bytes, me.s.public_bytes, seed_digest(me.self_seed))
+
+    def share_keys(self, keys: Mapping[int, PublicKeys]) -> dict[int, bytes]:
+        """Stage 2: check the neighbours' keys; return one ciphertext of my shares per neighbour."""
+        self._expect("share-keys")
+        p, me = self.params, self.node_id
+        mine = keys.get(me)
+        if mine is None or (mine.c, mine.s) != (self.c.public_bytes, self.s.public_bytes):
+            raise SecAggRejected(me, "bad-keys", "the server must echo this node's own public keys unchanged")
+        others = {v: k for v, k in keys.items() if v != me}
+        if not set(others) <= self.neighbours:
+            raise SecAggRejected(me, "bad-keys", "keys were sent for nodes that are not this node's neighbours")
+        if len(others) < p.threshold:
+            raise SecAggRejected(me, "too-few-neighbours", f"{len(others)} neighbours are left; t={p.threshold} needed")
+        pubs = [k.c for k in keys.values()] + [k.s for k in keys.values()]
+        if len(set(pubs)) != len(pubs):
+            raise SecAggRejected(me, "bad-keys", "two public keys are equal (a replayed or forged key)")
+        holders = sorted(others)
+        self_shares = split(self.self_seed, p.threshold, len(holders))
+        key_shares = split(self.s.private_bytes(), p.threshold, len(holders))
+        out = {}
+        for v, bs, ss in zip(holders, self_shares, key_shares, strict=True):
+            key = derive_pairwise(agree(self.c, others[v].c), run_id=p.session, round=p.round, node_a=me, node_b=v)
+            out[v] = encrypt_share(key.share_key, _seal(me, v, bs.to_bytes(), ss.to_bytes()),
+                                   sender=me, receiver=v, round=p.round, stage="share-keys")
+        self.peers = others
+        self.stage = "masked-input"
+        return out
+
+    def receive_shares(self, ciphertexts: Mapping[int, bytes]) -> None:
+        """Stage 3, first half: decrypt and keep the shares neighbours sent me."""
+        self._expect("masked-input")
+        p, me = self.params, self.node_id
+        if not set(ciphertexts) <= set(self.peers):
+            raise SecAggRejected(me, "bad-share", "shares came from nodes that were not this node's neighbours")
+        if len(ciphertexts) < p.threshold:
+            raise SecAggRejected(me, "too-few-neighbours", f"{len(ciphertexts)} neighbours shared keys; "
+                                                           f"t={p.threshold} needed")
+        held = {}
+        for u, ct in ciphertexts.items():
+            key = derive_pairwise(agree(self.c, self.peers[u].c), run_id=p.session, round=p.round, node_a=me, node_b=u)
+            plain = decrypt_share(key.share_key, ct, sender=u, receiver=me, round=p.round, stage="share-keys")
+            bs, ss = _open(plain, u, me)
+            held[u] = (bs.to_bytes(), ss.to_bytes())
+        self.held = held
+        self.maskers = tuple(sorted(ciphertexts))
+
+    def mask(self, q: torch.Tensor) -> torch.Tensor:
+        """Stage 3, second half: ``q`` (ring elements, length dim) plus self and pairwise masks, mod 2**bits."""
+        self._expect("masked-input")
+        p, me = self.params, self.node_id
+        if q.dtype != torch.int64 or q.numel() != p.dim:
+            raise PrivacyError(f"masked input must be int64 of length {p.dim}. Found {q.dtype} {q.numel()}.")
+        out = q.reshape(-1) + expand_seed(self.self_seed, p.dim, device=q.device)
+        for v in self.maskers:
+            seed = derive_pairwise(agree(self.s, self.peers[v].s), run_id=p.session, round=p.round,
+                                   node_a=me, node_b=v).mask_seed
+            words = expand_seed(seed, p.dim, device=q.device)
+            out = out.add_(words) if me < v else out.sub_(words)
+        self.stage = "unmask"
+        return out & ((1 << p.bits) - 1)
+
+    def unmask(self, survivors: Iterable[int], dropped: Iterable[int]) -> dict[str, bytes]:
+        """Stage 4: self-seed shares of surviving neighbours, key shares of dropped ones; never both."""
+        self._expect("unmask")
+        me, p = self.node_id, self.params
+        surv, drop = set(survivors), set(dropped)
+        if surv & drop:
+            raise SecAggRejected(me, "bad-unmask", "a node cannot be both a survivor and dropped "
+                                                   "(answering would reveal both of its secrets)")
+        if not (surv | drop) <= set(self.held) | {me}:
+            raise SecAggRejected(me, "bad-unmask", "the request names nodes whose shares this node does not hold")
+        if set(self.maskers) - surv - drop - {me}:
+            raise SecAggRejected(me, "bad-unmask", "every neighbour I masked with must be named survivor or dropped")
+        if len((surv - {me}) & set(self.held)) + (me in surv) < p.threshold:
+            raise SecAggRejected(me, "too-few-neighbours", f"fewer than t={p.threshold} neighbours survived")
+        self.stage = "done"
+        out = {f"self:{u}": self.held[u][0] for u in surv if u != me}
+        out.update({f"key:{v}": self.held[v][1] for v in drop})
+        return out
+
+    # -- persistence between messages (Flower keeps it in the node's Context.state) --------------
+    def to_fields(self) -> dict:
+        f = {"node": self.node_id, "stage": self.stage, **{f"p.{k}": v for k, v in self.params.to_fields().items()},
+             "c-sk": self.c.private_bytes(), "s-sk": self.s.private_bytes(), "self-seed": self.self_seed,
+             "peers": sorted(self.peers), "maskers": list(self.maskers), "held": sorted(self.held)}
+        for v, k in self.peers.items():
+            f[f"pk:{v}"] = k.to_bytes()
+        for u, (bs, ss) in self.held.items():
+            f[f"hs:{u}"], f[f"hk:{u}"] = bs, ss
+        return f
+
+    @classmethod
+    def from_fields(cls, f: Mapping) -> "SecAggClient":
+        params = SecAggParams.from_fields({k[2:]: v for k, v in f.items() if k.startswith("p.")})
+        peers = {int(v): PublicKeys.from_bytes(int(v), f[f"pk:{v}"]) for v in f.get("peers", [])}
+        held = {int(u): (f[f"hs:{u}"], f[f"hk:{u}"]) for u in f.get("held", [])}
+        return cls(node_id=int(f["node"]), params=params, stage=str(f["stage"]),
+                   c=KeyPair.from_private_bytes(f["c-sk"]), s=KeyPair.from_private_bytes(f["s-sk"]),
+                   self_seed=f["self-seed"], peers=peers, held=held, maskers=tuple(f.get("maskers", [])))
+
+
+# ---------------------------------------------------------------------------------------------- server
+@dataclass
+class SecAggResult:
+    total: torch.Tensor  # ring sum of the survivors' unmasked inputs, int64 in [0, 2**bits)
+    survivors: tuple[int, ...]
+    dropped: tuple[int, ...]  # shared keys, then sent no masked input
+    params: SecAggParams
+
+    def dequantized(self) -> torch.Tensor:
+        """Float64 sum of the survivors' real inputs (each quantized in [-clip, clip])."""
+        p = self.params
+        return self.total.to(torch.float64) * p.step - len(self.survivors) * float(p.clip)
+
+
+class SecAggServer:
+    """The server's side of one round: which nodes are in at each stage, the masked sum, the unmasking."""
+
+    def __init__(self, params: SecAggParams, device: torch.device | str = "cpu") -> None:
+        self.params = params
+        self.graph = params.graph()
+        self.device = torch.device(device)
+        self.keys: dict[int, PublicKeys] = {}  # U1: advertised
+        self.sharers: set[int] = set()  # U2 candidates asked to share
+        self.ciphertexts: dict[int, dict[int, bytes]] = {}  # U2: sender -> receiver -> ciphertext
+        self.masked_from: set[int] = set()  # nodes asked for a masked input
+        self.maskers_of: dict[int, frozenset[int]] = {}
+        self.total = torch.zeros(params.dim, dtype=torch.int64, device=self.device)
+        self.survivors: set[int] = set()  # U3
+        self.unmask_asked: dict[int, tuple[frozenset[int], frozenset[int]]] = {}
+        self.self_shares: dict[int, dict[int, bytes]] = {}  # survivor -> holder -> share bytes
+        self.key_shares: dict[int, dict[int, bytes]] = {}  # dropped -> holder -> share bytes
+        self.responders: set[int] = set()  # U4
+
+    # stage 1 --------------------------------------------------------------------------------
+    def on_keys(self, node: int, keys: PublicKeys) -> None:
+        if node not in self.graph:
+            raise SecAggRejected(node, "unknown-sender", "node was not selected for this round")
+        if node in self.keys:
+            raise SecAggRejected(node, "duplicate", "keys already advertised")
+        seen = {k for pk in self.keys.values() for k in (pk.c, pk.s)}
+        if keys.c == keys.s or keys.c in seen or keys.s in seen:
+            raise SecAggRejected(node, "bad-keys", "public keys must be fresh (one equals another node's or its own)")
+        self.keys[node] = keys
+
+    def _stable(self, candidates: set[int], threshold: int) -> set[int]:
+        """Largest subset where each node keeps >= t neighbours inside the subset."""
+        live = set(candidates)
+        while True:
+            weak = {u for u in live if len(self.graph[u] & live) < threshold}
+            if not weak:
+                return live
+            live -= weak
+
+    def share_keys_requests(self) -> dict[int, dict[int, PublicKeys]]:
+        """Stage 2 messages: each advertiser gets its live neighbours' keys (and its own, to check)."""
+        live = self._stable(set(self.keys), self.params.threshold)
+        if len(live) < max(3, self.params.threshold):
+            raise SecAggAborted(f"only {len(live)} of {len(self.params.nodes)} nodes advertised keys with at least "
+                                f"t={self.params.threshold} live neighbours; the round needs >= {max(3, self.params.threshold)}")
+        self.sharers = live
+        return {u: {v: self.keys[v] for v in (self.graph[u] & live) | {u}} for u in sorted(live)}
+
+    # stage 2 --------------------------------------------------------------------------------
+    def on_shares(self, node: int, cts: Mapping[int, bytes], max_bytes: int = 1 << 16) -> None:
+        if node not in self.sharers:
+            raise SecAggRejected(node, "unknown-sender", "node was not asked to share keys")
+        if node in self.ciphertexts:
+            raise SecAggRejected(node, "duplicate", "shares already received")
+        want = self.graph[node] & self.sharers
+        if set(cts) != want:
+            raise SecAggRejected(node, "wrong-share-count", f"one ciphertext per live neighbour ({len(want)}) is "
+                                                            f"required; found {len(cts)} for other nodes")
+        if any(not isinstance(ct, bytes) or len(ct) > max_bytes for ct in cts.values()):
+            raise SecAggRejected(node, "bad-share", f"each ciphertext must be bytes of at most {max_bytes}")
+        self.ciphertexts[node] = dict(cts)
+
+    def masked_input_requests(self) -> dict[int, dict[int, bytes]]:
+        """Stage 3 messages: each node gets the ciphertexts its live neighbours addressed to it."""
+        live = self._stable(set(self.ciphertexts), self.params.threshold)
+        if len(live) < max(3, self.params.threshold):
+            raise SecAggAborted(f"only {len(live)} nodes shared keys with at least t={self.params.threshold} live "
+                                f"neighbours; the round needs >= {max(3, self.params.threshold)}")
+        self.masked_from = live
+        out = {}
+        for v in sorted(live):
+            out[v] = {u: self.ciphertexts[u][v] for u in self.graph[v] & live}
+            self.maskers_of[v] = frozenset(out[v])
+        return out
+
+    # stage 3 --------------------------------------------------------------------------------
+    def check_masked(self, node: int, vector: np.ndarray) -> torch.Tensor:
+        """Validate one masked input; returns it as an int64 tensor (nothing is added yet)."""
+        p = self.params
+        if node not in self.masked_from:
+            raise SecAggRejected(node, "unknown-sender", "node was not asked for a masked input")
+        if node in self.survivors:
+            raise SecAggRejected(node, "duplicate", "masked input already received")
+        want = ring_dtype(p.bits)
+        if not isinstance(vector, np.ndarray) or vector.dtype != want or vector.shape != (p.dim,):
+            raise SecAggRejected(node, "bad-array", f"masked input must be {want} of shape ({p.dim},); found "
+                                                    f"{getattr(vector, 'dtype', None)} {getattr(vector, 'shape', None)}")
+        t = torch.from_numpy(vector.astype(np.int64)).to(self.device)
+        if want.itemsize * 8 > p.bits and int(t.max()) >> p.bits:
+            raise SecAggRejected(node, "bad-array", f"masked input values must be below 2**{p.bits}")
+        return t
+
+    def add_masked(self, node: int, vector: np.ndarray) -> None:
+        t = self.check_masked(node, vector)
+        self.total.add_(t)
+        self.survivors.add(node)
+
+    def unmask_requests(self) -> dict[int, tuple[list[int], list[int]]]:
+        """Stage 4 messages: for each survivor, its surviving and its dropped neighbours."""
+        p = self.params
+        if len(self.survivors) < max(3, p.threshold):
+            raise SecAggAborted(f"only {len(self.survivors)} masked inputs arrived; the round needs "
+                                f">= {max(3, p.threshold)}")
+        dropped = self.masked_from - self.survivors
+        out = {}
+        for v in sorted(self.survivors):
+            nb = self.graph[v] & self.masked_from
+            surv, drop = (nb & self.survivors) | {v}, nb & dropped
+            self.unmask_asked[v] = (frozenset(surv), frozenset(drop))
+            out[v] = (sorted(surv), sorted(drop))
+        return out
+
+    # stage 4 --------------------------------------------------------------------------------
+    def on_unmask(self, node: int, shares: Mapping[str, bytes]) -> None:
+        if node not in self.unmask_asked:
+            raise SecAggRejected(node, "unknown-sender", "node was not asked to unmask")
+        if node in self.responders:
+            raise SecAggRejected(node, "duplicate", "unmask shares already received")
+        surv, drop = self.unmask_asked[node]
+        want = {f"self:{u}" for u in surv - {node}} | {f"key:{v}" for v in drop}
+        if set(shares) != want:
+            raise SecAggRejected(node, "wrong-share-count", f"exactly the {len(want)} shares asked for are required; "
+                                                            f"found {len(shares)} under other names")
+        if any(not isinstance(b, bytes) or len(b) > 1 << 12 for b in shares.values()):
+            raise SecAggRejected(node, "bad-share", "each share must be bytes of at most 4096")
+        for name, b in shares.items():
+            kind, who = name.split(":")
+            (self.self_shares if kind == "self" else self.key_shares).setdefault(int(who), {})[node] = b
+        self.responders.add(node)
+
+    def _rebuild(self, owner: int, shares: Mapping[int, bytes], what: str, check) -> bytes:
+        """Combine ``shares`` (holder -> bytes); if they disagree, leave one out at a time."""
+        t = self.params.threshold
+        if len(shares) < t:
+            raise SecAggAborted(f"{what} of node {owner} needs t={t} shares; only {len(shares)} of its neighbours answered")
+        parsed = []
+        for holder, b in sorted(shares.items()):
+            try:
+                s = Share.from_bytes(b)
+            except PrivacyError:
+                continue
+            if s.x == _share_index(self.graph[owner] & self.sharers, holder):
+                parsed.append(s)
+        candidates = [parsed] + [parsed[:i] + parsed[i + 1:] for i in range(len(parsed))] if len(parsed) > t else [parsed]
+        for subset in candidates:
+            if len(subset) < t:
+                continue
+            try:
+                secret = combine(subset, t)
+            except PrivacyError:
+                continue
+            if check(secret):
+                return secret
+        raise SecAggAborted(f"{what} of node {owner} could not be rebuilt: its shares are inconsistent or corrupted")
+
+    def finish(self) -> SecAggResult:
+        """Remove the masks: survivors' self masks and the pairwise masks dropped nodes left behind."""
+        p = self.params
+        mod = (1 << p.bits) - 1
+        out = self.total.clone()
+        for u in sorted(self.survivors):
+            seed = self._rebuild(u, self.self_shares.get(u, {}), "the self-mask seed",
+                                 lambda b, u=u: seed_digest(b) == self.keys[u].seed_hash)
+            out.sub_(expand_seed(seed, p.dim, device=self.device))
+        dropped = self.masked_from - self.survivors
+        for v in sorted(dropped):
+            maskers = self.maskers_of[v] & self.survivors  # survivors that masked with v
+            if not maskers:
+                continue
+            raw = self._rebuild(v, self.key_shares.get(v, {}), "the mask key",
+                                lambda b, v=v: len(b) == KEY_BYTES and KeyPair.from_private_bytes(b).public_bytes == self.keys[v].s)
+            s_v = KeyPair.from_private_bytes(raw)
+            for u in sorted(maskers):
+                seed = derive_pairwise(agree(s_v, self.keys[u].s), run_id=p.session, round=p.round,
+                                       node_a=u, node_b=v).mask_seed
+                words = expand_seed(seed, p.dim, device=self.device)
+                out = out.sub_(words) if u < v else out.add_(words)
+        return SecAggResult(total=out & mod, survivors=tuple(sorted(self.survivors)), dropped=tuple(sorted(dropped)),
+                            params=p)

@@ -1,0 +1,253 @@
+"""SecAgg+ rounds in the synchronous workflow: exact results, dropouts at every stage, bad clients, no secrets in logs."""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+
+import numpy as np
+import pytest
+import torch
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message
+
+from clients._errors import ConfigError
+from clients.client_app import app
+from clients.protocol import ARRAYS, MASKED, SECAGG, SECAGG_KEYS, SECAGG_SHARES
+from clients.secure import STATE
+from coordinator import RunConfig, RunDirectory, SyncWorkflow
+from coordinator.rundir import METRICS, SUMMARY
+from simulations.inprocess import InProcessGrid
+from simulations.virtual import VirtualClock
+
+N = 6
+
+
+def cfg(**kw) -> RunConfig:
+    base = {"num-rounds": 1, "min-nodes": 3, "task": "digits", "seed": 0, "local-epochs": 1, "poll-interval": 1.0,
+            "secagg-stage-timeout": 30.0, "round-timeout": 60.0, "secagg-clip": 10.0}
+    base.update(kw)
+    return RunConfig.from_mapping(base)
+
+
+def stage_of(msg: Message) -> str:
+    return str(msg.content.config_records[SECAGG]["stage"]) if SECAGG in msg.content.config_records else "train"
+
+
+class DroppingGrid(InProcessGrid):
+    """Nodes in ``drop[stage]`` vanish at that stage: they get the message and never answer."""
+
+    def __init__(self, client, num_nodes: int, drop: dict[str, set[int]] | None = None) -> None:
+        super().__init__(client, num_nodes)
+        self.drop = drop or {}
+        self.gone: set[int] = set()
+
+    def push_messages(self, messages):
+        messages = list(messages)
+        ids = list(super().push_messages(messages))
+        for mid, msg in zip(ids, messages):
+            node = msg.metadata.dst_node_id
+            if node in self.drop.get(stage_of(msg), set()) or node in self.gone:
+                self.gone.add(node)
+                self._replies.pop(mid, None)
+        return ids
+
+
+def run(tmp_path, grid, name="a", **kw) -> SyncWorkflow:
+    wf = SyncWorkflow(cfg(**kw), grid, RunDirectory(tmp_path / name), clock=VirtualClock())
+    wf.run()
+    return wf
+
+
+def plain_reference(tmp_path, nodes: list[int], **kw) -> torch.Tensor:
+    ref = SyncWorkflow(cfg(**kw), InProcessGrid(app, N), RunDirectory(tmp_path / "ref"))
+    ref.select = lambda online, rnd: nodes
+    ref.run()
+    return ref.weights
+
+
+def test_secagg_round_equals_the_plain_weighted_mean(tmp_path):
+    wf = run(tmp_path, InProcessGrid(app, N), **{"secure-aggregation": "secagg+"})
+    row = wf.history[0]
+    assert row["secagg_survivors"] == N and row["accepted"] == N and row["rejected"] == 0
+    ref = plain_reference(tmp_path, list(range(1001, 1001 + N)))
+    torch.testing.assert_close(wf.weights, ref, rtol=0, atol=1e-6)  # 32-bit ring: quantization error ~1e-8
+    assert wf.version == 1
+
+
+@pytest.mark.parametrize("stage", ["setup", "share-keys", "masked-input", "unmask"])
+def test_a_node_vanishing_at_any_stage_leaves_the_survivors_mean(tmp_path, stage):
+    victim = 1003
+    wf = run(tmp_path, DroppingGrid(app, N, {stage: {victim}}), **{"secure-aggregation": "secagg+"})
+    row = wf.history[0]
+    survivors = [n for n in range(1001, 1001 + N) if n != victim or stage == "unmask"]
+    assert row["secagg_survivors"] == len(survivors), row
+    assert row["secagg_dropped"] == (1 if stage == "masked-input" else 0)
+    ref = plain_reference(tmp_path, survivors)
+    torch.testing.assert_close(wf.weights, ref, rtol=0, atol=1e-6)
+
+
+def test_too_many_dropouts_fail_clearly_and_leave_the_model_unchanged(tmp_path):
+    grid = DroppingGrid(app, N, {"masked-input": {1001, 1002, 1003, 1004}})
+    wf = SyncWorkflow(cfg(**{"secure-aggregation": "secagg+"}), grid, RunDirectory(tmp_path / "a"), clock=VirtualClock())
+    before = wf.weights.clone()
+    wf.run()
+    row = wf.history[0]
+    assert "secagg_failure" in row and "masked inputs arrived" in row["secagg_failure"]
+    assert row["accepted"] == 0 and wf.version == 0
+    assert torch.equal(wf.weights, before)
+
+
+def misbehave(node: int, stage: str, mutate):
+    """The real client app, except that ``node``'s reply at ``stage`` is passed through ``mutate``."""
+    replies: dict[tuple[int, str], Message] = {}
+
+    def client(msg: Message, ctx: Context) -> Message:
+        reply = app(msg, ctx)
+        s = stage_of(msg)
+        replies[(ctx.node_id, s)] = reply
+        if ctx.node_id == node and s == stage:
+            return mutate(reply, replies, msg)
+        return reply
+
+    return client
+
+
+def _replayed_setup(reply, replies, msg):
+    return Message(replies[(1001, "setup")].content, reply_to=msg)
+
+
+def _other_nodes_keys(reply, replies, msg):
+    other = replies[(1001, "setup")].content.config_records[SECAGG_KEYS]
+    reply.content.config_records[SECAGG_KEYS] = ConfigRecord({"1002": other["1001"]})
+    return reply
+
+
+def _claims_other_node(reply, replies, msg):
+    reply.content.config_records[SECAGG_KEYS] = ConfigRecord({"1001": reply.content.config_records[SECAGG_KEYS]["1002"]})
+    return reply
+
+
+def _drops_one_share(reply, replies, msg):
+    shares = dict(reply.content.config_records[SECAGG_SHARES])
+    shares.pop(next(iter(shares)))
+    reply.content.config_records[SECAGG_SHARES] = ConfigRecord(shares)
+    return reply
+
+
+def _tampered_share(reply, replies, msg):
+    shares = dict(reply.content.config_records[SECAGG_SHARES])
+    k = next(iter(shares))
+    shares[k] = shares[k][:-1] + bytes([shares[k][-1] ^ 1])
+    reply.content.config_records[SECAGG_SHARES] = ConfigRecord(shares)
+    return reply
+
+
+def _float_vector(reply, replies, msg):
+    n = reply.content.array_records[ARRAYS][MASKED].shape[0]
+    reply.content.array_records[ARRAYS] = ArrayRecord({MASKED: Array(np.zeros(n, np.float32))})
+    return reply
+
+
+def _huge_vector(reply, replies, msg):
+    reply.content.array_records[ARRAYS] = ArrayRecord({MASKED: Array(np.zeros(10**6, np.uint32))})
+    return reply
+
+
+def _bogus_unmask(reply, replies, msg):
+    reply.content.config_records[SECAGG_SHARES] = ConfigRecord({"self:1": b"x"})
+    return reply
+
+
+BAD = {  # (stage, mutate, rule, counted as survivor?)
+    "replayed reply of another node": ("setup", _replayed_setup, "unknown-sender", False),
+    "keys claimed for another node": ("setup", _claims_other_node, "unknown-sender", False),
+    "another node's keys re-sent": ("setup", _other_nodes_keys, "bad-keys", False),
+    "wrong share count": ("share-keys", _drops_one_share, "wrong-share-count", False),
+    "float masked vector": ("masked-input", _float_vector, "bad-array", False),
+    "oversized masked vector": ("masked-input", _huge_vector, "oversized", False),
+    "unmask names unknown shares": ("unmask", _bogus_unmask, "wrong-share-count", True),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_messages_are_rejected_with_a_reason_and_the_round_completes(tmp_path, case):
+    stage, mutate, rule, survives = BAD[case]
+    wf = run(tmp_path, InProcessGrid(misbehave(1002, stage, mutate), N), **{"secure-aggregation": "secagg+"})
+    row = wf.history[0]
+    assert row["rejected_by_rule"] == {rule: 1}, row
+    assert "secagg_failure" not in row and wf.version == 1
+    survivors = [n for n in range(1001, 1001 + N) if n != 1002 or survives]
+    assert row["secagg_survivors"] == len(survivors)
+    torch.testing.assert_close(wf.weights, plain_reference(tmp_path, survivors), rtol=0, atol=1e-6)
+
+
+def test_tampered_ciphertext_makes_the_receiver_refuse_and_the_round_recovers(tmp_path):
+    # 1002's share ciphertexts fail authentication at their receivers, which reply with an error:
+    # they drop out at masked-input; the round still completes from the others (k = 5, t = 3 of 6).
+    wf = run(tmp_path, InProcessGrid(misbehave(1002, "share-keys", _tampered_share), N),
+             **{"secure-aggregation": "secagg+", "secagg-degree": 5, "secagg-threshold": 3})
+    row = wf.history[0]
+    assert row["rejected_by_rule"].get("error-reply", 0) == 1 and row["secagg_survivors"] == N - 1
+    assert wf.version == 1 and torch.isfinite(wf.weights).all()
+
+
+def test_compressed_variants_learn_and_send_fewer_bytes(tmp_path):
+    rows = {}
+    for name, kw in {"dense": {}, "16-bit": {"secagg-bits": 16}, "sparse": {"secagg-sparse-ratio": 0.25}}.items():
+        wf = run(tmp_path, InProcessGrid(app, N), name, **{"secure-aggregation": "secagg+", "num-rounds": 3,
+                                                           "secagg-clip": 1.0, "local-epochs": 2, **kw})
+        rows[name] = (wf.history[-1]["test_accuracy"], sum(r["bytes_up"] for r in wf.history))
+    assert rows["16-bit"][1] < 0.6 * rows["dense"][1] and rows["sparse"][1] < 0.35 * rows["dense"][1]
+    for acc, _ in rows.values():
+        assert 0.5 <= acc <= 0.99
+
+
+def test_no_key_material_or_masks_reach_the_logs_or_run_dir(tmp_path, caplog, capsys):
+    secrets: list[bytes] = []
+
+    def recording(msg: Message, ctx: Context) -> Message:
+        reply = app(msg, ctx)
+        state = ctx.state.config_records.get(STATE)
+        if state is not None:
+            secrets.extend(state[k] for k in ("c-sk", "s-sk", "self-seed"))
+            secrets.extend(v for k, v in state.items() if k.startswith(("hs:", "hk:")))
+        if ARRAYS in reply.content.array_records and MASKED in reply.content.array_records[ARRAYS]:
+            secrets.append(reply.content.array_records[ARRAYS][MASKED].numpy()[:8].tobytes())
+        return reply
+
+    with caplog.at_level(logging.DEBUG):
+        flwr_logger = logging.getLogger("flwr")
+        flwr_logger.addHandler(caplog.handler)
+        try:
+            wf = run(tmp_path, DroppingGrid(recording, N, {"masked-input": {1004}}),
+                     **{"secure-aggregation": "secagg+", "num-rounds": 2})
+        finally:
+            flwr_logger.removeHandler(caplog.handler)
+    out = capsys.readouterr()
+    text = caplog.text + out.out + out.err
+    text += "".join(p.read_text(errors="replace") for p in (tmp_path / "a").iterdir() if p.suffix in (".csv", ".json"))
+    assert "secagg masked-input" in text and wf.history[0]["secagg_dropped"] == 1
+    assert len(secrets) > 50
+    for s in secrets:
+        for form in (s.hex(), base64.b64encode(s).decode(), repr(s)[2:-1], str(list(s[:8]))[1:-1]):
+            assert form not in text
+    summary = json.loads((tmp_path / "a" / SUMMARY).read_text())
+    assert summary["secure_aggregation"] == "secagg+"
+    assert "secagg_survivors" in (tmp_path / "a" / METRICS).read_text()
+
+
+def test_secagg_settings_are_checked():
+    with pytest.raises(ConfigError, match="aggregator must be 'mean'"):
+        cfg(**{"secure-aggregation": "secagg+", "aggregator": "median"})
+    with pytest.raises(ConfigError, match="k/2 < t <= k"):
+        cfg(**{"secure-aggregation": "secagg+", "secagg-degree": 6, "secagg-threshold": 3})
+    with pytest.raises(ConfigError, match="codec must be 'dense'"):
+        cfg(**{"secure-aggregation": "secagg+", "codec": "topk"})
+    with pytest.raises(ConfigError, match="secure-aggregation must be one of"):
+        cfg(**{"secure-aggregation": "secagg"})
+    with pytest.raises(ConfigError, match="dp must not be 'central'"):
+        cfg(**{"secure-aggregation": "secagg+", "dp": "central", "dp-noise-multiplier": 1.0})
+    k, t = cfg(**{"secure-aggregation": "secagg+"}).secure.graph(100)
+    assert k % 2 == 0 and k < 40 and t == k // 2 + 1  # log-degree graph at 10% dropout
+    assert cfg(**{"secure-aggregation": "secagg+", "secagg-degree": 1000}).secure.graph(10) == (9, 5)

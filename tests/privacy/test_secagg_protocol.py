@@ -1,0 +1,281 @@
+"""SecAgg+ protocol state machines: exact sums under dropouts at every stage, and bad input rejected."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from privacy import PrivacyError
+from privacy.secagg import check_threshold
+from privacy.secagg.protocol import (
+    PublicKeys,
+    SecAggAborted,
+    SecAggClient,
+    SecAggParams,
+    SecAggRejected,
+    SecAggServer,
+    ring_dtype,
+)
+
+FAST = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def make_params(n: int, k: int, t: int, bits: int = 32, dim: int = 50, clip: float = 1.0) -> SecAggParams:
+    return SecAggParams.create(1, range(101, 101 + n), degree=k, threshold=t, bits=bits, clip=clip, dim=dim)
+
+
+def run(params: SecAggParams, drop: dict[str, set[int]] | None = None, seed: int = 0):
+    """All four stages in memory; nodes in ``drop[stage]`` vanish before answering that stage.
+
+    Returns the server's result and the plain ring sum of the survivors' inputs.
+    """
+    drop = drop or {}
+    gone: set[int] = set()
+    gen = torch.Generator().manual_seed(seed)
+    server = SecAggServer(params)
+    clients: dict[int, SecAggClient] = {}
+    gone |= drop.get("setup", set())
+    for v in params.nodes:
+        if v in gone:
+            continue
+        clients[v], keys = SecAggClient.setup(v, params)
+        server.on_keys(v, keys)
+    reqs = server.share_keys_requests()
+    gone |= drop.get("share-keys", set())
+    for v, keys in reqs.items():
+        if v not in gone:
+            server.on_shares(v, clients[v].share_keys(keys))
+    reqs = server.masked_input_requests()
+    gone |= drop.get("masked-input", set())
+    inputs = {}
+    for v, cts in reqs.items():
+        if v in gone:
+            continue
+        clients[v].receive_shares(cts)
+        inputs[v] = torch.randint(0, params.levels + 1, (params.dim,), generator=gen)
+        masked = clients[v].mask(inputs[v]).numpy().astype(ring_dtype(params.bits))
+        server.add_masked(v, masked)
+    reqs = server.unmask_requests()
+    gone |= drop.get("unmask", set())
+    for v, (surv, dropped) in reqs.items():
+        if v not in gone:
+            try:
+                server.on_unmask(v, clients[v].unmask(surv, dropped))
+            except SecAggRejected as exc:  # too few of its neighbours survived: it refuses, as it must
+                assert exc.rule == "too-few-neighbours"
+    result = server.finish()
+    plain = sum(inputs[v] for v in result.survivors) & ((1 << params.bits) - 1)
+    return result, plain, inputs
+
+
+@pytest.mark.parametrize("n,k,t", [(3, 2, 2), (5, 4, 3), (10, 4, 3), (12, 11, 7)])
+def test_sum_is_exact_without_dropouts(n, k, t):
+    result, plain, inputs = run(make_params(n, k, t))
+    assert result.survivors == tuple(sorted(inputs)) and not result.dropped
+    assert torch.equal(result.total, plain)
+
+
+@FAST
+@given(n=st.integers(5, 14), bits=st.sampled_from([8, 16, 32]), data=st.data())
+def test_sum_is_exact_under_dropouts_at_every_stage(n, bits, data):
+    k = data.draw(st.sampled_from([k for k in range(2, n - 1, 2)] + [n - 1]))
+    kk = min(k, n - 1)
+    t = data.draw(st.integers(kk // 2 + 1, kk))
+    params = make_params(n, k, t, bits=bits, dim=data.draw(st.integers(1, 40)))
+    nodes = list(params.nodes)
+    drop = {s: set(data.draw(st.lists(st.sampled_from(nodes), max_size=2))) for s in
+            ("setup", "share-keys", "masked-input", "unmask")}
+    try:
+        result, plain, _ = run(params, drop, seed=n)
+    except SecAggAborted:
+        return  # too many dropouts for this graph: a clear failure, never a wrong sum
+    assert torch.equal(result.total, plain)
+    assert set(result.survivors).isdisjoint(drop["setup"] | drop["share-keys"] | drop["masked-input"])
+
+
+def test_drop_after_share_keys_is_recovered_and_masks_cancel():
+    params = make_params(8, 4, 3)
+    victim = params.nodes[3]
+    result, plain, _ = run(params, {"masked-input": {victim}})
+    assert victim in result.dropped and victim not in result.survivors
+    assert torch.equal(result.total, plain)
+
+
+def test_too_many_dropouts_abort_with_a_reason():
+    params = make_params(6, 5, 4)
+    with pytest.raises(SecAggAborted, match="masked inputs arrived|live"):
+        run(params, {"masked-input": set(params.nodes[:4])})
+    with pytest.raises(SecAggAborted, match="needs t=4 shares"):
+        run(params, {"unmask": set(params.nodes[:3])})
+
+
+def test_dequantized_sum_matches_float_sum():
+    params = make_params(5, 4, 3, dim=1000, clip=2.0)
+    server = SecAggServer(params)
+    xs = {v: torch.rand(1000, dtype=torch.float64) * 4 - 2 for v in params.nodes}
+    q = {v: torch.round((x + 2.0) / params.step).to(torch.int64) for v, x in xs.items()}
+    total = sum(q.values()) & 0xFFFFFFFF
+    from privacy.secagg.protocol import SecAggResult
+    out = SecAggResult(total=total, survivors=params.nodes, dropped=(), params=params).dequantized()
+    assert torch.allclose(out, sum(xs.values()), atol=5 * params.step)
+    assert server.total.shape == (1000,)
+
+
+def test_masked_input_looks_uniform():
+    """One client's masked input is indistinguishable from uniform (chi-square on the top byte)."""
+    params = make_params(4, 3, 2, dim=1 << 16)
+    me, _ = SecAggClient.setup(params.nodes[0], params)
+    others = {v: SecAggClient.setup(v, params) for v in params.nodes[1:]}
+    keys = {params.nodes[0]: PublicKeys(me.c.public_bytes, me.s.public_bytes, b"\0" * 32),
+            **{v: k for v, (_, k) in others.items()}}
+    me.share_keys(keys)
+    cts = {v: c.share_keys(keys)[params.nodes[0]] for v, (c, _) in others.items()}
+    me.receive_shares(cts)
+    masked = me.mask(torch.zeros(params.dim, dtype=torch.int64))  # an all-zero input: only masks remain
+    counts = np.bincount((masked >> 24).numpy(), minlength=256)
+    expected = params.dim / 256
+    chi2 = ((counts - expected) ** 2 / expected).sum()
+    assert chi2 < 330.52  # df = 255, p = 0.999
+
+
+# -- bad input: each rejected with a reason, the honest round unaffected --------------------------
+def started(n=6, k=5, t=4):
+    params = make_params(n, k, t)
+    server = SecAggServer(params)
+    clients, keys = {}, {}
+    for v in params.nodes:
+        clients[v], keys[v] = SecAggClient.setup(v, params)
+        server.on_keys(v, keys[v])
+    return params, server, clients, keys
+
+
+def test_server_rejects_bad_stage_one_messages():
+    params, server, clients, keys = started()
+    with pytest.raises(SecAggRejected, match="duplicate"):
+        server.on_keys(params.nodes[0], keys[params.nodes[0]])
+    with pytest.raises(SecAggRejected, match="unknown-sender"):
+        server.on_keys(999, keys[params.nodes[0]])
+    with pytest.raises(SecAggRejected, match="bad-keys"):
+        PublicKeys.from_bytes(7, b"short")
+    fresh = SecAggServer(params)
+    fresh.on_keys(params.nodes[0], keys[params.nodes[0]])
+    with pytest.raises(SecAggRejected, match="bad-keys"):  # a node replaying another's keys
+        fresh.on_keys(params.nodes[1], keys[params.nodes[0]])
+
+
+def test_client_rejects_substituted_or_replayed_messages():
+    params, server, clients, keys = started()
+    reqs = server.share_keys_requests()
+    a, b = params.nodes[0], params.nodes[1]
+    forged = dict(reqs[a])
+    forged[a] = keys[b]  # the server swaps this node's own keys
+    with pytest.raises(SecAggRejected, match="bad-keys"):
+        clients[a].share_keys(forged)
+    cts = {v: clients[v].share_keys(reqs[v]) for v in params.nodes}
+    with pytest.raises(SecAggRejected, match="wrong-stage"):  # a replayed share-keys message
+        clients[a].share_keys(reqs[a])
+    for v, c in cts.items():
+        server.on_shares(v, c)
+    with pytest.raises(SecAggRejected, match="duplicate"):
+        server.on_shares(a, cts[a])
+    reqs3 = server.masked_input_requests()
+    tampered = dict(reqs3[a])
+    sender = next(iter(tampered))
+    tampered[sender] = tampered[sender][:-1] + bytes([tampered[sender][-1] ^ 1])
+    with pytest.raises(PrivacyError, match="failed authentication"):
+        clients[a].receive_shares(tampered)
+    swapped = dict(reqs3[a])  # a ciphertext meant for another receiver, relabelled
+    other = next(v for v in params.nodes if v not in (a, sender))
+    swapped[sender] = reqs3[other][sender]
+    with pytest.raises(PrivacyError, match="failed authentication"):
+        clients[a].receive_shares(swapped)
+
+
+def test_server_rejects_wrong_share_counts_and_bad_vectors():
+    params, server, clients, keys = started()
+    reqs = server.share_keys_requests()
+    a = params.nodes[0]
+    cts = clients[a].share_keys(reqs[a])
+    with pytest.raises(SecAggRejected, match="wrong-share-count"):
+        server.on_shares(a, dict(list(cts.items())[:-1]))
+    for v in params.nodes:
+        server.on_shares(v, cts if v == a else clients[v].share_keys(reqs[v]))
+    server.masked_input_requests()
+    for bad in (np.zeros(params.dim, dtype="<u2"), np.zeros(params.dim + 1, dtype="<u4"), np.zeros(params.dim)):
+        with pytest.raises(SecAggRejected, match="bad-array"):
+            server.add_masked(a, bad)
+    with pytest.raises(SecAggRejected, match="unknown-sender"):
+        server.add_masked(999, np.zeros(params.dim, dtype="<u4"))
+    assert int(server.total.abs().sum()) == 0  # nothing reached the sum
+
+
+def test_client_never_reveals_both_secrets_of_one_node():
+    params = make_params(6, 5, 3)
+    result_nodes = params.nodes
+    server = SecAggServer(params)
+    clients = {}
+    for v in result_nodes:
+        clients[v], k = SecAggClient.setup(v, params)
+        server.on_keys(v, k)
+    reqs = server.share_keys_requests()
+    for v in result_nodes:
+        server.on_shares(v, clients[v].share_keys(reqs[v]))
+    reqs = server.masked_input_requests()
+    for v in result_nodes:
+        clients[v].receive_shares(reqs[v])
+        clients[v].mask(torch.zeros(params.dim, dtype=torch.int64))
+    a, b = result_nodes[0], result_nodes[1]
+    others = [v for v in result_nodes if v not in (a, b)]
+    with pytest.raises(SecAggRejected, match="both a survivor and dropped"):
+        clients[a].unmask([a, b, *others], [b])
+    clients[a].unmask([a, *others], [b])  # b claimed dropped: key share only
+    with pytest.raises(SecAggRejected, match="wrong-stage"):  # asking again (now claiming b survived) is refused
+        clients[a].unmask([a, b, *others], [])
+
+
+def test_corrupted_share_is_left_out_or_aborts():
+    params, server, clients, keys = started(6, 5, 3)
+    reqs = server.share_keys_requests()
+    for v in params.nodes:
+        server.on_shares(v, clients[v].share_keys(reqs[v]))
+    reqs = server.masked_input_requests()
+    for v in params.nodes:
+        clients[v].receive_shares(reqs[v])
+        server.add_masked(v, clients[v].mask(torch.ones(params.dim, dtype=torch.int64)).numpy().astype("<u4"))
+    reqs = server.unmask_requests()
+    liar = params.nodes[0]
+    for v, (surv, dropped) in reqs.items():
+        shares = clients[v].unmask(surv, dropped)
+        if v == liar:
+            name = next(iter(shares))
+            raw = bytearray(shares[name])
+            raw[-1] ^= 0x55
+            shares[name] = bytes(raw)
+        server.on_unmask(v, shares)
+    result = server.finish()  # 5 honest shares, t = 3: the bad one is left out
+    assert torch.equal(result.total, torch.full((params.dim,), len(params.nodes), dtype=torch.int64))
+
+
+def test_parameters_are_checked():
+    with pytest.raises(PrivacyError, match="k/2 < t"):
+        make_params(10, 4, 2)
+    with pytest.raises(PrivacyError, match="even"):
+        make_params(10, 3, 2)
+    with pytest.raises(PrivacyError, match="2\\*\\*bits"):
+        make_params(300, 4, 3, bits=8)
+    with pytest.raises(PrivacyError):
+        SecAggParams.from_fields({"round": 1})
+    check_threshold(3, 4)
+
+
+def test_client_state_round_trips_through_fields():
+    params, server, clients, keys = started()
+    reqs = server.share_keys_requests()
+    a = params.nodes[0]
+    clients[a].share_keys(reqs[a])
+    back = SecAggClient.from_fields(clients[a].to_fields())
+    assert back.stage == "masked-input" and back.peers == clients[a].peers
+    assert back.self_seed == clients[a].self_seed and "secret" not in repr(back) and "seed" not in repr(back)
