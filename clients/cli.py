@@ -150,13 +150,21 @@ def _stop_group(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
         pass
 
 
+def _die_with_parent() -> None:
+    """In the SuperNode's process (Linux): get SIGTERM if the agent dies, even by SIGKILL."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def start_agent(args: argparse.Namespace) -> int:
     """Run the SuperNode until it exits; stop its process group; explain failures in one line."""
     cmd = supernode_command(args)
     print(f"fedshield agent: connecting to {args.coordinator} "
           f"({'insecure' if args.insecure else 'TLS + node authentication'})", file=sys.stderr)
     proc = subprocess.Popen(cmd, env={**os.environ, "FLWR_DISABLE_UPDATE_CHECK": "1"}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
 
     def forward(signum: int, _frame: object) -> None:
         _stop_group(proc, signum)

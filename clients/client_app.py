@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import zlib
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message
@@ -66,6 +67,19 @@ def encode_with_feedback(codec, delta: torch.Tensor, context: Context, gen: torc
     return encoded
 
 
+def training_identity(context: Context) -> int:
+    """What keys a node's training randomness: its partition, else its data file, else its node id.
+
+    Keyed by the data (not the node id the SuperLink hands out), a rerun on the same
+    data draws the same batches.
+    """
+    if "partition-id" in context.node_config:
+        return int(context.node_config["partition-id"])
+    if "data-path" in context.node_config:
+        return zlib.crc32(str(context.node_config["data-path"]).encode())
+    return int(context.node_id)
+
+
 def local_update(msg: Message, context: Context) -> tuple[torch.Tensor, dict[str, int | float], torch.Generator]:
     """Train on the node's data from the message's global model; return the delta (new - old) and metrics."""
     start = time.perf_counter()
@@ -77,7 +91,7 @@ def local_update(msg: Message, context: Context) -> tuple[torch.Tensor, dict[str
     numel = sum(p.numel() for p in model.parameters())
     weights = array_to_tensor(arrays[WEIGHTS], "float32", numel)
     load_flat(model, weights)
-    who = int(context.node_config.get("partition-id", context.node_id))
+    who = training_identity(context)
     gen = torch.Generator().manual_seed(hash((instr.seed, instr.round, who)) & 0x7FFFFFFF)
     local_dp = msg.content.config_records.get(LOCAL_DP)
     if local_dp is None:

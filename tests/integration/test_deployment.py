@@ -21,26 +21,26 @@ from .procs import free_port, wait_for
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
-def _setup(tmp_path, fedshield_bin, num_rounds: int, keys: int = 4):
+def _setup(tmp_path, fedshield_bin, num_rounds: int, keys: int = 4, nodes: int = 3, extra: str = ""):
     run = lambda *a: subprocess.run([fedshield_bin, *a], cwd=tmp_path, check=True, capture_output=True, text=True)  # noqa: E731
     run("certs", "init", "certs")
     for i in range(keys):
         run("keys", "new", f"keys/client-{i}")
-    run("data", "export", "--num-partitions", "3", "--out", "data")
+    run("data", "export", "--num-partitions", str(nodes), "--out", "data")
     port = free_port()
     (tmp_path / "coordinator.toml").write_text(f"""
 [coordinator]
 host = "127.0.0.1"
 port = {port}
-enrolled-keys = ["keys/client-0.pub", "keys/client-1.pub", "keys/client-2.pub"]
+enrolled-keys = [{", ".join(f'"keys/client-{i}.pub"' for i in range(nodes))}]
 
 [run]
 run-dir = "runs/deploy"
 num-rounds = {num_rounds}
-min-nodes = 3
+min-nodes = {nodes}
 wait-nodes-timeout = 120.0
 round-timeout = 120.0
-""")
+{extra}""")
     return port
 
 
