@@ -99,6 +99,7 @@ class TaskSpec:
     data_seed: int = 0
     synthetic_alpha: float = 1.0
     synthetic_beta: float = 1.0
+    hidden_units: int = 128  # the digits MLP's hidden width (64-h-10: 75h + 10 parameters)
 
     def __post_init__(self) -> None:
         check(self.task in TASKS, "task", f"be one of {list(TASKS)}", self.task)
@@ -107,6 +108,7 @@ class TaskSpec:
         check(self.data_seed >= 0, "data-seed", "be >= 0", self.data_seed)
         check(self.synthetic_alpha >= 0, "synthetic-alpha", "be >= 0", self.synthetic_alpha)
         check(self.synthetic_beta >= 0, "synthetic-beta", "be >= 0", self.synthetic_beta)
+        check(1 <= self.hidden_units <= 1 << 20, "hidden-units", "be in [1, 1048576]", self.hidden_units)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,7 +15,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricR
 from aggregation import array_to_tensor, tensor_to_array
 from privacy import PrivacyError
 from privacy.secagg.inputs import encode_input, input_length, shared_subset
-from privacy.secagg.protocol import PublicKeys, SecAggClient, SecAggParams, ring_dtype
+from privacy.secagg.protocol import PublicKeys, SecAggClient, SecAggParams
 
 from ._errors import ClientError
 from .protocol import ARRAYS, MASKED, METRICS, SECAGG, SECAGG_KEYS, SECAGG_SHARES
@@ -67,7 +67,7 @@ def _masked_input(msg: Message, context: Context, client: SecAggClient, plan: di
         delta[subset] = 0.0
         context.state.array_records[RESIDUAL] = ArrayRecord({"r": tensor_to_array(delta)})
     q, clipped = encode_input(values, _weight(plan, int(metrics["num-examples"])), client.params)
-    masked = client.mask(q).numpy().astype(ring_dtype(client.params.bits))
+    masked = client.mask(q)
     metrics.update({"secagg-clipped": clipped, "client-time-s": metrics["client-time-s"] + time.perf_counter() - start})
     return _reply(msg, "masked-input", client.params.round, **{ARRAYS: ArrayRecord({MASKED: Array(masked)}),
                                                              METRICS: MetricRecord(metrics)})

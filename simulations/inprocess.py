@@ -7,6 +7,7 @@ backends"). The round logic runs on it unchanged; replies travel as Flower
 
 from __future__ import annotations
 
+import copy
 import uuid
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -32,9 +33,10 @@ def ensure_task_identity(run_id: int = 1) -> None:
 
 
 def call_client(client: ClientFn, msg: Message, ctx: Context) -> Message:
-    """Run the client on one message; like Flower, a raising ClientApp becomes an error reply."""
+    """Run the client on its own copy of one message (as a transport would deliver it; clients may
+    mutate what they receive); like Flower, a raising ClientApp becomes an error reply."""
     try:
-        return client(msg, ctx)
+        return client(copy.deepcopy(msg), ctx)
     except Exception as exc:  # noqa: BLE001 - the node's failure is the round's data, not the engine's crash
         log(WARNING, "[fedshield] node %d: client raised %r", ctx.node_id, exc)
         return Message(error=Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=repr(exc)[:500]), reply_to=msg)

@@ -32,4 +32,5 @@ class DigitsTask(Task):
         return stratified_split(x, y, self.spec.data_seed)
 
     def build_model(self) -> nn.Module:
-        return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+        h = self.spec.hidden_units
+        return nn.Sequential(nn.Linear(64, h), nn.ReLU(), nn.Linear(h, 10))

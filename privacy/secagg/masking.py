@@ -5,7 +5,8 @@ sums are reduced with ``& (2**bits - 1)``, which is exact modular arithmetic
 for a power-of-two modulus, negative intermediates included.
 
 Masks: a 32-byte seed is the full AES-256 key of an AES-CTR keystream (zero
-IV) over zero bytes, read as little-endian uint32 words. All 256 seed bits
+IV) over zero bytes, read as little-endian uint32 words and added with numpy's
+uint32 wrap-around arithmetic (single-threaded, no temporaries, no int64 copies). All 256 seed bits
 count (Flower's ``pseudo_rand_gen`` folds its seed into 32 bits for
 ``numpy.random.RandomState``). Each seed must expand one stream only: seeds
 come from HKDF with a per-purpose label (pairwise) or ``os.urandom`` (self).
@@ -38,8 +39,8 @@ def _modulus_mask(bits: int) -> int:
     return (1 << bits) - 1
 
 
-def expand_seed(seed: bytes, n: int, *, device: torch.device | str | None = None) -> torch.Tensor:
-    """``n`` uniform uint32 words (as int64) from an AES-256-CTR keystream keyed by the 32-byte seed."""
+def keystream(seed: bytes, n: int) -> np.ndarray:
+    """``n`` uniform uint32 words from an AES-256-CTR keystream keyed by the 32-byte seed (no copy made)."""
     if len(seed) != SEED_BYTES:
         raise PrivacyError(f"mask seed must be {SEED_BYTES} bytes (all of them are used). Found {len(seed)}.")
     if n < 0:
@@ -47,9 +48,34 @@ def expand_seed(seed: bytes, n: int, *, device: torch.device | str | None = None
     encryptor = Cipher(algorithms.AES(bytes(seed)), modes.CTR(_ZERO_IV)).encryptor()
     buf = bytearray(4 * n + 15)  # update_into needs len(data) + block_size - 1 bytes
     encryptor.update_into(bytes(4 * n), buf)
-    words = np.frombuffer(buf, dtype="<u4", count=n).astype(np.int64)
-    out = torch.from_numpy(words)
+    return np.frombuffer(buf, dtype="<u4", count=n)
+
+
+def expand_seed(seed: bytes, n: int, *, device: torch.device | str | None = None) -> torch.Tensor:
+    """:func:`keystream` as an int64 tensor."""
+    out = torch.from_numpy(keystream(seed, n).astype(np.int64))
     return out if device is None else out.to(device)
+
+
+def apply_masks_(words: np.ndarray, seeds: Iterable[tuple[bytes, int]]) -> np.ndarray:
+    """Add (sign +1) or subtract (sign -1) each seed's keystream into ``words`` (uint32, in place).
+
+    uint32 arithmetic wraps mod 2**32, which every ring Z_(2**bits), bits <= 32, divides:
+    reduce with ``& (2**bits - 1)`` once at the end. One pass per seed, no temporaries
+    beyond the keystream itself.
+    """
+    if words.dtype != np.uint32:
+        raise PrivacyError(f"mask words must be uint32. Found {words.dtype}.")
+    for seed, sign in seeds:
+        (np.add if sign > 0 else np.subtract)(words, keystream(seed, words.size), out=words)
+    return words
+
+
+def pairwise_signs(my_id: int, pairwise: Mapping[int, bytes]) -> list[tuple[bytes, int]]:
+    """Bell et al.: node ``u`` adds ``PRG(s_uv)`` for ``v > u`` and subtracts it for ``v < u``."""
+    if my_id in pairwise:
+        raise PrivacyError(f"node {my_id} lists itself as a masking peer.")
+    return [(seed, 1 if my_id < peer else -1) for peer, seed in pairwise.items()]
 
 
 def quantization_step(clip: float, n_clients: int, bits: int = 32) -> float:
@@ -109,14 +135,9 @@ def mask(q: torch.Tensor, self_seed: bytes, pairwise: Mapping[int, bytes], my_id
          bits: int = 32) -> torch.Tensor:
     """``q + PRG(b_u) + sum_{v > u} PRG(s_uv) - sum_{v < u} PRG(s_uv)`` mod 2**bits (Bell et al. 2020)."""
     mod = _modulus_mask(bits)
-    n = q.numel()
-    out = q.reshape(-1).to(torch.int64) + expand_seed(self_seed, n, device=q.device)
-    for peer, seed in pairwise.items():
-        if peer == my_id:
-            raise PrivacyError(f"node {my_id} lists itself as a masking peer.")
-        words = expand_seed(seed, n, device=q.device)
-        out = out + words if my_id < peer else out - words
-    return (out & mod).reshape(q.shape)
+    words = q.detach().reshape(-1).cpu().numpy().astype(np.uint32)
+    apply_masks_(words, [(self_seed, 1), *pairwise_signs(my_id, pairwise)])
+    return torch.from_numpy((words & mod).astype(np.int64)).reshape(q.shape).to(q.device)
 
 
 def unmask(sum_masked: torch.Tensor, survivor_self_seeds: Iterable[bytes],
@@ -131,18 +152,21 @@ def unmask(sum_masked: torch.Tensor, survivor_self_seeds: Iterable[bytes],
     The result is the plain ring sum of the survivors' quantized inputs.
     """
     mod = _modulus_mask(bits)
-    n = sum_masked.numel()
-    device = sum_masked.device
-    out = sum_masked.reshape(-1).to(torch.int64)
-    for seed in survivor_self_seeds:
-        out = out - expand_seed(seed, n, device=device)
+    words = sum_masked.detach().reshape(-1).cpu().numpy().astype(np.uint32)
+    apply_masks_(words, unmask_signs(survivor_self_seeds, dropped_pairwise))
+    return torch.from_numpy((words & mod).astype(np.int64)).reshape(sum_masked.shape).to(sum_masked.device)
+
+
+def unmask_signs(survivor_self_seeds: Iterable[bytes],
+                 dropped_pairwise: Mapping[int, Mapping[int, bytes]]) -> list[tuple[bytes, int]]:
+    """The keystreams the server subtracts (-1) or adds back (+1) to unmask a ring sum."""
+    out = [(seed, -1) for seed in survivor_self_seeds]
     for dropped, survivors in dropped_pairwise.items():
         for survivor, seed in survivors.items():
             if survivor == dropped:
                 raise PrivacyError(f"node {dropped} cannot be both dropped and its own surviving neighbour.")
-            words = expand_seed(seed, n, device=device)
-            out = out - words if survivor < dropped else out + words
-    return (out & mod).reshape(sum_masked.shape)
+            out.append((seed, -1 if survivor < dropped else 1))
+    return out
 
 
 def ring_sum(tensors: Iterable[torch.Tensor], bits: int = 32) -> torch.Tensor:

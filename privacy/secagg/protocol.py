@@ -52,7 +52,7 @@ import torch
 from .._errors import PrivacyError
 from .graph import Graph, check_threshold, complete_graph, harary_graph
 from .keys import KEY_BYTES, KeyPair, agree, decrypt_share, derive_pairwise, encrypt_share
-from .masking import SEED_BYTES, expand_seed, quantization_step
+from .masking import SEED_BYTES, apply_masks_, pairwise_signs, quantization_step, unmask_signs
 from .shamir import Share, combine, split
 
 STAGES = ("setup", "share-keys", "masked-input", "unmask")
@@ -285,20 +285,21 @@ class SecAggClient:
         self.held = held
         self.maskers = tuple(sorted(ciphertexts))
 
-    def mask(self, q: torch.Tensor) -> torch.Tensor:
-        """Stage 3, second half: ``q`` (ring elements, length dim) plus self and pairwise masks, mod 2**bits."""
+    def mask(self, q: torch.Tensor) -> np.ndarray:
+        """Stage 3, second half: ``q`` (ring elements, length dim) plus self and pairwise masks, mod 2**bits.
+
+        Returns the wire form: the ring's unsigned dtype (see :func:`ring_dtype`).
+        """
         self._expect("masked-input")
         p, me = self.params, self.node_id
         if q.dtype != torch.int64 or q.numel() != p.dim:
             raise PrivacyError(f"masked input must be int64 of length {p.dim}. Found {q.dtype} {q.numel()}.")
-        out = q.reshape(-1) + expand_seed(self.self_seed, p.dim, device=q.device)
-        for v in self.maskers:
-            seed = derive_pairwise(agree(self.s, self.peers[v].s), run_id=p.session, round=p.round,
-                                   node_a=me, node_b=v).mask_seed
-            words = expand_seed(seed, p.dim, device=q.device)
-            out = out.add_(words) if me < v else out.sub_(words)
+        pairwise = {v: derive_pairwise(agree(self.s, self.peers[v].s), run_id=p.session, round=p.round,
+                                       node_a=me, node_b=v).mask_seed for v in self.maskers}
+        words = q.detach().reshape(-1).cpu().numpy().astype(np.uint32)
+        apply_masks_(words, [(self.self_seed, 1), *pairwise_signs(me, pairwise)])
         self.stage = "unmask"
-        return out & ((1 << p.bits) - 1)
+        return (words & ((1 << p.bits) - 1)).astype(ring_dtype(p.bits))
 
     def unmask(self, survivors: Iterable[int], dropped: Iterable[int]) -> dict[str, bytes]:
         """Stage 4: self-seed shares of surviving neighbours, key shares of dropped ones; never both."""
@@ -366,7 +367,7 @@ class SecAggServer:
         self.ciphertexts: dict[int, dict[int, bytes]] = {}  # U2: sender -> receiver -> ciphertext
         self.masked_from: set[int] = set()  # nodes asked for a masked input
         self.maskers_of: dict[int, frozenset[int]] = {}
-        self.total = torch.zeros(params.dim, dtype=torch.int64, device=self.device)
+        self.total = np.zeros(params.dim, dtype=np.uint32)  # ring sum, wrapping mod 2**32
         self.survivors: set[int] = set()  # U3
         self.unmask_asked: dict[int, tuple[frozenset[int], frozenset[int]]] = {}
         self.self_shares: dict[int, dict[int, bytes]] = {}  # survivor -> holder -> share bytes
@@ -430,8 +431,8 @@ class SecAggServer:
         return out
 
     # stage 3 --------------------------------------------------------------------------------
-    def check_masked(self, node: int, vector: np.ndarray) -> torch.Tensor:
-        """Validate one masked input; returns it as an int64 tensor (nothing is added yet)."""
+    def check_masked(self, node: int, vector: np.ndarray) -> None:
+        """Validate one masked input (nothing is added yet)."""
         p = self.params
         if node not in self.masked_from:
             raise SecAggRejected(node, "unknown-sender", "node was not asked for a masked input")
@@ -441,14 +442,12 @@ class SecAggServer:
         if not isinstance(vector, np.ndarray) or vector.dtype != want or vector.shape != (p.dim,):
             raise SecAggRejected(node, "bad-array", f"masked input must be {want} of shape ({p.dim},); found "
                                                     f"{getattr(vector, 'dtype', None)} {getattr(vector, 'shape', None)}")
-        t = torch.from_numpy(vector.astype(np.int64)).to(self.device)
-        if want.itemsize * 8 > p.bits and int(t.max()) >> p.bits:
+        if want.itemsize * 8 > p.bits and int(vector.max()) >> p.bits:
             raise SecAggRejected(node, "bad-array", f"masked input values must be below 2**{p.bits}")
-        return t
 
     def add_masked(self, node: int, vector: np.ndarray) -> None:
-        t = self.check_masked(node, vector)
-        self.total.add_(t)
+        self.check_masked(node, vector)
+        np.add(self.total, vector, out=self.total, casting="unsafe")
         self.survivors.add(node)
 
     def unmask_requests(self) -> dict[int, tuple[list[int], list[int]]]:
@@ -485,19 +484,22 @@ class SecAggServer:
         self.responders.add(node)
 
     def _rebuild(self, owner: int, shares: Mapping[int, bytes], what: str, check) -> bytes:
-        """Combine ``shares`` (holder -> bytes); if they disagree, leave one out at a time."""
+        """Combine ``shares`` (holder -> bytes) and ``check`` the secret; on a bad share, leave one out at a time."""
         t = self.params.threshold
         if len(shares) < t:
             raise SecAggAborted(f"{what} of node {owner} needs t={t} shares; only {len(shares)} of its neighbours answered")
+        xs = {h: i + 1 for i, h in enumerate(sorted(self.graph[owner] & self.sharers))}
         parsed = []
         for holder, b in sorted(shares.items()):
             try:
                 s = Share.from_bytes(b)
             except PrivacyError:
                 continue
-            if s.x == _share_index(self.graph[owner] & self.sharers, holder):
+            if s.x == xs.get(holder):  # a share must sit at its holder's x-coordinate
                 parsed.append(s)
-        candidates = [parsed] + [parsed[:i] + parsed[i + 1:] for i in range(len(parsed))] if len(parsed) > t else [parsed]
+        # Fast path: t shares, verified by the check; then all of them, then all but one.
+        candidates = [parsed[:t], parsed] + ([parsed[:i] + parsed[i + 1:] for i in range(len(parsed))]
+                                             if len(parsed) > t else [])
         for subset in candidates:
             if len(subset) < t:
                 continue
@@ -512,13 +514,11 @@ class SecAggServer:
     def finish(self) -> SecAggResult:
         """Remove the masks: survivors' self masks and the pairwise masks dropped nodes left behind."""
         p = self.params
-        mod = (1 << p.bits) - 1
-        out = self.total.clone()
-        for u in sorted(self.survivors):
-            seed = self._rebuild(u, self.self_shares.get(u, {}), "the self-mask seed",
-                                 lambda b, u=u: seed_digest(b) == self.keys[u].seed_hash)
-            out.sub_(expand_seed(seed, p.dim, device=self.device))
+        self_seeds = [self._rebuild(u, self.self_shares.get(u, {}), "the self-mask seed",
+                                    lambda b, u=u: seed_digest(b) == self.keys[u].seed_hash)
+                      for u in sorted(self.survivors)]
         dropped = self.masked_from - self.survivors
+        dropped_pairwise: dict[int, dict[int, bytes]] = {}
         for v in sorted(dropped):
             maskers = self.maskers_of[v] & self.survivors  # survivors that masked with v
             if not maskers:
@@ -526,10 +526,9 @@ class SecAggServer:
             raw = self._rebuild(v, self.key_shares.get(v, {}), "the mask key",
                                 lambda b, v=v: len(b) == KEY_BYTES and KeyPair.from_private_bytes(b).public_bytes == self.keys[v].s)
             s_v = KeyPair.from_private_bytes(raw)
-            for u in sorted(maskers):
-                seed = derive_pairwise(agree(s_v, self.keys[u].s), run_id=p.session, round=p.round,
-                                       node_a=u, node_b=v).mask_seed
-                words = expand_seed(seed, p.dim, device=self.device)
-                out = out.sub_(words) if u < v else out.add_(words)
-        return SecAggResult(total=out & mod, survivors=tuple(sorted(self.survivors)), dropped=tuple(sorted(dropped)),
+            dropped_pairwise[v] = {u: derive_pairwise(agree(s_v, self.keys[u].s), run_id=p.session, round=p.round,
+                                                      node_a=u, node_b=v).mask_seed for u in sorted(maskers)}
+        words = apply_masks_(self.total.copy(), unmask_signs(self_seeds, dropped_pairwise))
+        total = torch.from_numpy((words & ((1 << p.bits) - 1)).astype(np.int64)).to(self.device)
+        return SecAggResult(total=total, survivors=tuple(sorted(self.survivors)), dropped=tuple(sorted(dropped)),
                             params=p)

@@ -1,0 +1,186 @@
+"""SecAgg+ round cost: fedshield vs Flower's SecAggPlusWorkflow vs a plain round, on one engine in one run.
+
+    python benchmarks/secagg.py [--clients 100] [--dim 100000] [--threshold 0.6] [--dropout 0.1]
+                                [--skip-flwr-complete] [--json FILE]
+
+Part 1 runs fedshield's protocol state machines in memory and prints each
+stage's compute time per client (mean) and on the server, for the complete
+graph and the log-degree graph. Part 2 runs one round end to end on
+fedshield's in-process Grid (the same engine for every case, no Ray), with
+``--clients`` nodes and a digits MLP widened to about ``--dim`` parameters:
+fedshield plain, fedshield SecAgg+ (complete graph, and the log-degree graph
+chosen for ``--dropout``), and Flower's legacy SecAggPlusWorkflow (complete
+graph, and 11 shares) against a Flower plain round with the same update size.
+Thresholds are ``--threshold`` of each node's share holders.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+os.environ.setdefault("FEDSHIELD_DEVICE", "cpu")
+from simulations import bench as _report  # noqa: E402
+
+Report = _report.Report
+
+
+# -- part 1: the protocol's compute per stage -------------------------------------------------------
+def protocol_stage_times(n: int, dim: int, k: int, t: int) -> dict[str, float]:
+    from privacy.secagg.protocol import SecAggClient, SecAggParams, SecAggServer
+
+    params = SecAggParams.create(1, range(1, n + 1), degree=k, threshold=t, bits=32, clip=1.0, dim=dim)
+    server = SecAggServer(params)
+    times = {s: 0.0 for s in ("client setup", "client share-keys", "client masked-input", "client unmask",
+                              "server setup", "server share-keys", "server masked-input", "server unmask")}
+    clients, keys = {}, {}
+
+    def timed(name, fn, *a):
+        t0 = time.perf_counter()
+        out = fn(*a)
+        times[name] += time.perf_counter() - t0
+        return out
+
+    for v in params.nodes:
+        clients[v], keys[v] = timed("client setup", SecAggClient.setup, v, params)
+        timed("server setup", server.on_keys, v, keys[v])
+    reqs = timed("server share-keys", server.share_keys_requests)
+    for v, r in reqs.items():
+        cts = timed("client share-keys", clients[v].share_keys, r)
+        timed("server share-keys", server.on_shares, v, cts)
+    reqs = timed("server masked-input", server.masked_input_requests)
+    q = torch.randint(0, params.levels, (dim,))
+    for v, cts in reqs.items():
+        timed("client masked-input", clients[v].receive_shares, cts)
+        masked = timed("client masked-input", clients[v].mask, q.clone())
+        timed("server masked-input", server.add_masked, v, masked)
+    reqs = timed("server unmask", server.unmask_requests)
+    for v, (surv, drop) in reqs.items():
+        shares = timed("client unmask", clients[v].unmask, surv, drop)
+        timed("server unmask", server.on_unmask, v, shares)
+    result = timed("server unmask", server.finish)
+    assert torch.equal(result.total, (q * n) & 0xFFFFFFFF), "unmasked sum must equal the plain sum"
+    return {name: (v / n if name.startswith("client") else v) for name, v in times.items()}
+
+
+# -- part 2: one round end to end -------------------------------------------------------------------
+def fedshield_round(n: int, hidden: int, extra: dict) -> dict:
+    from clients.client_app import app
+    from coordinator import RunConfig, RunDirectory, SyncWorkflow
+    from simulations.inprocess import InProcessGrid
+
+    cfg = RunConfig.from_mapping({"num-rounds": 1, "min-nodes": n, "task": "digits", "hidden-units": hidden,
+                                  "local-epochs": 1, "seed": 0, "poll-interval": 0.01, "secagg-clip": 10.0, **extra})
+    with tempfile.TemporaryDirectory() as d:
+        wf = SyncWorkflow(cfg, InProcessGrid(app, n), RunDirectory(d))
+        wf.run()
+    return wf.history[0]
+
+
+class _RandomClient:
+    """A Flower NumPyClient whose fit returns a random update of ``dim`` floats (no training)."""
+
+    def __init__(self, dim: int) -> None:
+        from flwr.client import NumPyClient
+
+        class C(NumPyClient):
+            def fit(self, parameters, config):
+                return [np.random.default_rng().standard_normal(dim).astype(np.float32) * 0.01], 10, {}
+
+        self.client = C().to_client()
+
+
+def flwr_round(n: int, dim: int, shares: int | None, threshold: int | None) -> float:
+    """Seconds for one round of Flower's DefaultWorkflow (with SecAggPlusWorkflow when ``shares``)."""
+    import logging
+
+    from flwr.app import Context, RecordDict
+    from flwr.client import ClientApp
+    from flwr.client.mod import secaggplus_mod
+    from flwr.common import ndarrays_to_parameters
+    from flwr.server import LegacyContext, ServerConfig
+    from flwr.server.strategy import FedAvg
+    from flwr.server.workflow import DefaultWorkflow, SecAggPlusWorkflow
+
+    from simulations.inprocess import InProcessGrid
+
+    logging.getLogger("flwr").setLevel(logging.WARNING)
+    client_app = ClientApp(client_fn=lambda ctx: _RandomClient(dim).client, mods=[secaggplus_mod] if shares else [])
+    strategy = FedAvg(fraction_fit=1.0, fraction_evaluate=0.0, min_fit_clients=n, min_available_clients=n,
+                      initial_parameters=ndarrays_to_parameters([np.zeros(dim, np.float32)]))
+    ctx = LegacyContext(Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config={}),
+                        config=ServerConfig(num_rounds=1), strategy=strategy)
+    fit = SecAggPlusWorkflow(num_shares=shares, reconstruction_threshold=threshold) if shares else None
+    workflow = DefaultWorkflow(fit_workflow=fit) if fit else DefaultWorkflow()
+    grid = InProcessGrid(client_app, n)
+    t0 = time.perf_counter()
+    workflow(grid, ctx)
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--clients", type=int, default=100)
+    ap.add_argument("--dim", type=int, default=100_000)
+    ap.add_argument("--threshold", type=float, default=0.6, help="fraction of each node's share holders")
+    ap.add_argument("--dropout", type=float, default=0.1, help="dropout rate the log-degree graph is chosen for")
+    ap.add_argument("--skip-flwr-complete", action="store_true", help="skip Flower's complete graph (minutes)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    from privacy.secagg import choose_degree
+
+    n, dim = args.clients, args.dim
+    hidden = max(1, round((dim - 10) / 75))  # 64-h-10 MLP: 75h + 10 parameters
+    numel = 75 * hidden + 10
+    k_log, _ = choose_degree(n, args.dropout)
+    graphs = {"complete": (n - 1, math.ceil(args.threshold * (n - 1))),
+              "log-degree": (k_log, max(k_log // 2 + 1, math.ceil(args.threshold * k_log)))}
+    rep = Report(f"SecAgg+ with {n} clients x {numel} parameters")
+    print(f"# SecAgg+: {n} clients, {numel} parameters, threshold {args.threshold:.0%}; log-degree graph k={k_log} "
+          f"for dropout {args.dropout:.0%}; torch threads {torch.get_num_threads()}")
+
+    print("\n## Part 1: compute per stage (fedshield's protocol in memory; client = mean per client)")
+    for name, (k, t) in graphs.items():
+        for stage, sec in protocol_stage_times(n, numel + 1, k, t).items():
+            rep.add(f"{name} (k={k}, t={t}): {stage}", sec * 1e3, "ms")
+
+    print("\n## Part 2: one round end to end on fedshield's in-process Grid")
+    fedshield_round(n, hidden, {})  # warm-up: imports, data partitions, the clients' profile measurement
+    plain = fedshield_round(n, hidden, {})
+    rep.add("fedshield plain round", plain["round_time_s"], "s")
+    plain_bytes = plain["bytes_up"] + plain["bytes_down"]
+    for name, (k, t) in graphs.items():
+        row = fedshield_round(n, hidden, {"secure-aggregation": "secagg+", "secagg-degree": k, "secagg-threshold": t})
+        assert row["secagg_survivors"] == n, row
+        target, met = ("<= 10 s per round", row["round_time_s"] <= 10) if name == "complete" else \
+            ("<= 1.3x the plain round", row["round_time_s"] <= 1.3 * plain["round_time_s"])
+        rep.add(f"fedshield SecAgg+ {name} (k={k}, t={t}) round", row["round_time_s"], "s", "fedshield plain round",
+                plain["round_time_s"], target, met, ratio=row["round_time_s"] / plain["round_time_s"])
+        expansion = (row["bytes_up"] + row["bytes_down"]) / plain_bytes
+        rep.add(f"fedshield SecAgg+ {name}: bytes sent / plain bytes", expansion, "x", "", None, "<= 2x", expansion <= 2)
+        rep.add(f"fedshield SecAgg+ {name}: server compute in the round", row["secagg_server_s"], "s")
+
+    flwr_plain = flwr_round(n, numel, None, None)
+    rep.add("flwr plain round (random updates, no training)", flwr_plain, "s")
+    cases = [("11 shares", 11, math.ceil(args.threshold * 11))]
+    if not args.skip_flwr_complete:
+        cases.insert(0, ("complete graph", n, math.ceil(args.threshold * n)))
+    for name, shares, t in cases:
+        sec = flwr_round(n, numel, shares, t)
+        rep.add(f"flwr SecAggPlusWorkflow {name} (t={t}) round", sec, "s", "flwr plain round", flwr_plain,
+                ratio=sec / flwr_plain)
+    rep.write_json(args.json)
+
+
+if __name__ == "__main__":
+    main()
