@@ -8,12 +8,13 @@ they are deleted when the round's unmask stage is answered.
 
 from __future__ import annotations
 
+import math
 import time
 
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 
 from aggregation import array_to_tensor, tensor_to_array
-from privacy import PrivacyError
+from privacy import PrivacyError, clip_scale, skellam_noise
 from privacy.secagg.inputs import encode_input, input_length, shared_subset
 from privacy.secagg.protocol import PublicKeys, SecAggClient, SecAggParams
 
@@ -66,7 +67,13 @@ def _masked_input(msg: Message, context: Context, client: SecAggClient, plan: di
         values = delta[subset]
         delta[subset] = 0.0
         context.state.array_records[RESIDUAL] = ArrayRecord({"r": tensor_to_array(delta)})
-    q, clipped = encode_input(values, _weight(plan, int(metrics["num-examples"])), client.params)
+    if "dp-mu" in plan:  # distributed DP: bound this client's influence, then noise its share
+        norm = float(values.norm())
+        values = values * clip_scale(norm, float(plan["dp-clip"]))
+        q, clipped = encode_input(values, 1.0, client.params)
+        q[:-1] += skellam_noise(q.numel() - 1, float(plan["dp-mu"]))
+    else:
+        q, clipped = encode_input(values, _weight(plan, int(metrics["num-examples"])), client.params)
     masked = client.mask(q)
     metrics.update({"secagg-clipped": clipped, "client-time-s": metrics["client-time-s"] + time.perf_counter() - start})
     return _reply(msg, "masked-input", client.params.round, **{ARRAYS: ArrayRecord({MASKED: Array(masked)}),
@@ -84,6 +91,11 @@ def run_secagg_stage(msg: Message, context: Context) -> Message:
         if stage == "setup":
             params = SecAggParams.from_fields(dict(rec))
             plan = {k: rec.get(k) for k in _PLAN}
+            if "dp-mu" in rec:  # distributed DP: clip, then add this client's share of Skellam noise
+                dp = {"dp-clip": rec.get("dp-clip"), "dp-mu": rec.get("dp-mu")}
+                if not all(isinstance(v, float) and math.isfinite(v) and v > 0 for v in dp.values()):
+                    raise ClientError("secagg setup's dp-clip and dp-mu must be finite numbers > 0.")
+                plan.update(dp)
             if (not isinstance(plan["numel"], int) or not isinstance(plan["subset-seed"], bytes)
                     or plan["weighting"] not in ("uniform", "num-examples")
                     or not isinstance(plan["max-weight"], int) or plan["max-weight"] < 1):
@@ -98,7 +110,7 @@ def run_secagg_stage(msg: Message, context: Context) -> Message:
         if saved is None:
             raise ClientError(f"secagg {stage!r} message arrived but this node has no round in progress.")
         client = SecAggClient.from_fields(dict(saved))
-        plan = {k: saved[f"plan.{k}"] for k in _PLAN}
+        plan = {k[5:]: v for k, v in saved.items() if k.startswith("plan.")}
         if rnd != client.params.round:
             raise ClientError(f"secagg message is for round {rnd}; this node is in round {client.params.round}.")
         if stage == "share-keys":

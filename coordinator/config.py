@@ -143,7 +143,7 @@ class AsyncSettings:
                 "staleness_params": {"a": self.staleness_a} if self.staleness == "polynomial" else {}}
 
 
-DP_MODES = ("none", "central", "local")
+DP_MODES = ("none", "central", "local", "distributed")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,10 +170,13 @@ class PrivacySettings:
               self.dp_noise_multiplier)
         check(self.target_epsilon >= 0, "target-epsilon", "be >= 0 (0: no budget)", self.target_epsilon)
         check(0 < self.dp_delta < 1, "dp-delta", "be in (0, 1)", self.dp_delta)
-        if self.dp == "central":
+        if self.dp in ("central", "distributed"):
             check(self.dp_noise_multiplier > 0 or self.target_epsilon > 0, "dp-noise-multiplier",
-                  "be > 0, or target-epsilon be set to calibrate it, under central DP (no noise: no privacy)",
+                  f"be > 0, or target-epsilon be set to calibrate it, under {self.dp} DP (no noise: no privacy)",
                   self.dp_noise_multiplier)
+        if self.dp == "distributed":
+            check(not self.adaptive_clipping, "adaptive-clipping", "be false under distributed DP (the coordinator "
+                  "never sees an update's norm)", self.adaptive_clipping)
         check(0 < self.clip_target_quantile < 1, "clip-target-quantile", "be in (0, 1)", self.clip_target_quantile)
         check(self.clip_learning_rate > 0, "clip-learning-rate", "be > 0", self.clip_learning_rate)
         if self.adaptive_clipping and self.dp == "central" and self.dp_noise_multiplier > 0:
@@ -270,6 +273,12 @@ class RunConfig:
     secure: SecureAggSettings = SecureAggSettings()
 
     def __post_init__(self) -> None:
+        if self.privacy.dp == "distributed":
+            check(self.secure.enabled, "secure-aggregation", "be 'secagg+' under dp = 'distributed' (clients add "
+                  "their share of the noise; secure aggregation hides everything but the noised sum)",
+                  self.secure.secure_aggregation)
+            check(self.secure.secagg_weighting == "uniform", "secagg-weighting", "be 'uniform' under distributed DP "
+                  "(every client's influence is bounded by dp-clip)", self.secure.secagg_weighting)
         if self.secure.enabled:
             for ok, key, rule, found in (
                 (self.aggregation.aggregator == "mean", "aggregator", "be 'mean'", self.aggregation.aggregator),

@@ -49,6 +49,8 @@ from privacy.secagg.protocol import (
     ring_dtype,
 )
 
+from .privacy_policy import DistributedDp
+
 if TYPE_CHECKING:
     from .workflow import SyncWorkflow
 
@@ -147,10 +149,16 @@ class SecureRound:
         update = None
         reason = ""
         timeout = st.secagg_stage_timeout
+        dp = wf.dp if isinstance(wf.dp, DistributedDp) else None
+        dp_plan: dict[str, float] = {}
+        if dp is not None:  # each client clips and adds its share of the noise
+            dp.check_headroom(st.secagg_clip, len(selected))
+            clip, mu = dp.client_noise(len(selected), params.step, params.dim - 1)
+            dp_plan = {"dp-clip": clip, "dp-mu": mu}
         try:
             setup = ConfigRecord({"stage": "setup", **params.to_fields(), "numel": numel, "sparse-ratio": st.secagg_sparse_ratio,
                                   "subset-seed": subset_seed, "weighting": st.secagg_weighting,
-                                  "max-weight": st.secagg_max_weight})
+                                  "max-weight": st.secagg_max_weight, **dp_plan})
 
             def on_keys(node: int, reply: Message) -> None:
                 keys = self._node_map(reply, SECAGG_KEYS, node)
@@ -205,6 +213,10 @@ class SecureRound:
                                SECAGG_SHARES: ConfigRecord({str(u): ct for u, ct in cts.items()}), **train})
                 for n, cts in requests3.items()}, wf.cfg.server.round_timeout, on_masked, stats)
 
+            if dp is not None and len(server.survivors) < dp.min_survivors(len(selected)):
+                raise SecAggAborted(f"distributed DP needs >= {dp.min_survivors(len(selected))} survivors for its noise "
+                                    f"(secagg-dropout-rate={st.secagg_dropout_rate:g}); only {len(server.survivors)} "
+                                    "sent masked inputs, so nothing is unmasked or released")
             requests4 = server.unmask_requests()
             self._exchange(rnd, "unmask", {
                 n: RecordDict({SECAGG: ConfigRecord({"stage": "unmask", "round": rnd, "survivors": surv, "dropped": drop})})

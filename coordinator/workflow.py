@@ -29,7 +29,7 @@ from ._errors import CoordinatorError
 from privacy import BudgetExhausted
 
 from .config import RunConfig
-from .privacy_policy import CentralDp
+from .privacy_policy import CentralDp, DistributedDp
 from .profiles import ProfileRegistry, select_fast_fair, select_uniform
 from .progress import format_row
 from .rundir import CONFIG as CONFIG_FILE
@@ -86,8 +86,10 @@ class SyncWorkflow:
         enc, _ = self.codec.encode(torch.zeros(self.numel))
         self.max_update_bytes = min(int(cfg.server.max_update_mb * 2**20), enc.nbytes + 1024)
         self.codec_header = dict(enc.header)
-        self.dp = (CentralDp(cfg.privacy, self.dp_sampling_rate(), cfg.server.num_rounds, cfg.server.seed)
-                   if cfg.privacy.dp == "central" else None)
+        dp_args = (cfg.privacy, self.dp_sampling_rate(), cfg.server.num_rounds, cfg.server.seed)
+        self.dp = (CentralDp(*dp_args) if cfg.privacy.dp == "central"
+                   else DistributedDp(*dp_args, cfg.secure.secagg_dropout_rate) if cfg.privacy.dp == "distributed"
+                   else None)
         self.status = "completed"
         self.weights = self.task.init_weights(cfg.server.seed).to(self.device)
         self.round, self.version = 0, 0
@@ -259,6 +261,10 @@ class SyncWorkflow:
             if update is not None:
                 self.weights = self.optimizer.step(self.weights, update)
                 self.version += 1
+                if isinstance(self.dp, DistributedDp):  # a released noised sum: account for the noise it had
+                    self.dp.after_secure_round(self._rate, secure_row["secagg_survivors"], len(selected))
+            if isinstance(self.dp, DistributedDp):
+                row["epsilon"] = self.dp.epsilon
         else:
             sent, row["bytes_down"] = self._send(rnd, selected)
             row.update(self._collect(rnd, sent))

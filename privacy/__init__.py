@@ -3,7 +3,14 @@
 from ._errors import PrivacyError
 from ._opacus import quiet_import_opacus
 from .accountant import BudgetExhausted, PrivacyBudget, PrivacyEvent, RdpAccountant, calibrate_noise_multiplier
-from .dp import AdaptiveClipping, CentralGaussianMechanism, GaussianNoise, clip_scale, effective_noise_multiplier
+from .dp import (
+    AdaptiveClipping,
+    CentralGaussianMechanism,
+    GaussianNoise,
+    clip_scale,
+    effective_noise_multiplier,
+    skellam_noise,
+)
 from .transport import (
     CertificatePaths,
     check_ca_certificate,
@@ -32,4 +39,5 @@ __all__ = [
     "init_certificates",
     "new_node_key",
     "quiet_import_opacus",
+    "skellam_noise",
 ]

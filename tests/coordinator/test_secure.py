@@ -5,6 +5,9 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import math
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -251,3 +254,52 @@ def test_secagg_settings_are_checked():
     k, t = cfg(**{"secure-aggregation": "secagg+"}).secure.graph(100)
     assert k % 2 == 0 and k < 40 and t == k // 2 + 1  # log-degree graph at 10% dropout
     assert cfg(**{"secure-aggregation": "secagg+", "secagg-degree": 1000}).secure.graph(10) == (9, 5)
+
+
+# -- distributed DP: clients add Skellam noise shares under SecAgg+ --------------------------------
+DDP = {"secure-aggregation": "secagg+", "dp": "distributed", "dp-clip": 0.5, "dp-noise-multiplier": 0.8,
+       "secagg-weighting": "uniform", "secagg-clip": 2.0, "secagg-dropout-rate": 0.2}
+
+
+def test_distributed_dp_noise_has_the_stated_std_and_is_accounted(tmp_path):
+    a = run(tmp_path, InProcessGrid(app, N), "a", **DDP)
+    b = run(tmp_path, InProcessGrid(app, N), "b", **DDP)
+    diff = (a.weights - b.weights).double()
+    assert not torch.equal(a.weights, b.weights)  # noise from the OS: two runs differ
+    # Each run's mean update carries N(0, (z C)^2 * n / (n (1 - r))) / n; the difference of two has sqrt(2) that.
+    z, c, r = 0.8, 0.5, 0.2
+    want = math.sqrt(2) * z * c * math.sqrt(N / (N * (1 - r))) / N
+    assert abs(float(diff.std()) / want - 1) < 0.05 and abs(float(diff.mean())) < 4 * want / math.sqrt(diff.numel())
+    events = a.dp.accountant.events
+    assert len(events) == 1 and events[0].noise_multiplier == pytest.approx(z * math.sqrt(1 / (1 - r)))
+    assert a.history[0]["epsilon"] == pytest.approx(a.dp.epsilon) and a.dp.epsilon > 0
+    summary = json.loads((tmp_path / "a" / SUMMARY).read_text())
+    assert "Skellam" in summary["privacy_guarantee"] and summary["epsilon"] == pytest.approx(a.dp.epsilon)
+
+
+def test_distributed_dp_without_enough_survivors_releases_nothing_and_spends_nothing(tmp_path):
+    wf = SyncWorkflow(cfg(**DDP), DroppingGrid(app, N, {"masked-input": {1001, 1002}}), RunDirectory(tmp_path / "a"),
+                      clock=VirtualClock())
+    before = wf.weights.clone()
+    wf.run()
+    row = wf.history[0]
+    assert "distributed DP needs >= 5 survivors" in row["secagg_failure"]
+    assert torch.equal(wf.weights, before) and wf.dp.accountant.events == [] and wf.dp.epsilon == 0
+
+
+def test_distributed_dp_budget_stops_the_run(tmp_path):
+    wf = run(tmp_path, InProcessGrid(app, N), **{**DDP, "num-rounds": 10, "target-epsilon": 12.0})
+    assert wf.status == "budget-exhausted" and 1 <= wf.round < 10 and wf.dp.epsilon <= 12.0
+
+
+def test_distributed_dp_settings_are_checked():
+    with pytest.raises(ConfigError, match="secure-aggregation must be 'secagg\\+' under dp = 'distributed'"):
+        cfg(**{"dp": "distributed", "dp-noise-multiplier": 1.0})
+    with pytest.raises(ConfigError, match="secagg-weighting must be 'uniform'"):
+        cfg(**{**DDP, "secagg-weighting": "num-examples"})
+    with pytest.raises(ConfigError, match="adaptive-clipping must be false"):
+        cfg(**{**DDP, "adaptive-clipping": True})
+    from coordinator import CoordinatorError
+
+    with pytest.raises(CoordinatorError, match="secagg-clip must be >= dp-clip"):
+        run(Path(tempfile.mkdtemp()), InProcessGrid(app, N), **{**DDP, "secagg-clip": 0.55})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -225,3 +226,14 @@ def test_adaptive_update_refuses_bad_inputs_and_keeps_its_clip(norms, expected, 
 def test_adaptive_clipping_refuses_bad_settings(kwargs):
     with pytest.raises(PrivacyError, match="must"):
         AdaptiveClipping(**kwargs, count_noise_std=1.0)
+
+
+@pytest.mark.parametrize("mu", [0.5, 50.0, 1e9, 1e14])
+def test_skellam_noise_has_mean_zero_and_variance_two_mu(mu):
+    from privacy import skellam_noise
+
+    rng = np.random.default_rng(3) if mu < 1e12 else None  # above 1e12: rounded CSPRNG normal, no rng
+    x = skellam_noise(200_000, mu, rng).double()
+    assert x.dtype == torch.float64 and skellam_noise(5, mu).dtype == torch.int64
+    assert abs(float(x.var()) / (2 * mu) - 1) < 0.02
+    assert abs(float(x.mean())) < 5 * math.sqrt(2 * mu / 200_000)
