@@ -385,21 +385,19 @@ class SecAggServer:
             raise SecAggRejected(node, "bad-keys", "public keys must be fresh (one equals another node's or its own)")
         self.keys[node] = keys
 
-    def _stable(self, candidates: set[int], threshold: int) -> set[int]:
-        """Largest subset where each node keeps >= t neighbours inside the subset."""
-        live = set(candidates)
-        while True:
-            weak = {u for u in live if len(self.graph[u] & live) < threshold}
-            if not weak:
-                return live
+    def _stable(self, candidates: set[int], did: str) -> set[int]:
+        """Largest subset where each node keeps >= t neighbours inside it; too small a one aborts the round."""
+        t, live = self.params.threshold, set(candidates)
+        while weak := {u for u in live if len(self.graph[u] & live) < t}:
             live -= weak
+        if len(live) < max(3, t):
+            raise SecAggAborted(f"only {len(live)} of {len(self.params.nodes)} nodes {did} with at least t={t} live "
+                                f"neighbours; the round needs >= {max(3, t)}")
+        return live
 
     def share_keys_requests(self) -> dict[int, dict[int, PublicKeys]]:
         """Stage 2 messages: each advertiser gets its live neighbours' keys (and its own, to check)."""
-        live = self._stable(set(self.keys), self.params.threshold)
-        if len(live) < max(3, self.params.threshold):
-            raise SecAggAborted(f"only {len(live)} of {len(self.params.nodes)} nodes advertised keys with at least "
-                                f"t={self.params.threshold} live neighbours; the round needs >= {max(3, self.params.threshold)}")
+        live = self._stable(set(self.keys), "advertised keys")
         self.sharers = live
         return {u: {v: self.keys[v] for v in (self.graph[u] & live) | {u}} for u in sorted(live)}
 
@@ -419,10 +417,7 @@ class SecAggServer:
 
     def masked_input_requests(self) -> dict[int, dict[int, bytes]]:
         """Stage 3 messages: each node gets the ciphertexts its live neighbours addressed to it."""
-        live = self._stable(set(self.ciphertexts), self.params.threshold)
-        if len(live) < max(3, self.params.threshold):
-            raise SecAggAborted(f"only {len(live)} nodes shared keys with at least t={self.params.threshold} live "
-                                f"neighbours; the round needs >= {max(3, self.params.threshold)}")
+        live = self._stable(set(self.ciphertexts), "shared keys")
         self.masked_from = live
         out = {}
         for v in sorted(live):
