@@ -26,6 +26,7 @@ class ServerSettings:
     wait_nodes_timeout: float = 120.0
     round_timeout: float = 300.0
     close_after_replies: int = 0
+    late_replies: str = "drop"
     poll_interval: float = 0.1
     server_optimizer: str = "fedavg"
     server_lr: float = 1.0
@@ -53,6 +54,9 @@ class ServerSettings:
         check(self.round_timeout > 0, "round-timeout", "be > 0 seconds", self.round_timeout)
         check(self.close_after_replies >= 0, "close-after-replies", "be >= 0 (0: wait for every reply)",
               self.close_after_replies)
+        check(self.late_replies in ("drop", "carry"), "late-replies",
+              "be drop, or carry (a reply that misses its round joins a later one, weighted by its staleness)",
+              self.late_replies)
         check(0 < self.poll_interval <= 10, "poll-interval", "be in (0, 10] seconds", self.poll_interval)
         opts = available_server_optimizers()
         check(self.server_optimizer in opts, "server-optimizer", f"be one of {opts}", self.server_optimizer)
@@ -273,6 +277,10 @@ class RunConfig:
     secure: SecureAggSettings = SecureAggSettings()
 
     def __post_init__(self) -> None:
+        if self.server.late_replies == "carry":
+            check(self.privacy.dp not in ("central", "distributed") and not self.secure.enabled, "late-replies",
+                  "be 'drop' under central or distributed DP and secure aggregation (a round's sum must hold only that "
+                  "round's clients)", self.server.late_replies)
         if self.privacy.dp == "distributed":
             check(self.secure.enabled, "secure-aggregation", "be 'secagg+' under dp = 'distributed' (clients add "
                   "their share of the noise; secure aggregation hides everything but the noised sum)",

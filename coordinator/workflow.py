@@ -21,6 +21,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 
 from aggregation import create_server_optimizer, get_device, tensor_to_array
+from aggregation.staleness import create_staleness
 from clients.protocol import ARRAYS, CODEC, CONFIG, LOCAL_DP, MESSAGE_TYPE_TRAIN, METRICS, WEIGHTS, TrainInstruction
 from clients.tasks import get_task
 from clients.training import evaluate, load_flat
@@ -97,6 +98,10 @@ class SyncWorkflow:
         self.rejections: Counter[str] = Counter()
         self.profiles = ProfileRegistry()
         self.secure = SecureRound(self) if cfg.secure.enabled else None
+        # late-replies = "carry": messages a round closed without, still awaited (id -> that round's expectation).
+        # In flight only: a resumed run does not wait for them.
+        self._late: dict[str, RoundExpectation] = {}
+        self.staleness_fn = create_staleness(cfg.asynchrony.staleness, **cfg.asynchrony.workflow_kwargs()["staleness_params"])
         self.wall_start = time.monotonic()
         self._resume()
 
@@ -176,7 +181,9 @@ class SyncWorkflow:
                               CODEC: ConfigRecord(self.codec.config())})
         if self.cfg.privacy.dp == "local":
             content[LOCAL_DP] = ConfigRecord(self.cfg.privacy.local_record())
-        ttl = self.cfg.server.round_timeout + 60.0
+        s = self.cfg.server
+        # A carried message stays useful for max-staleness more rounds.
+        ttl = s.round_timeout * (1 + (self.cfg.asynchrony.max_staleness if s.late_replies == "carry" else 0)) + 60.0
         msgs = [Message(content, dst_node_id=n, message_type=MESSAGE_TYPE_TRAIN, group_id=str(rnd), ttl=ttl)
                 for n in selected]
         ids = list(self.grid.push_messages(msgs))
@@ -185,12 +192,21 @@ class SyncWorkflow:
         sent = {mid: m.metadata.dst_node_id for mid, m in zip(ids, msgs, strict=False)}
         return sent, len(array.data) * len(ids)
 
+    def _prune_late(self) -> None:
+        """Forget carried messages whose reply could no longer be used (staler than max-staleness)."""
+        bound = self.cfg.asynchrony.max_staleness
+        for mid in [m for m, e in self._late.items() if self.version - e.version > bound]:
+            e = self._late.pop(mid)
+            log(INFO, "[fedshield] node %d's reply to round %d would now be too stale; no longer waited for",
+                e.sent[mid], e.round)
+
     def _collect(self, rnd: int, sent: dict[str, int]) -> dict[str, Any]:
         s = self.cfg.server
         exp = RoundExpectation(round=rnd, version=self.version, numel=self.numel, max_examples=s.max_examples,
                                max_bytes=self.max_update_bytes, max_norm=s.max_update_norm, codec=self.codec,
                                codec_header=self.codec_header, sent=sent)
-        slots = max(1, len(sent))
+        self._prune_late()
+        slots = max(1, len(sent) + len(self._late))  # carried stragglers may join this round's sum
         acc = (self.dp.make_aggregator(self.numel, self.device, slots) if self.dp is not None
                else self.cfg.aggregation.make_aggregator(self.numel, self.device, slots))
         norms: list[float] = []
@@ -200,18 +216,28 @@ class SyncWorkflow:
         pending = dict.fromkeys(sent)  # ordered: in-process engines then add in send order
         sent_at = self.clock.now()
         deadline = sent_at + s.round_timeout
+        late_in, stalenesses = 0, []
         while pending:
-            for reply in self.grid.pull_messages(list(pending)):
-                pending.pop(reply.metadata.reply_to_message_id, None)
+            for reply in self.grid.pull_messages(list(pending) + list(self._late)):
+                mid = reply.metadata.reply_to_message_id
+                late_exp = self._late.pop(mid, None)
+                if late_exp is None:
+                    pending.pop(mid, None)
                 replies += 1
                 try:
-                    ok = validate_reply(reply, exp)
+                    ok = validate_reply(reply, late_exp or exp)
                 except RejectedReply as rej:
                     rejected[rej.rule] += 1
                     log(WARNING, "[fedshield] round %d: rejected reply from node %d (%s): %s", rnd, rej.node_id, rej.rule, rej.detail)
                     continue
+                weight = 1.0 if self.dp is not None else float(ok.num_examples)
+                if late_exp is not None:  # a straggler from an earlier round: weighted by its staleness
+                    staleness = self.version - late_exp.version
+                    weight *= self.staleness_fn(staleness)
+                    stalenesses.append(staleness)
+                    late_in += 1
                 # Under central DP every client weighs 1: its influence on the sum is then at most the clip norm.
-                acc.add(self.codec, ok.parsed, 1.0 if self.dp is not None else float(ok.num_examples), norm=ok.norm)
+                acc.add(self.codec, ok.parsed, weight, norm=ok.norm)
                 norms.append(ok.norm)
                 self.profiles.update(ok.node_id, reply.content.metric_records[METRICS], self.clock.now() - sent_at)
                 self.profiles.participated(ok.node_id)
@@ -220,7 +246,8 @@ class SyncWorkflow:
                 loss_sum += ok.train_loss * ok.num_examples
                 bytes_up += ok.nbytes
             if pending and s.close_after_replies and acc.count >= s.close_after_replies:
-                log(INFO, "[fedshield] round %d: %d updates in; closing, %d late replies dropped", rnd, acc.count, len(pending))
+                log(INFO, "[fedshield] round %d: %d updates in; closing, %d late replies %s", rnd, acc.count, len(pending),
+                    "carried into later rounds" if s.late_replies == "carry" else "dropped")
                 break
             if pending and self.clock.now() >= deadline:
                 log(WARNING, "[fedshield] round %d: deadline of %.1f s passed with %d replies missing", rnd, s.round_timeout, len(pending))
@@ -229,6 +256,8 @@ class SyncWorkflow:
                 self.clock.sleep(s.poll_interval)
         for mid in pending:  # no reply in time: the elapsed time is a lower bound on this node's round trip
             self.profiles.observe_time(sent[mid], self.clock.now() - sent_at)
+            if s.late_replies == "carry":
+                self._late[mid] = exp
         extra: dict[str, Any] = {}
         if self.dp is not None:  # noise is added even to an empty sum: the release is private either way
             extra["clip"] = self.dp.clip
@@ -243,6 +272,8 @@ class SyncWorkflow:
             log(WARNING, "[fedshield] round %d: no valid update; the global model is unchanged", rnd)
         if local_eps:
             extra["local_epsilon_max"] = max(local_eps)
+        if stalenesses:
+            extra.update({"late_accepted": late_in, "mean_staleness": sum(stalenesses) / len(stalenesses)})
         return {**extra, "replies": replies, "accepted": acc.count, "rejected": sum(rejected.values()), "late": len(pending),
                 "rejected_by_rule": dict(rejected), "bytes_up": bytes_up,
                 "train_loss": loss_sum / acc.total_weight if acc.count else float("nan")}
@@ -250,7 +281,9 @@ class SyncWorkflow:
     def run_round(self, rnd: int) -> dict[str, Any]:
         start = self.clock.now()
         nodes = self._wait_for_nodes()
-        selected = self.select(nodes, rnd)
+        busy = {e.sent[m] for m, e in self._late.items()}  # still training for an earlier round
+        idle = [n for n in nodes if n not in busy]
+        selected = self.select(idle if len(idle) >= self.cfg.server.min_nodes else nodes, rnd)
         self._rate = len(selected) / len(nodes)
         if self.dp is not None:
             self.dp.check_budget(self._rate)  # before anything is sent

@@ -121,3 +121,50 @@ def test_selection_is_seeded_fraction(tmp_path):
     a, b = wf.select(nodes, 1), wf.select(nodes, 1)
     assert a == b and len(a) == 3 and set(a) <= set(nodes)
     assert any(wf.select(nodes, r) != a for r in range(2, 6))
+
+
+class HoldingGrid(InProcessGrid):
+    """Node ``slow``'s reply to its first message is held back until the next push (a straggler)."""
+
+    def __init__(self, client, num_nodes, slow):
+        super().__init__(client, num_nodes)
+        self.slow, self.held = slow, {}
+
+    def push_messages(self, messages):
+        messages = list(messages)
+        self._replies.update(self.held)
+        self.held = {}
+        ids = list(super().push_messages(messages))
+        for mid, msg in zip(ids, messages):
+            if msg.metadata.dst_node_id == self.slow and msg.metadata.group_id == "1":
+                self.held[mid] = self._replies.pop(mid)
+        return ids
+
+
+@pytest.mark.parametrize("policy", ["drop", "carry"])
+def test_a_late_reply_is_dropped_or_carried_into_the_next_round_weighted_by_staleness(tmp_path, policy):
+    from simulations.virtual import VirtualClock
+
+    grid = HoldingGrid(run_train_app(), 4, slow=1004)
+    c = cfg(**{"num-rounds": 2, "min-nodes": 3, "close-after-replies": 3, "late-replies": policy,
+               "poll-interval": 1.0, "staleness": "polynomial", "staleness-a": 1.0})
+    wf = SyncWorkflow(c, grid, RunDirectory(tmp_path), clock=VirtualClock())
+    seen = []
+    fn = wf.staleness_fn
+    wf.staleness_fn = lambda s: seen.append(s) or fn(s)
+    wf.run()
+    r1, r2 = wf.history
+    assert r1["accepted"] == 3 and r1["late"] == 1
+    if policy == "carry":
+        assert r2["selected"] == 3  # the straggler was still busy: not asked again
+        assert r2["late_accepted"] == 1 and r2["accepted"] == 4 and seen == [1] and r2["mean_staleness"] == 1
+        assert fn(1) == pytest.approx(0.5) and wf._late == {}
+    else:
+        assert "late_accepted" not in r2 and r2["accepted"] == r2["selected"] and seen == []
+
+
+def test_carrying_late_replies_is_refused_where_a_round_must_hold_only_its_own_clients():
+    from clients._errors import ConfigError
+
+    with pytest.raises(ConfigError, match="late-replies must be 'drop' under central"):
+        cfg(**{"late-replies": "carry", "dp": "central", "dp-noise-multiplier": 1.0})
