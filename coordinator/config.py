@@ -27,6 +27,7 @@ class ServerSettings:
     round_timeout: float = 300.0
     close_after_replies: int = 0
     late_replies: str = "drop"
+    work_deadline: float = 0.0
     poll_interval: float = 0.1
     server_optimizer: str = "fedavg"
     server_lr: float = 1.0
@@ -57,6 +58,8 @@ class ServerSettings:
         check(self.late_replies in ("drop", "carry"), "late-replies",
               "be drop, or carry (a reply that misses its round joins a later one, weighted by its staleness)",
               self.late_replies)
+        check(math.isfinite(self.work_deadline) and self.work_deadline >= 0, "work-deadline",
+              "be >= 0 seconds (0: every node runs local-epochs)", self.work_deadline)
         check(0 < self.poll_interval <= 10, "poll-interval", "be in (0, 10] seconds", self.poll_interval)
         opts = available_server_optimizers()
         check(self.server_optimizer in opts, "server-optimizer", f"be one of {opts}", self.server_optimizer)

@@ -50,6 +50,7 @@ class ProfileRegistry:
         self.alpha = float(alpha)
         self.profiles: dict[int, dict[str, int | float]] = {}
         self.ema_time: dict[int, float] = {}
+        self.ema_epoch: dict[int, float] = {}  # observed seconds per local epoch (round trip / epochs asked)
         self.counts: dict[int, int] = {}
 
     # -- updates -------------------------------------------------------------
@@ -74,6 +75,25 @@ class ProfileRegistry:
         node = int(node_id)
         old = self.ema_time.get(node)
         self.ema_time[node] = t if old is None else (1 - self.alpha) * old + self.alpha * t
+
+    def observe_epochs(self, node_id: int, elapsed_s: float, epochs: int) -> None:
+        """Fold one round trip that ran ``epochs`` local epochs into the node's seconds-per-epoch EMA.
+
+        The round trip includes the transfers, so the estimate errs on the slow side.
+        """
+        t = _number(elapsed_s)
+        if t is None or t < 0 or not isinstance(epochs, int) or epochs < 1:
+            return
+        node, per = int(node_id), min(t, MAX_TIME_S) / epochs
+        old = self.ema_epoch.get(node)
+        self.ema_epoch[node] = per if old is None else (1 - self.alpha) * old + self.alpha * per
+
+    def local_epochs(self, node_id: int, full: int, deadline_s: float) -> int:
+        """How many local epochs fit in ``deadline_s`` for this node (1 .. ``full``; ``full`` if unmeasured)."""
+        per = self.ema_epoch.get(int(node_id))
+        if deadline_s <= 0 or per is None or per <= 0:
+            return full
+        return max(1, min(full, int(deadline_s // per)))
 
     def participated(self, node_id: int) -> None:
         """Count one accepted update from ``node_id``."""
@@ -108,12 +128,14 @@ class ProfileRegistry:
     # -- state ---------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Plain ints, floats and str-keyed dicts (loads with ``torch.load(weights_only=True)``)."""
-        nodes = set(self.profiles) | set(self.ema_time) | set(self.counts)
+        nodes = set(self.profiles) | set(self.ema_time) | set(self.counts) | set(self.ema_epoch)
         out: dict[str, dict[str, Any]] = {}
         for n in sorted(nodes):
             entry: dict[str, Any] = {"count": self.counts.get(n, 0), "profile": dict(self.profiles.get(n, {}))}
             if n in self.ema_time:
                 entry["ema-time-s"] = self.ema_time[n]
+            if n in self.ema_epoch:
+                entry["ema-epoch-s"] = self.ema_epoch[n]
             out[str(n)] = entry
         return {"alpha": self.alpha, "nodes": out}
 
@@ -122,7 +144,7 @@ class ProfileRegistry:
         alpha = _number(state.get("alpha"))
         if alpha is not None and 0 < alpha <= 1:
             self.alpha = alpha
-        self.profiles, self.ema_time, self.counts = {}, {}, {}
+        self.profiles, self.ema_time, self.counts, self.ema_epoch = {}, {}, {}, {}
         for key, entry in dict(state.get("nodes", {})).items():
             try:
                 node = int(key)
@@ -138,6 +160,8 @@ class ProfileRegistry:
                 self.profiles[node] = clean
             if "ema-time-s" in entry:
                 self.observe_time(node, entry["ema-time-s"])
+            if "ema-epoch-s" in entry:
+                self.observe_epochs(node, entry["ema-epoch-s"], 1)
 
 
 def select_uniform(nodes: Sequence[int], k: int, seed: int, rnd: int) -> list[int]:

@@ -7,6 +7,7 @@ theirs (with a virtual clock).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import time
@@ -101,6 +102,8 @@ class SyncWorkflow:
         # late-replies = "carry": messages a round closed without, still awaited (id -> that round's expectation).
         # In flight only: a resumed run does not wait for them.
         self._late: dict[str, RoundExpectation] = {}
+        self._epochs: dict[int, int] = {}  # local epochs each node was last asked for
+        self._reduced = 0
         self.staleness_fn = create_staleness(cfg.asynchrony.staleness, **cfg.asynchrony.workflow_kwargs()["staleness_params"])
         self.wall_start = time.monotonic()
         self._resume()
@@ -174,18 +177,30 @@ class SyncWorkflow:
         return select_uniform(nodes, k, s.seed, rnd)
 
     def _send(self, rnd: int, selected: list[int]) -> tuple[dict[str, int], int]:
-        instr = TrainInstruction(round=rnd, version=self.version, seed=self.cfg.server.seed,
-                                 task=self.cfg.task, train=self.cfg.train)
         array = tensor_to_array(self.weights)
-        content = RecordDict({ARRAYS: ArrayRecord({WEIGHTS: array}), CONFIG: instr.to_record(),
-                              CODEC: ConfigRecord(self.codec.config())})
-        if self.cfg.privacy.dp == "local":
-            content[LOCAL_DP] = ConfigRecord(self.cfg.privacy.local_record())
+        arrays, codec = ArrayRecord({WEIGHTS: array}), ConfigRecord(self.codec.config())
+        local_dp = ConfigRecord(self.cfg.privacy.local_record()) if self.cfg.privacy.dp == "local" else None
+        records: dict[int, ConfigRecord] = {}  # one per distinct amount of local work
+
+        def content(node: int) -> RecordDict:
+            # work-deadline: a node measured as slow gets fewer local epochs, so it finishes in time
+            epochs = self.profiles.local_epochs(node, self.cfg.train.local_epochs, self.cfg.server.work_deadline)
+            self._epochs[node] = epochs
+            if epochs not in records:
+                train = dataclasses.replace(self.cfg.train, local_epochs=epochs)
+                records[epochs] = TrainInstruction(round=rnd, version=self.version, seed=self.cfg.server.seed,
+                                                   task=self.cfg.task, train=train).to_record()
+            out = RecordDict({ARRAYS: arrays, CONFIG: records[epochs], CODEC: codec})
+            if local_dp is not None:
+                out[LOCAL_DP] = local_dp
+            return out
         s = self.cfg.server
         # A carried message stays useful for max-staleness more rounds.
         ttl = s.round_timeout * (1 + (self.cfg.asynchrony.max_staleness if s.late_replies == "carry" else 0)) + 60.0
-        msgs = [Message(content, dst_node_id=n, message_type=MESSAGE_TYPE_TRAIN, group_id=str(rnd), ttl=ttl)
+        msgs = [Message(content(n), dst_node_id=n, message_type=MESSAGE_TYPE_TRAIN, group_id=str(rnd), ttl=ttl)
                 for n in selected]
+        if self.cfg.server.work_deadline > 0:
+            self._reduced = sum(1 for n in selected if self._epochs[n] < self.cfg.train.local_epochs)
         ids = list(self.grid.push_messages(msgs))
         if len(ids) != len(msgs):
             log(WARNING, "[fedshield] round %d: %d of %d messages were not accepted by the grid", rnd, len(msgs) - len(ids), len(msgs))
@@ -240,6 +255,8 @@ class SyncWorkflow:
                 acc.add(self.codec, ok.parsed, weight, norm=ok.norm)
                 norms.append(ok.norm)
                 self.profiles.update(ok.node_id, reply.content.metric_records[METRICS], self.clock.now() - sent_at)
+                if late_exp is None:
+                    self.profiles.observe_epochs(ok.node_id, self.clock.now() - sent_at, self._epochs.get(ok.node_id, 1))
                 self.profiles.participated(ok.node_id)
                 if ok.local_epsilon is not None:
                     local_eps.append(ok.local_epsilon)
@@ -272,6 +289,8 @@ class SyncWorkflow:
             log(WARNING, "[fedshield] round %d: no valid update; the global model is unchanged", rnd)
         if local_eps:
             extra["local_epsilon_max"] = max(local_eps)
+        if self.cfg.server.work_deadline > 0:
+            extra["reduced_work"] = self._reduced
         if stalenesses:
             extra.update({"late_accepted": late_in, "mean_staleness": sum(stalenesses) / len(stalenesses)})
         return {**extra, "replies": replies, "accepted": acc.count, "rejected": sum(rejected.values()), "late": len(pending),

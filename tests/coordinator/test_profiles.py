@@ -17,7 +17,7 @@ from clients.tasks import get_task
 from coordinator import (CoordinatorError, ProfileRegistry, RunConfig, RunDirectory, SyncWorkflow, select_fast_fair,
                          select_uniform)
 from coordinator.rundir import CHECKPOINT
-from simulations.virtual import VirtualClock, VirtualGrid, tiered_profiles
+from simulations.virtual import DeviceProfile, VirtualClock, VirtualGrid, tiered_profiles
 
 GOOD = {"profile-cpus": 8, "profile-mem-gb": 16.0, "profile-cuda": 0, "profile-step-ms": 2.5, "profile-link-mbps": 50.0}
 
@@ -212,3 +212,35 @@ def test_fast_fair_end_to_end_on_virtual_grid(tmp_path):
     resumed = run(5)  # resumes from round 5 with the registry restored
     assert len(resumed.history) == 5
     assert sum(resumed.profiles.counts.values()) == sum(r["accepted"] for r in resumed.history)
+
+
+def test_work_deadline_gives_slow_nodes_fewer_epochs_and_shortens_rounds(tmp_path):
+    asked: dict[int, list[int]] = {}
+
+    def client(msg, ctx):
+        asked.setdefault(ctx.node_id, []).append(int(msg.content.config_records["config"]["local-epochs"]))
+        return run_train(msg, ctx)
+
+    def run(deadline, name):
+        cfg = RunConfig.from_mapping({"num-rounds": 3, "min-nodes": 20, "round-timeout": 600.0, "task": "digits",
+                                      "local-epochs": 4, "seed": 0, "work-deadline": deadline, "poll-interval": 0.5})
+        clock = VirtualClock()
+        tiers = [(0.5, DeviceProfile("server", 0.001, 100.0, 100.0)), (0.5, DeviceProfile("edge", 0.05, 1.0, 2.0))]
+        grid = VirtualGrid(client, 20, clock, tiered_profiles(20, tiers, seed=0), seed=0)
+        wf = SyncWorkflow(cfg, grid, RunDirectory(tmp_path / name), clock=clock)
+        wf.run()
+        return wf
+
+    full = run(0.0, "full")
+    assert all(set(e) == {4} for e in asked.values()) and "reduced_work" not in full.history[0]
+    asked.clear()
+    capped = run(8.0, "capped")
+    assert all(e[0] == 4 for e in asked.values())  # unmeasured nodes get the full work
+    later = [e for v in asked.values() for e in v[1:]]
+    assert min(later) >= 1 and max(later) == 4 and min(later) < 4  # fast nodes keep 4, slow ones get fewer
+    assert capped.history[1]["reduced_work"] > 0
+    for n, per in capped.profiles.ema_epoch.items():
+        assert capped.profiles.local_epochs(n, 4, 8.0) == max(1, min(4, int(8.0 // per)))
+    # The edge tier (50x slower per example) is cut to what fits in 8 s; its rounds get that much shorter.
+    assert capped.history[1]["round_time_s"] < 0.6 * full.history[1]["round_time_s"]
+    assert 0.5 <= capped.history[-1]["test_accuracy"] <= 1.0
