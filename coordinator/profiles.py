@@ -181,7 +181,8 @@ def select_fast_fair(nodes: Sequence[int], k: int, registry: ProfileRegistry, fa
     :meth:`ProfileRegistry.speed_key`. Ties break by a draw seeded with
     ``(seed, rnd)``, so the choice is deterministic. So long as the starved nodes
     fit in ``k`` slots each round, every node's count stays at or above
-    ``fair / fairness``.
+    ``fair / fairness``; and a node that would pass ``ceil(fair * fairness)`` is
+    taken only when no other node is left, so none runs far ahead either.
     """
     if _number(fairness) is None or fairness < 1:
         raise CoordinatorError(f"fairness must be >= 1. Found {fairness!r}.")
@@ -196,6 +197,8 @@ def select_fast_fair(nodes: Sequence[int], k: int, registry: ProfileRegistry, fa
     starved = sorted((n for n in pool if registry.count(n) < floor), key=lambda n: (registry.count(n), tiebreak[n]))
     chosen = starved[:k]
     taken = set(chosen)
-    rest = sorted((n for n in pool if n not in taken), key=lambda n: (*registry.speed_key(n), tiebreak[n]))
+    cap = math.ceil(fair * fairness)  # nor may a fast node run far ahead: at most fair * fairness
+    rest = sorted((n for n in pool if n not in taken),
+                  key=lambda n: (registry.count(n) + 1 > cap, *registry.speed_key(n), tiebreak[n]))
     chosen += rest[: k - len(chosen)]
     return sorted(chosen)

@@ -138,6 +138,7 @@ def test_fast_fair_starves_no_one_and_prefers_fast(fairness):
     counts = [reg.count(node) for node in ids]
     assert sum(counts) == rounds * k
     assert min(counts) >= fair / fairness
+    assert max(counts) <= math.ceil(fair * fairness)  # and nobody far above fair either
     if fairness > 1:
         assert ff_mean < 0.8 * uni_mean
         fastest = min(speeds, key=speeds.get)
