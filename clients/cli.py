@@ -9,6 +9,7 @@ are translated from Flower's exit codes.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import shutil
@@ -104,7 +105,13 @@ def supernode_command(args: argparse.Namespace) -> list[str]:
             raise ClientError("--key must be given (from `fedshield keys new DIR/NAME`) unless --insecure. Found none.")
         cmd += ["--root-certificates", str(check_ca_certificate(args.root_cert).resolve()),
                 "--auth-supernode-private-key", str(check_node_private_key(args.key).resolve())]
-    cmd += ["--node-config", _data_config(args)]
+    node_config = _data_config(args)
+    link = getattr(args, "link_mbps", 0.0) or 0.0
+    if link:
+        if not (math.isfinite(link) and link > 0):
+            raise ClientError(f"--link-mbps must be a finite number of Mbit/s > 0. Found {link!r}.")
+        node_config += f" link-mbps={float(link)}"
+    cmd += ["--node-config", node_config]
     cmd += ["--host", "127.0.0.1", "--port", str(args.port or free_port())]
     cmd += ["--max-retries", str(max(0, args.max_retries)), "--max-wait-time", "30"]
     check_reachable(host, port)

@@ -102,20 +102,28 @@ class AggregationSettings:
     trim_beta: float = 0.2
     krum_f: int = 1
     krum_m: int = 1
+    slow_link_mbps: float = 0.0
+    slow_link_codec: str = "topk"
 
     def __post_init__(self) -> None:
         check(self.codec in CODEC_PARAMS, "codec", f"be one of {sorted(CODEC_PARAMS)}", self.codec)
+        check(self.slow_link_codec in CODEC_PARAMS, "slow-link-codec", f"be one of {sorted(CODEC_PARAMS)}",
+              self.slow_link_codec)
+        check(math.isfinite(self.slow_link_mbps) and self.slow_link_mbps >= 0, "slow-link-mbps",
+              "be >= 0 Mbit/s (0: every node uses codec)", self.slow_link_mbps)
         check(self.aggregator in AGGREGATOR_PARAMS, "aggregator", f"be one of {sorted(AGGREGATOR_PARAMS)}", self.aggregator)
         try:
             self.make_codec()
+            self.make_codec(self.slow_link_codec)
         except AggregationError as exc:
             raise ConfigError(f"codec settings must be valid: {exc}") from None
 
-    def codec_params(self) -> dict[str, Any]:
-        return {k: getattr(self, attr) for k, attr in CODEC_PARAMS[self.codec].items()}
+    def codec_params(self, name: str | None = None) -> dict[str, Any]:
+        return {k: getattr(self, attr) for k, attr in CODEC_PARAMS[name or self.codec].items()}
 
-    def make_codec(self) -> Codec:
-        return create_codec(self.codec, **self.codec_params())
+    def make_codec(self, name: str | None = None) -> Codec:
+        """``codec`` (or the named one, e.g. ``slow-link-codec``) with its parameters from these settings."""
+        return create_codec(name or self.codec, **self.codec_params(name))
 
     def make_aggregator(self, numel: int, device: Any, max_clients: int) -> Any:
         params = {k: getattr(self, attr) for k, attr in AGGREGATOR_PARAMS[self.aggregator].items()}
@@ -280,6 +288,9 @@ class RunConfig:
     secure: SecureAggSettings = SecureAggSettings()
 
     def __post_init__(self) -> None:
+        if self.aggregation.slow_link_mbps > 0:
+            check(self.asynchrony.workflow == "sync", "slow-link-mbps", "be 0 under workflow = 'fedbuff' (per-link "
+                  "codecs are for synchronous rounds)", self.aggregation.slow_link_mbps)
         if self.server.late_replies == "carry":
             check(self.privacy.dp not in ("central", "distributed") and not self.secure.enabled, "late-replies",
                   "be 'drop' under central or distributed DP and secure aggregation (a round's sum must hold only that "
@@ -295,6 +306,8 @@ class RunConfig:
                 (self.aggregation.aggregator == "mean", "aggregator", "be 'mean'", self.aggregation.aggregator),
                 (self.aggregation.codec == "dense", "codec", "be 'dense' (use secagg-bits / secagg-sparse-ratio to "
                  "compress)", self.aggregation.codec),
+                (self.aggregation.slow_link_mbps == 0, "slow-link-mbps", "be 0 (masked sums need one encoding)",
+                 self.aggregation.slow_link_mbps),
                 (self.privacy.dp != "central", "dp", "not be 'central' (the coordinator cannot clip updates it cannot see)",
                  self.privacy.dp),
                 (self.asynchrony.workflow == "sync", "workflow", "be 'sync'", self.asynchrony.workflow),

@@ -83,11 +83,11 @@ class SyncWorkflow:
         self.model = self.task.build_model().to(self.device)
         self.numel = sum(p.numel() for p in self.model.parameters())
         self.optimizer = create_server_optimizer(cfg.server.server_optimizer, **cfg.server.optimizer_params())
-        self.codec = cfg.aggregation.make_codec()
-        # The largest honest reply: this codec's encoding of this model (+ header slack).
-        enc, _ = self.codec.encode(torch.zeros(self.numel))
-        self.max_update_bytes = min(int(cfg.server.max_update_mb * 2**20), enc.nbytes + 1024)
-        self.codec_header = dict(enc.header)
+        self.codec, self.codec_header, self.max_update_bytes = self._codec_plan(cfg.aggregation.make_codec())
+        # slow-link-mbps: nodes reporting a slower uplink are asked for slow-link-codec instead
+        self.slow_link = (self._codec_plan(cfg.aggregation.make_codec(cfg.aggregation.slow_link_codec))
+                          if cfg.aggregation.slow_link_mbps > 0 else None)
+        self._slow_nodes: set[int] = set()
         dp_args = (cfg.privacy, self.dp_sampling_rate(), cfg.server.num_rounds, cfg.server.seed)
         self.dp = (CentralDp(*dp_args) if cfg.privacy.dp == "central"
                    else DistributedDp(*dp_args, cfg.secure.secagg_dropout_rate) if cfg.privacy.dp == "distributed"
@@ -107,6 +107,15 @@ class SyncWorkflow:
         self.staleness_fn = create_staleness(cfg.asynchrony.staleness, **cfg.asynchrony.workflow_kwargs()["staleness_params"])
         self.wall_start = time.monotonic()
         self._resume()
+
+    def _codec_plan(self, codec: Any) -> tuple[Any, dict[str, Any], int]:
+        """A codec, the header its replies must carry for this model, and the largest honest reply's size."""
+        enc, _ = codec.encode(torch.zeros(self.numel))
+        return codec, dict(enc.header), min(int(self.cfg.server.max_update_mb * 2**20), enc.nbytes + 1024)
+
+    def _is_slow_link(self, node: int) -> bool:
+        link = self.profiles.profiles.get(node, {}).get("profile-link-mbps")
+        return self.slow_link is not None and link is not None and link < self.cfg.aggregation.slow_link_mbps
 
     def dp_sampling_rate(self) -> float:
         """The sampling rate central DP is calibrated for: each round samples ``fraction-train`` of the clients."""
@@ -178,7 +187,10 @@ class SyncWorkflow:
 
     def _send(self, rnd: int, selected: list[int]) -> tuple[dict[str, int], int]:
         array = tensor_to_array(self.weights)
-        arrays, codec = ArrayRecord({WEIGHTS: array}), ConfigRecord(self.codec.config())
+        arrays = ArrayRecord({WEIGHTS: array})
+        codecs = {False: ConfigRecord(self.codec.config())}
+        if self.slow_link is not None:
+            codecs[True] = ConfigRecord(self.slow_link[0].config())
         local_dp = ConfigRecord(self.cfg.privacy.local_record()) if self.cfg.privacy.dp == "local" else None
         records: dict[int, ConfigRecord] = {}  # one per distinct amount of local work
 
@@ -190,7 +202,9 @@ class SyncWorkflow:
                 train = dataclasses.replace(self.cfg.train, local_epochs=epochs)
                 records[epochs] = TrainInstruction(round=rnd, version=self.version, seed=self.cfg.server.seed,
                                                    task=self.cfg.task, train=train).to_record()
-            out = RecordDict({ARRAYS: arrays, CONFIG: records[epochs], CODEC: codec})
+            slow = self._is_slow_link(node)
+            (self._slow_nodes.add if slow else self._slow_nodes.discard)(node)
+            out = RecordDict({ARRAYS: arrays, CONFIG: records[epochs], CODEC: codecs[slow]})
             if local_dp is not None:
                 out[LOCAL_DP] = local_dp
             return out
@@ -220,6 +234,9 @@ class SyncWorkflow:
         exp = RoundExpectation(round=rnd, version=self.version, numel=self.numel, max_examples=s.max_examples,
                                max_bytes=self.max_update_bytes, max_norm=s.max_update_norm, codec=self.codec,
                                codec_header=self.codec_header, sent=sent)
+        slow_exp = exp if self.slow_link is None else dataclasses.replace(  # shares sent and replied with exp
+            exp, codec=self.slow_link[0], codec_header=self.slow_link[1], max_bytes=self.slow_link[2], replied=exp.replied)
+        exp_for = {mid: slow_exp if node in self._slow_nodes else exp for mid, node in sent.items()}
         self._prune_late()
         slots = max(1, len(sent) + len(self._late))  # carried stragglers may join this round's sum
         acc = (self.dp.make_aggregator(self.numel, self.device, slots) if self.dp is not None
@@ -240,7 +257,8 @@ class SyncWorkflow:
                     pending.pop(mid, None)
                 replies += 1
                 try:
-                    ok = validate_reply(reply, late_exp or exp)
+                    ok_exp = late_exp or exp_for.get(mid, exp)
+                    ok = validate_reply(reply, ok_exp)
                 except RejectedReply as rej:
                     rejected[rej.rule] += 1
                     log(WARNING, "[fedshield] round %d: rejected reply from node %d (%s): %s", rnd, rej.node_id, rej.rule, rej.detail)
@@ -252,7 +270,7 @@ class SyncWorkflow:
                     stalenesses.append(staleness)
                     late_in += 1
                 # Under central DP every client weighs 1: its influence on the sum is then at most the clip norm.
-                acc.add(self.codec, ok.parsed, weight, norm=ok.norm)
+                acc.add(ok_exp.codec, ok.parsed, weight, norm=ok.norm)
                 norms.append(ok.norm)
                 self.profiles.update(ok.node_id, reply.content.metric_records[METRICS], self.clock.now() - sent_at)
                 if late_exp is None:
@@ -274,7 +292,7 @@ class SyncWorkflow:
         for mid in pending:  # no reply in time: the elapsed time is a lower bound on this node's round trip
             self.profiles.observe_time(sent[mid], self.clock.now() - sent_at)
             if s.late_replies == "carry":
-                self._late[mid] = exp
+                self._late[mid] = exp_for[mid]
         extra: dict[str, Any] = {}
         if self.dp is not None:  # noise is added even to an empty sum: the release is private either way
             extra["clip"] = self.dp.clip

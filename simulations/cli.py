@@ -130,6 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     ast.add_argument("--data", help="this node's data (.npz with x and y)")
     ast.add_argument("--partition", metavar="ID/N", help="use partition ID of N of the task's built-in data instead of --data")
     ast.add_argument("--port", type=int, default=0, help="local ClientAppIO port (default: a free one)")
+    ast.add_argument("--link-mbps", type=float, default=0.0,
+                     help="this device's uplink in Mbit/s, reported to the coordinator (slow links get a compressing codec)")
     ast.add_argument("--insecure", action="store_true", help="NO TLS (testing only)")
     ast.add_argument("--max-retries", type=int, default=3, help="connection attempts before giving up")
     ast.set_defaults(func=_agent_start)

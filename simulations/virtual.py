@@ -209,6 +209,7 @@ class VirtualGrid(InProcessGrid):
             if not isinstance(p, DeviceProfile):
                 raise ValueError(f"profile_fn({i}) must return a DeviceProfile. Found {type(p).__name__}.")
             self.profiles[1001 + i] = p
+            self.contexts[1001 + i].node_config["link-mbps"] = p.uplink_mbps  # what an agent reports (--link-mbps)
         self.clock, self.seed, self.window_s = clock, int(seed), float(availability_window_s)
         self.records: dict[str, MessageRecord] = {}
         self._pending: dict[str, Message] = {}  # message id -> reply (or error), not yet pulled

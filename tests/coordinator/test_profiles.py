@@ -245,3 +245,31 @@ def test_work_deadline_gives_slow_nodes_fewer_epochs_and_shortens_rounds(tmp_pat
     # The edge tier (50x slower per example) is cut to what fits in 8 s; its rounds get that much shorter.
     assert capped.history[1]["round_time_s"] < 0.6 * full.history[1]["round_time_s"]
     assert 0.5 <= capped.history[-1]["test_accuracy"] <= 1.0
+
+
+def test_slow_links_are_asked_for_the_slow_link_codec(tmp_path):
+    asked: dict[int, list[str]] = {}
+
+    def client(msg, ctx):
+        asked.setdefault(ctx.node_id, []).append(str(msg.content.config_records["codec"]["codec"]))
+        return run_train(msg, ctx)
+
+    cfg = RunConfig.from_mapping({"num-rounds": 3, "min-nodes": 20, "round-timeout": 600.0, "task": "digits",
+                                  "seed": 0, "slow-link-mbps": 5.0, "slow-link-codec": "topk", "topk-ratio": 0.05,
+                                  "poll-interval": 0.5})
+    clock = VirtualClock()
+    tiers = [(0.5, DeviceProfile("server", 0.001, 100.0, 100.0)), (0.5, DeviceProfile("edge", 0.002, 1.0, 2.0))]
+    profiles = tiered_profiles(20, tiers, seed=0)
+    wf = SyncWorkflow(cfg, VirtualGrid(client, 20, clock, profiles, seed=0), RunDirectory(tmp_path), clock=clock)
+    wf.run()
+    for i, p in enumerate(profiles):
+        want = "topk" if p.tier == "edge" else "dense"
+        assert asked[1001 + i] == ["dense", want, want], (p.tier, asked[1001 + i])  # round 1: no report yet
+    rows = wf.history
+    assert all(r["rejected"] == 0 and r["accepted"] == 20 for r in rows)
+    assert rows[1]["bytes_up"] < 0.7 * rows[0]["bytes_up"]  # half the nodes now send 5% top-k
+    assert 0.6 <= rows[-1]["test_accuracy"] <= 1.0
+    from clients._errors import ConfigError
+
+    with pytest.raises(ConfigError, match="slow-link-codec"):
+        RunConfig.from_mapping({"slow-link-codec": "zip"})
