@@ -49,6 +49,8 @@ def main() -> None:
     p.add_argument("--clients", type=int, default=100)
     p.add_argument("--target", type=float, default=0.90)
     p.add_argument("--rounds", type=int, default=60)
+    p.add_argument("--engine-rounds", type=int, default=5,
+                   help="rounds of the synchronous case timed on both the virtual engine and Flower's (0: skip)")
     p.add_argument("--json")
     a = p.parse_args()
     logging.getLogger("flwr").setLevel(logging.WARNING)
@@ -58,6 +60,9 @@ def main() -> None:
         "sync FedAvg, 20 asked, wait for all": {"min-nodes": per_round, "fraction-train": 0.01},
         "sync, over-selection 30 asked, close at 20": {"min-nodes": 30, "fraction-train": 0.01,
                                                         "close-after-replies": per_round},
+        "sync, over-selection + late replies carried (1/sqrt(1+s))": {
+            "min-nodes": 30, "fraction-train": 0.01, "close-after-replies": per_round, "late-replies": "carry",
+            "staleness": "polynomial", "staleness-a": 0.5},
         "FedBuff K=10, C=20, 1/sqrt(1+s)": {"min-nodes": 1, "workflow": "fedbuff", "buffer-size": 10,
                                             "concurrency": 20, "staleness": "polynomial", "staleness-a": 0.5},
     }
@@ -77,7 +82,24 @@ def main() -> None:
                 "sync FedAvg (wait for all)", base[0] if base else None, tgt, met)
         rep.add(f"{name}: virtual engine speed (simulated / wall)", res["sim_total"] / res["wall"], "x",
                 "real time", None, "", None)
+    if a.engine_rounds:
+        engines(rep, a.clients, a.engine_rounds, cases["sync FedAvg, 20 asked, wait for all"])
     rep.write_json(a.json)
+
+
+def engines(rep, clients: int, rounds: int, kw: dict) -> None:
+    """Wall time of the same synchronous scenario on the virtual-clock engine and on Flower's (Ray)."""
+    from simulations.runner import run_flower_engine
+    from simulations.scenario import Scenario, SimulationSettings
+
+    virtual = run(clients, rounds, 2.0, **kw)["wall"]
+    with tempfile.TemporaryDirectory() as d:
+        cfg = RunConfig.from_mapping({"num-rounds": rounds, "round-timeout": 120.0, "seed": 0, "run-dir": d, **kw})
+        t0 = time.perf_counter()
+        run_flower_engine(Scenario(sim=SimulationSettings(name="bench", num_supernodes=clients), run=cfg), None)
+        flower = time.perf_counter() - t0
+    rep.add(f"{clients} clients, {rounds} sync rounds: wall time on the virtual-clock engine", virtual, "s",
+            "Flower's simulation engine (Ray)", flower, "", None)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from .protocol import ARRAYS, MASKED, METRICS, SECAGG, SECAGG_KEYS, SECAGG_SHARE
 
 STATE = "fedshield.secagg"
 RESIDUAL = "fedshield.secagg-residual"
+LAST_INPUT = "fedshield.secagg-last-input"  # the last round this node sent a masked input for
 _PLAN = ("numel", "sparse-ratio", "subset-seed", "weighting", "max-weight")
 
 
@@ -103,6 +104,10 @@ def run_secagg_stage(msg: Message, context: Context) -> Message:
             subset = shared_subset(plan["subset-seed"], plan["numel"], float(plan["sparse-ratio"]))
             if input_length(plan["numel"], subset) != params.dim:
                 raise ClientError(f"secagg vector length {params.dim} does not match the model and sparse ratio.")
+            done = context.state.config_records.get(LAST_INPUT, {}).get("round", -1)
+            if params.round <= done:  # a second instance of a round could let the coordinator difference two sums
+                raise ClientError(f"secagg setup for round {params.round} refused: this node already sent its masked "
+                                  f"input for round {done}.")
             client, keys = SecAggClient.setup(me, params)
             context.state.config_records[STATE] = ConfigRecord({**client.to_fields(), **{f"plan.{k}": v for k, v in plan.items()}})
             return _reply(msg, stage, rnd, **{SECAGG_KEYS: ConfigRecord({str(me): keys.to_bytes()})})
@@ -120,6 +125,7 @@ def run_secagg_stage(msg: Message, context: Context) -> Message:
             reply = _reply(msg, stage, rnd, **{SECAGG_SHARES: ConfigRecord({str(v): ct for v, ct in cts.items()})})
         elif stage == "masked-input":
             reply = _masked_input(msg, context, client, plan)
+            context.state.config_records[LAST_INPUT] = ConfigRecord({"round": client.params.round})
         elif stage == "unmask":
             surv, drop = rec.get("survivors"), rec.get("dropped")
             if not isinstance(surv, list) or not isinstance(drop, list):

@@ -12,15 +12,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
 
 from clients._errors import ConfigError
 from clients.client_app import app
 from clients.protocol import ARRAYS, MASKED, SECAGG, SECAGG_KEYS, SECAGG_SHARES
-from clients.secure import STATE
+from clients.secure import STATE, run_secagg_stage
 from coordinator import RunConfig, RunDirectory, SyncWorkflow
 from coordinator.rundir import METRICS, SUMMARY
-from simulations.inprocess import InProcessGrid
+from privacy.secagg.protocol import SecAggParams
+from simulations.inprocess import InProcessGrid, ensure_task_identity
 from simulations.virtual import VirtualClock
 
 N = 6
@@ -303,3 +304,16 @@ def test_distributed_dp_settings_are_checked():
 
     with pytest.raises(CoordinatorError, match="secagg-clip must be >= dp-clip"):
         run(Path(tempfile.mkdtemp()), InProcessGrid(app, N), **{**DDP, "secagg-clip": 0.55})
+
+
+def test_a_client_refuses_a_second_instance_of_a_round_it_already_sent_input_for(tmp_path):
+    ensure_task_identity()
+    grid = InProcessGrid(app, N)
+    run(tmp_path, grid, **{"secure-aggregation": "secagg+"})
+    ctx = grid.contexts[1001]
+    params = SecAggParams.create(1, list(grid.contexts), degree=5, threshold=3, bits=32, clip=1.0, dim=10)
+    setup = ConfigRecord({"stage": "setup", **params.to_fields(), "numel": 9, "sparse-ratio": 1.0,
+                          "subset-seed": bytes(32), "weighting": "uniform", "max-weight": 1})
+    msg = Message(RecordDict({SECAGG: setup}), dst_node_id=1001, message_type="train.secagg", group_id="1")
+    with pytest.raises(Exception, match="already sent its masked input for round 1"):
+        run_secagg_stage(msg, ctx)
