@@ -1,4 +1,5 @@
-"""Local DP-SGD: settings, noise is on, clipping bounds the update, the client's ledger persists."""
+"""Local DP-SGD: settings, noise is on, clipping bounds the update, the client's ledger persists,
+the fast per-example clipping path agrees with a per-example loop and with Opacus."""
 
 from __future__ import annotations
 
@@ -13,8 +14,12 @@ from torch import nn
 
 from clients import ClientError, ConfigError, TaskSpec, TrainSettings, build_config
 from clients.dp_training import (
+    FastPrivateTrainer,
     LocalDpSettings,
     accountant_from_state,
+    clipped_grad_sum,
+    fast_clipping_layers,
+    make_private_trainer,
     private_generator,
     resolve_grad_sample_mode,
     train_local_dp,
@@ -60,7 +65,7 @@ def _steps_and_rate(n, settings):
 
 def test_settings_defaults_are_valid():
     dp = LocalDpSettings()
-    assert (dp.grad_sample_mode, dp.poisson_sampling) == ("ghost", True)
+    assert (dp.grad_sample_mode, dp.poisson_sampling) == ("fast", True)
     assert dp.noise_multiplier > 0 and dp.max_grad_norm > 0 and 0 < dp.delta < 1
 
 
@@ -77,7 +82,8 @@ def test_settings_defaults_are_valid():
         ({"max_grad_norm": float("inf")}, "max-grad-norm must be a finite number > 0"),
         ({"delta": 0.0}, "delta must be in (0, 1). Found 0.0."),
         ({"delta": 1.0}, "delta must be in (0, 1). Found 1.0."),
-        ({"grad_sample_mode": "ew"}, "grad-sample-mode must be one of ['ghost', 'hooks', 'functorch']. Found 'ew'."),
+        ({"grad_sample_mode": "ew"},
+         "grad-sample-mode must be one of ['fast', 'ghost', 'hooks', 'functorch']. Found 'ew'."),
         ({"poisson_sampling": "yes"}, "poisson-sampling must be true or false. Found 'yes'."),
     ],
 )
@@ -179,7 +185,8 @@ def test_returned_model_is_the_plain_input_model(task, data):
         assert not any(hasattr(p, attr) for attr in OPACUS_PARAM_ATTRS)
     nn.functional.cross_entropy(out(torch.from_numpy(data.x[:8])), torch.from_numpy(data.y[:8])).backward()
     assert all(not hasattr(p, "grad_sample") for p in out.parameters())
-    assert set(stats) >= {"train-loss", "train-time-s", "epsilon", "dp-steps"}
+    assert set(stats) >= {"train-loss", "train-time-s", "epsilon", "dp-steps", "dp-path"}
+    assert stats.pop("dp-path") == "fast"
     assert all(isinstance(v, float) and math.isfinite(v) for v in stats.values())
 
 
@@ -203,7 +210,7 @@ def test_accuracy_band_large_noise_vs_small_noise_vs_non_dp(task, data):
 
 
 @pytest.mark.parametrize("poisson", [False, True])
-@pytest.mark.parametrize("mode", ["ghost", "hooks"])
+@pytest.mark.parametrize("mode", ["fast", "ghost", "hooks"])
 def test_clipping_bounds_the_update(task, data, mode, poisson):
     """||w_T - w_0|| <= lr/(1-beta) * sum_t ||g_t||, g_t = (sum_i clip(g_ti) + noise_t) / E,
     so with |B_t| examples of norm <= C each: ||g_t|| <= (|B_t| C + ||noise_t||) / E.
@@ -217,6 +224,7 @@ def test_clipping_bounds_the_update(task, data, mode, poisson):
     bound = SETTINGS.lr / (1 - SETTINGS.momentum) * (examples * c + steps * noise) / expected_batch
     dp = LocalDpSettings(noise_multiplier=z, max_grad_norm=c, grad_sample_mode=mode, poisson_sampling=poisson)
     model, stats, _ = _dp(task, data, dp)
+    assert stats["dp-path"] == mode
     start = task.init_weights(0)
     moved = (flat_params(model) - start).norm().item()
     plain = _model(task)
@@ -226,11 +234,12 @@ def test_clipping_bounds_the_update(task, data, mode, poisson):
     assert (flat_params(plain) - start).norm().item() > 20 * bound  # the bound is not vacuous
 
 
-def test_ghost_hooks_and_functorch_give_the_same_model(task, data):
+def test_fast_ghost_hooks_and_functorch_give_the_same_model(task, data):
+    """Same seed: same Poisson batches and the same noise draws on every path (fast included)."""
     runs = {mode: _dp(task, data, LocalDpSettings(grad_sample_mode=mode), seed=5)[0]
-            for mode in ("ghost", "hooks", "functorch")}
+            for mode in ("fast", "ghost", "hooks", "functorch")}
     ref = flat_params(runs["hooks"])
-    for mode in ("ghost", "functorch"):
+    for mode in ("fast", "ghost", "functorch"):
         torch.testing.assert_close(flat_params(runs[mode]), ref, rtol=1e-4, atol=1e-5)
 
 
@@ -244,15 +253,181 @@ class _Tied(nn.Module):
         return self.out(torch.relu(self.b(torch.relu(self.a(x)))))
 
 
-def test_ghost_falls_back_to_hooks_where_the_model_does_not_allow_it(task, data):
+def test_fast_and_ghost_fall_back_where_the_model_does_not_allow_them(task, data):
+    assert resolve_grad_sample_mode(task.build_model(), "fast") == "fast"
     assert resolve_grad_sample_mode(task.build_model(), "ghost") == "ghost"
     assert resolve_grad_sample_mode(task.build_model(), "hooks") == "hooks"
     tied = _Tied()
+    assert resolve_grad_sample_mode(tied, "fast") == "hooks"
     assert resolve_grad_sample_mode(tied, "ghost") == "hooks"
     before = flat_params(tied).clone()
     out, stats, _ = train_local_dp(tied, data, SETTINGS, LocalDpSettings(), torch.Generator().manual_seed(0), None)
     assert out.b.weight is out.a.weight and not torch.equal(flat_params(out), before)
-    assert stats["epsilon"] > 0
+    assert stats["epsilon"] > 0 and stats["dp-path"] == "hooks"
+    # A layer the fast path does not know (LayerNorm: per example, but not Linear/Conv2d): Opacus ghost runs.
+    norm = nn.Sequential(nn.Linear(64, 32), nn.LayerNorm(32), nn.ReLU(), nn.Linear(32, 10))
+    _, stats, _ = train_local_dp(norm, data, SETTINGS, LocalDpSettings(), torch.Generator().manual_seed(0), None)
+    assert stats["dp-path"] == "ghost" and stats["epsilon"] > 0
+
+
+# --- the fast per-example clipping path ------------------------------------------------------
+
+
+def _cnn():
+    """The benchmark's CNN (498,630 parameters)."""
+    return nn.Sequential(
+        nn.Conv2d(1, 32, 3), nn.ReLU(), nn.Conv2d(32, 64, 3), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(64 * 12 * 12, 52), nn.ReLU(), nn.Linear(52, 10),
+    )
+
+
+def _strided_cnn():
+    """Padding, stride, dilation, a bias-free conv, nesting. Per-example conv gradients by each route:
+    im2col (the 1x1 conv: few input channels; the stride-2 conv), shifted matmuls (the dilated conv:
+    stride 1, 16 input channels); the last conv's norm by Gram matrices (ghost): 5x5 outputs,
+    L^2 = 625 < O * C*kh*kw = 16 * 144."""
+    return nn.Sequential(
+        nn.Conv2d(2, 4, 1),
+        nn.Sequential(nn.Conv2d(4, 16, 3, stride=2, padding=1), nn.Tanh()),
+        nn.Conv2d(16, 16, (3, 2), padding=(2, 1), dilation=(2, 1), bias=False), nn.AvgPool2d(2),
+        nn.Conv2d(16, 16, 3, stride=1), nn.ReLU(), nn.Flatten(), nn.Linear(16 * 5 * 5, 10),
+    )
+
+
+def _per_example_loop(model, x, y, clip):
+    """Brute force in float64: each example's own backward, clipped with Opacus's factor, summed."""
+    model = model.double()
+    params = [p for p in model.parameters() if p.requires_grad]
+    sums, norms = [torch.zeros_like(p) for p in params], []
+    for i in range(len(y)):
+        loss = nn.functional.cross_entropy(model(x[i:i + 1].double()), y[i:i + 1], reduction="sum")
+        grads = torch.autograd.grad(loss, params)
+        norm = torch.sqrt(sum(g.square().sum() for g in grads))
+        norms.append(norm)
+        for total, g in zip(sums, grads):
+            total.add_(g, alpha=min(1.0, clip / (norm.item() + 1e-6)))
+    model.float()
+    return sums, torch.stack(norms)
+
+
+def _opacus_clipped_sum(model, x, y, clip):
+    """Opacus's own per-example gradients (GradSampleModule, hooks) clipped and summed as DPOptimizer does."""
+    from opacus import GradSampleModule
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        gsm = GradSampleModule(model, loss_reduction="sum")
+        nn.functional.cross_entropy(gsm(x), y, reduction="sum").backward()
+    params = [p for p in model.parameters() if p.requires_grad]
+    samples = [p.grad_sample.reshape(len(y), -1) for p in params]
+    norms = torch.stack([s.norm(dim=1) for s in samples], dim=1).norm(dim=1)
+    factor = (clip / (norms + 1e-6)).clamp(max=1.0)
+    sums = [torch.einsum("i,i...", factor, p.grad_sample) for p in params]
+    gsm._close()
+    for p in params:
+        p.grad = None
+    return sums
+
+
+_MODELS = {
+    "mlp": (lambda: get_task(TaskSpec()).build_model(), (64,)),
+    "linear": (lambda: nn.Linear(64, 10), (64,)),
+    "cnn": (_cnn, (1, 28, 28)),
+    "strided-cnn": (_strided_cnn, (2, 27, 25)),
+    "linear-over-a-sequence": (lambda: nn.Sequential(nn.Unflatten(1, (8, 8)), nn.Linear(8, 16), nn.GELU(),
+                                                     nn.Flatten(), nn.Linear(128, 10)), (64,)),
+}
+
+
+@pytest.mark.parametrize("name", list(_MODELS))
+def test_fast_clipped_sum_equals_a_per_example_loop_and_opacus(name):
+    """Noise off: the fast path's summed clipped gradient is the per-example loop's and Opacus's,
+    with the clip at the median norm so that some examples are clipped and some are not."""
+    build, shape = _MODELS[name]
+    torch.manual_seed(1)
+    model = build()
+    assert fast_clipping_layers(model) is not None
+    x, y = torch.randn(12, *shape), torch.randint(0, 10, (12,))
+    _, _, norms = clipped_grad_sum(model, x, y, 1e9)
+    clip = float(norms.median())
+    sums, loss, norms = clipped_grad_sum(model, x, y, clip)
+    ref, ref_norms = _per_example_loop(model, x, y, clip)
+    assert 3 <= int((norms > clip).sum()) <= 9  # a mix of clipped and unclipped examples
+    torch.testing.assert_close(norms.double(), ref_norms, rtol=1e-5, atol=1e-6)
+    assert loss.item() == pytest.approx(nn.functional.cross_entropy(model(x), y).item(), rel=1e-5)
+    params = [p for p in model.parameters() if p.requires_grad]
+    assert [s.shape for s in sums] == [p.shape for p in params]
+    assert all(p.grad is None for p in params)  # the fast path leaves .grad alone
+    for fast, loop in zip(sums, ref):
+        torch.testing.assert_close(fast.double(), loop, rtol=1e-4, atol=1e-6)
+    for fast, opacus in zip(sums, _opacus_clipped_sum(model, x, y, clip)):
+        torch.testing.assert_close(fast, opacus, rtol=1e-4, atol=1e-6)
+    # Every example clipped: each contributes norm C exactly, so ||sum|| <= n C.
+    sums, _, _ = clipped_grad_sum(model, x, y, 1e-3)
+    assert torch.sqrt(sum(s.square().sum() for s in sums)) <= 12 * 1e-3 * (1 + 1e-5)
+
+
+def test_fast_path_frozen_layers_and_what_it_refuses():
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+    model[0].requires_grad_(False)  # a frozen layer: clipping covers the trainable parameters only
+    x, y = torch.randn(8, 64), torch.randint(0, 10, (8,))
+    sums, _, _ = clipped_grad_sum(model, x, y, 0.5)
+    ref, _ = _per_example_loop(model, x, y, 0.5)
+    assert len(sums) == 2
+    for fast, loop in zip(sums, ref):
+        torch.testing.assert_close(fast.double(), loop, rtol=1e-4, atol=1e-6)
+    lin = nn.Linear(64, 10)
+    refused = {
+        "tied": _Tied(),
+        "custom forward": type("Custom", (nn.Sequential,), {})(nn.Linear(64, 10)),
+        "batchnorm": nn.Sequential(nn.Linear(64, 16), nn.BatchNorm1d(16), nn.Linear(16, 10)),
+        "layer twice": nn.Sequential(nn.Linear(64, 64), nn.ReLU(), lin, nn.ReLU(), lin),
+        "grouped conv": nn.Sequential(nn.Conv2d(2, 4, 3, groups=2), nn.Flatten(), nn.Linear(4, 10)),
+        "parametrised activation": nn.Sequential(nn.Linear(64, 10), nn.PReLU()),
+        "softmax over the batch": nn.Sequential(nn.Linear(64, 10), nn.Softmax(dim=0)),
+    }
+    for what, bad in refused.items():
+        assert fast_clipping_layers(bad) is None, what
+        assert resolve_grad_sample_mode(bad, "fast") != "fast", what
+    with pytest.raises(ClientError, match="fast per-example clipping"):
+        clipped_grad_sum(refused["tied"], x, y, 1.0)
+
+
+def test_fast_trainer_noise_is_opacus_draws_with_std_z_c_over_the_expected_batch():
+    """One step: grad = (clipped sum + N(0, (zC)^2)) / E with E = int(n q); the noise is torch.normal
+    from the noise generator, parameter by parameter (Opacus's draws); statistically std = z C."""
+    torch.manual_seed(0)
+    model = _cnn()
+    n, batch, z, clip = 200, 64, 1.5, 0.7
+    x, y = torch.randn(n, 1, 28, 28), torch.randint(0, 10, (n,))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=batch,
+                                         generator=torch.Generator().manual_seed(0))
+    dp = LocalDpSettings(noise_multiplier=z, max_grad_norm=clip)
+    settings = TrainSettings(local_epochs=1, batch_size=batch, lr=0.1, momentum=0.0)
+    trainer = make_private_trainer(model, loader, settings, dp, noise_generator=torch.Generator().manual_seed(7))
+    assert isinstance(trainer, FastPrivateTrainer) and trainer.grad_sample_mode == "fast"
+    expected = int(n / math.ceil(n / batch))
+    assert trainer.expected_batch_size == expected == 50
+    xb, yb = x[:40], y[:40]
+    sums, _, _ = clipped_grad_sum(model, xb, yb, clip)
+    trainer.step(xb, yb)
+    replay = torch.Generator().manual_seed(7)
+    noise = []
+    for p, total in zip(model.parameters(), sums):
+        drawn = torch.normal(mean=0, std=z * clip, size=p.shape, generator=replay)
+        torch.testing.assert_close(p.grad * expected - total, drawn, rtol=1e-4, atol=1e-5)
+        noise.append((p.grad * expected - total).flatten())
+    noise = torch.cat(noise).double()  # 498,630 draws: the std is known to ~0.1 %
+    assert abs(noise.mean().item()) < 5 * z * clip / math.sqrt(len(noise))
+    assert noise.std().item() == pytest.approx(z * clip, rel=0.01)
+    # An empty Poisson batch: the update is noise only, still divided by the expected batch size.
+    trainer.step(xb[:0], yb[:0])
+    noise = torch.cat([(p.grad * expected).flatten() for p in model.parameters()]).double()
+    assert noise.std().item() == pytest.approx(z * clip, rel=0.01)
+    assert trainer.accountant.history == [(z, 1 / 4, 2)]  # q = 1 / ceil(200 / 64)
+    out = trainer.close()
+    assert out is model and all(p.grad is None for p in model.parameters())
+    assert not any(m._forward_hooks for m in model.modules())
 
 
 # --- accounting -------------------------------------------------------------------------------

@@ -55,6 +55,22 @@ class Procs:
         for name in list(self.procs):
             self.stop(name, timeout=10)
 
+    def stop_together(self, names: list[str] | None = None, sig: int = signal.SIGTERM, timeout: float = 10) -> None:
+        """Signal every named (default: every) running group at once, then stop each as ``stop`` does.
+
+        Processes that take seconds to shut down (SuperNodes) then do so in parallel.
+        """
+        names = list(self.procs) if names is None else names
+        for name in names:
+            proc = self.procs[name]
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, sig)
+                except ProcessLookupError:
+                    pass
+        for name in names:
+            self.stop(name, sig, timeout)
+
 
 def wait_for(predicate, timeout: float, what: str, interval: float = 0.5) -> None:
     deadline = time.monotonic() + timeout
