@@ -3,7 +3,7 @@
 Imports nothing else of fedshield's.
 """
 
-from ._errors import AggregationError
+from ._errors import AggregationError, UpdateRejected
 from .accumulator import WeightedAccumulator
 from .device import get_device
 from .optimizers import (
@@ -31,6 +31,7 @@ __all__ = [
     "FedYogi",
     "ServerOptimizer",
     "StalenessFunction",
+    "UpdateRejected",
     "WeightedAccumulator",
     "array_to_tensor",
     "available_aggregators",

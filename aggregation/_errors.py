@@ -3,3 +3,20 @@
 
 class AggregationError(ValueError):
     """An update, codec or aggregation setting broke a rule; the message says which."""
+
+
+class UpdateRejected(AggregationError):
+    """A checked add refused an update by its norm (``add_checked`` / ``add_into_checked``).
+
+    ``rule`` is ``"non-finite"`` (a NaN or infinity, or a sum of squares that overflows float32)
+    or ``"norm-too-large"`` (finite, but the L2 norm exceeds ``max_norm``); ``norm`` is the
+    update's L2 norm as computed (inf or nan for ``"non-finite"``).
+    """
+
+    def __init__(self, rule: str, norm: float, max_norm: float) -> None:
+        if rule == "non-finite":
+            msg = "update must hold only finite values (and not overflow float32)"
+        else:
+            msg = f"update L2 norm must be <= max-update-norm={max_norm:g}; found {norm:.4g}"
+        super().__init__(msg)
+        self.rule, self.norm, self.max_norm = rule, norm, max_norm

@@ -2,6 +2,12 @@
 
 Memory is O(model size): each update is added into one running sum on the
 aggregation device as it arrives, then dropped.
+
+``add_parsed_checked`` is the coordinator's hot path: the update's norm check and its add
+in one pass where the codec can (``Codec.add_into_checked``). A rejected update leaves the sum
+as it was up to rounding (the codec's rule: each element ``a`` within ``eps32 * (2|a| + |w x|)``,
+bit-identical where nothing was added); it never leaves a non-finite value, because the codec
+is only allowed to add ahead of its decision while that cannot overflow the sum (``_bound``).
 """
 
 from __future__ import annotations
@@ -11,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ._errors import AggregationError
+from ._errors import AggregationError, UpdateRejected
 
 if TYPE_CHECKING:
     from .codecs import Codec, Parsed
@@ -37,6 +43,7 @@ class WeightedAccumulator:
         self._sum = torch.zeros(self.numel, device=device, dtype=dtype)
         self.total_weight = 0.0
         self.count = 0
+        self._bound = 0.0  # >= max_i |sum_i|: the sum of weight * L2 norm of what was added (inf: unknown)
 
     @property
     def device(self) -> torch.device:
@@ -51,17 +58,50 @@ class WeightedAccumulator:
         if src.dtype != self._sum.dtype:
             src = src.to(self._sum.dtype)
         self._sum.add_(src, alpha=weight)
+        self._bound = math.inf  # not measured (a checked add after this one reads its update twice)
         self.total_weight += float(weight)
         self.count += 1
 
-    def add_parsed(self, codec: "Codec", parsed: "Parsed", weight: float) -> None:
-        """Decode a validated encoding straight into the sum (``codec.add_into``): no dense copy."""
+    def add_parsed(self, codec: "Codec", parsed: "Parsed", weight: float, norm: float | None = None) -> None:
+        """Decode a validated encoding straight into the sum (``codec.add_into``): no dense copy.
+        ``norm`` (the update's L2 norm, when known) keeps later checked adds on their one-pass path."""
         if parsed.numel != self.numel:
             raise AggregationError(f"update must have {self.numel} elements. Found {parsed.numel}.")
         self._check_weight(weight)
         codec.add_into(parsed, self._sum, float(weight))
+        self._bound += math.inf if norm is None else float(weight) * norm
         self.total_weight += float(weight)
         self.count += 1
+
+    def add_parsed_checked(self, codec: "Codec", parsed: "Parsed", weight: float, max_norm: float = math.inf) -> float:
+        """``add_parsed`` if the update's L2 norm is finite and <= ``max_norm``; return the norm.
+
+        Otherwise raise UpdateRejected (``rule`` "non-finite" or "norm-too-large") and leave the
+        sum as it was, up to the rounding stated in the module docstring. The codec may add part
+        of the update before it has read the rest only up to a norm that cannot overflow the sum
+        (``(_SAFE - _bound) / weight``); past that, the update is checked first and added second.
+        """
+        if parsed.numel != self.numel:
+            raise AggregationError(f"update must have {self.numel} elements. Found {parsed.numel}.")
+        self._check_weight(weight)
+        weight = float(weight)
+        from .codecs.base import checked_add_two_pass  # lazy: the codecs are not needed to import this module
+
+        safe = (_SAFE - self._bound) / weight
+        try:
+            fused = getattr(codec, "add_into_checked", None)  # duck-typed sources may have only norm/add_into
+            if fused is None or not safe > 0:
+                raise UpdateRejected("norm-too-large", 0.0, safe)  # nothing may be added ahead: two passes
+            norm = fused(parsed, self._sum, weight, min(max_norm, safe))
+        except UpdateRejected as rej:
+            if rej.rule != "norm-too-large" or not rej.norm <= max_norm:
+                raise UpdateRejected(rej.rule, rej.norm, max_norm) from None
+            # within max_norm but past what may be added ahead of the decision: decide, then add
+            norm = checked_add_two_pass(codec, parsed, self._sum, weight, max_norm)
+        self._bound += weight * norm
+        self.total_weight += weight
+        self.count += 1
+        return norm
 
     @staticmethod
     def _check_weight(weight: float) -> None:
@@ -83,3 +123,9 @@ class WeightedAccumulator:
         self._sum.zero_()
         self.total_weight = 0.0
         self.count = 0
+        self._bound = 0.0
+
+
+# What a checked add may bring the sum's largest magnitude to before it has decided: far below
+# float32's 3.4e38, so adding and subtracting again cannot overflow (and float64 sums never do).
+_SAFE = 1e37

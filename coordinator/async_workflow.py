@@ -45,7 +45,7 @@ from .config import RunConfig
 from .progress import format_row
 from .rundir import CONFIG as CONFIG_FILE
 from .rundir import SUMMARY, RunDirectory
-from .validation import RejectedReply, RoundExpectation, validate_reply
+from .validation import RejectedReply, RoundExpectation, add_reply, validate_reply
 from .workflow import Clock, RoundCallback, SyncWorkflow
 
 __all__ = ["BufferedAsyncWorkflow", "Flight", "LedgerEntry"]
@@ -244,22 +244,22 @@ class BufferedAsyncWorkflow(SyncWorkflow):
     def _take(self, reply: Message, mid: str, flight: Flight, acc: Any, window: dict[str, Any]) -> bool:
         """Validate one reply and add it to the buffer; return whether it was accepted."""
         try:
-            ok = validate_reply(reply, flight.expectation)
+            ok = validate_reply(reply, flight.expectation, check_norm=False)
             staleness = self.version - flight.base_version
             if staleness > self.max_staleness:
                 raise RejectedReply(ok.node_id, "too-stale",
                                     f"staleness must be <= max_staleness={self.max_staleness}; found {staleness}")
+            # Under central DP a client's weight is its staleness factor (<= 1), so its influence on the
+            # noised sum stays at most the clip norm.
+            factor = self.staleness_fn(staleness)
+            weight = factor if self.dp is not None else float(ok.num_examples) * factor
+            ok = add_reply(acc, self.codec, ok, weight, flight.expectation)  # the norm rules, checked while adding
         except RejectedReply as rej:
             window["rejected"][rej.rule] += 1
             self.ledger.append(LedgerEntry(mid, flight.node_id, flight.base_version, self.version, rej.rule))
             log(WARNING, "[fedshield] async: rejected reply from node %d (%s): %s", rej.node_id, rej.rule, rej.detail)
             return False
-        # Under central DP a client's weight is its staleness factor (<= 1), so its influence on the
-        # noised sum stays at most the clip norm.
-        factor = self.staleness_fn(staleness)
-        weight = factor if self.dp is not None else float(ok.num_examples) * factor
         window["norms"].append(ok.norm)
-        acc.add(self.codec, ok.parsed, weight, norm=ok.norm)
         self.ledger.append(LedgerEntry(mid, flight.node_id, flight.base_version, self.version, "accepted",
                                        staleness, weight, self.round + 1))
         window["staleness"].append(staleness)

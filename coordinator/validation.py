@@ -2,16 +2,24 @@
 
 A reply that breaks a rule raises :class:`RejectedReply` naming the node and
 the rule; the caller logs it, counts it, and the round goes on.
+
+The hot path reads each update once: ``validate_reply(reply, exp, check_norm=False)``
+checks everything but the norm, and ``add_reply(agg, codec, ok, weight, exp)`` does the
+norm check fused with the add into the aggregator (``Aggregator.add_checked``), raising
+the same ``"non-finite"`` / ``"norm-too-large"`` rejections and leaving the aggregator as
+it was. ``validate_reply(reply, exp)`` alone still checks the norm too (two reads).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from flwr.app import Array, Message
 
-from aggregation import AggregationError
+from aggregation import AggregationError, UpdateRejected
 from aggregation.codecs import Codec, Parsed
 from clients.protocol import ARRAYS, CODEC, DELTA, METRICS
 
@@ -47,12 +55,23 @@ class ValidReply:
     num_examples: int
     train_loss: float
     nbytes: int
-    norm: float
+    norm: float  # nan until add_reply when validated with check_norm=False
     local_epsilon: float | None = None
 
 
-def validate_reply(reply: Message, exp: RoundExpectation) -> ValidReply:
-    """Check one reply against every rule; return its parts or raise RejectedReply."""
+def _norm_rejection(node: int, rule: str, norm: float, max_norm: float) -> RejectedReply:
+    if rule == "non-finite":
+        return RejectedReply(node, "non-finite", "update must hold only finite values (and not overflow float32)")
+    return RejectedReply(node, "norm-too-large", f"update L2 norm must be <= max-update-norm={max_norm:g}; found {norm:.4g}")
+
+
+def validate_reply(reply: Message, exp: RoundExpectation, *, check_norm: bool = True) -> ValidReply:
+    """Check one reply against every rule; return its parts or raise RejectedReply.
+
+    ``check_norm=False`` leaves the norm rules ("non-finite", "norm-too-large") to ``add_reply``,
+    which checks them while adding (the returned ``norm`` is then nan). A reply breaking a norm
+    rule and a later rule (num-examples, base-version) is then rejected by the later rule.
+    """
     meta = reply.metadata
     node = meta.src_node_id
     msg_id = meta.reply_to_message_id
@@ -88,12 +107,14 @@ def validate_reply(reply: Message, exp: RoundExpectation) -> ValidReply:
         parsed = exp.codec.parse(arrays, header, exp.numel, exp.max_bytes)
     except AggregationError as exc:
         raise RejectedReply(node, "bad-array", str(exc)) from None
-    # One reduction: a NaN/inf anywhere, or an overflowing magnitude, makes the norm non-finite.
-    norm = exp.codec.norm(parsed)
-    if not math.isfinite(norm):
-        raise RejectedReply(node, "non-finite", "update must hold only finite values (and not overflow float32)")
-    if norm > exp.max_norm:
-        raise RejectedReply(node, "norm-too-large", f"update L2 norm must be <= max-update-norm={exp.max_norm:g}; found {norm:.4g}")
+    norm = math.nan
+    if check_norm:
+        # One reduction: a NaN/inf anywhere, or an overflowing magnitude, makes the norm non-finite.
+        norm = exp.codec.norm(parsed)
+        if not math.isfinite(norm):
+            raise _norm_rejection(node, "non-finite", norm, exp.max_norm)
+        if norm > exp.max_norm:
+            raise _norm_rejection(node, "norm-too-large", norm, exp.max_norm)
     metrics = content.metric_records[METRICS]
     num = metrics.get("num-examples")
     if not isinstance(num, int) or isinstance(num, bool) or not 0 < num <= exp.max_examples:
@@ -107,3 +128,20 @@ def validate_reply(reply: Message, exp: RoundExpectation) -> ValidReply:
     eps = float(eps) if isinstance(eps, int | float) and not isinstance(eps, bool) and math.isfinite(eps) else None
     return ValidReply(node_id=node, parsed=parsed, num_examples=num, train_loss=loss, nbytes=nbytes, norm=norm,
                       local_epsilon=eps)
+
+
+def add_reply(agg: Any, codec: Codec, ok: ValidReply, weight: float, exp: RoundExpectation) -> ValidReply:
+    """Add a reply validated with ``check_norm=False`` into ``agg`` (an Aggregator) with ``weight``,
+    checking its norm while adding: the norm rules of ``validate_reply``, one read of the update.
+
+    Returns ``ok`` with its ``norm`` filled in. A reply breaking a norm rule raises RejectedReply
+    ("non-finite" or "norm-too-large") and leaves ``agg`` as it was (its count and weights exactly;
+    the streaming sum up to float32 rounding where a partly added update is subtracted again, see
+    ``aggregation.accumulator``). Other AggregationErrors (a full aggregator, a bad weight) pass
+    through, as from ``agg.add``.
+    """
+    try:
+        norm = agg.add_checked(codec, ok.parsed, weight, exp.max_norm)
+    except UpdateRejected as rej:
+        raise _norm_rejection(ok.node_id, rej.rule, rej.norm, exp.max_norm) from None
+    return dataclasses.replace(ok, norm=norm)

@@ -37,7 +37,7 @@ from .progress import format_row
 from .rundir import CONFIG as CONFIG_FILE
 from .rundir import SUMMARY, RunDirectory
 from .secure import SecureRound
-from .validation import RejectedReply, RoundExpectation, validate_reply
+from .validation import RejectedReply, RoundExpectation, add_reply, validate_reply
 
 
 class Clock(Protocol):
@@ -258,19 +258,19 @@ class SyncWorkflow:
                 replies += 1
                 try:
                     ok_exp = late_exp or exp_for.get(mid, exp)
-                    ok = validate_reply(reply, ok_exp)
+                    ok = validate_reply(reply, ok_exp, check_norm=False)
+                    # Under central DP every client weighs 1: its influence on the sum is then at most the clip norm.
+                    weight = 1.0 if self.dp is not None else float(ok.num_examples)
+                    if late_exp is not None:  # a straggler from an earlier round: weighted by its staleness
+                        weight *= self.staleness_fn(self.version - late_exp.version)
+                    ok = add_reply(acc, ok_exp.codec, ok, weight, ok_exp)  # the norm rules, checked while adding
                 except RejectedReply as rej:
                     rejected[rej.rule] += 1
                     log(WARNING, "[fedshield] round %d: rejected reply from node %d (%s): %s", rnd, rej.node_id, rej.rule, rej.detail)
                     continue
-                weight = 1.0 if self.dp is not None else float(ok.num_examples)
-                if late_exp is not None:  # a straggler from an earlier round: weighted by its staleness
-                    staleness = self.version - late_exp.version
-                    weight *= self.staleness_fn(staleness)
-                    stalenesses.append(staleness)
+                if late_exp is not None:
+                    stalenesses.append(self.version - late_exp.version)
                     late_in += 1
-                # Under central DP every client weighs 1: its influence on the sum is then at most the clip norm.
-                acc.add(ok_exp.codec, ok.parsed, weight, norm=ok.norm)
                 norms.append(ok.norm)
                 self.profiles.update(ok.node_id, reply.content.metric_records[METRICS], self.clock.now() - sent_at)
                 if late_exp is None:

@@ -5,7 +5,9 @@ residual) into Flower ``Array`` objects and a small header of scalars. Server
 side, ``parse`` validates every field of a received encoding *before* anything
 is written anywhere and returns zero-copy tensor views; ``add_into`` then adds
 ``weight * decoded`` straight into an aggregate tensor on its device, fused
-(no dense intermediate for sparse or quantized codecs).
+(no dense intermediate for sparse or quantized codecs). ``add_into_checked`` is the
+coordinator's hot path: the norm check and the add in as few passes over the update as
+the codec can manage (one, for dense float32 and QSGD).
 
 Records on the wire::
 
@@ -20,10 +22,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import math
+
 import torch
 from flwr.app import Array
 
-from .._errors import AggregationError
+from .._errors import AggregationError, UpdateRejected
 from .._registry import Registry
 
 Header = dict[str, int | float | str | bool]
@@ -76,6 +80,33 @@ class Codec(ABC):
     def norm(self, parsed: Parsed) -> float:
         """L2 norm of the decoded update (inf or nan when it is not finite)."""
 
+    def add_into_checked(self, parsed: Parsed, out: torch.Tensor, weight: float, max_norm: float) -> float:
+        """``out += weight * decode(parsed)`` if the update passes the norm check; return its L2 norm.
+
+        The check (``check_norm``): raise UpdateRejected ``"non-finite"`` if the update holds a NaN
+        or infinity or its sum of squares overflows float32, ``"norm-too-large"`` if its norm
+        exceeds ``max_norm``. A rejected update leaves ``out`` as it was, up to rounding: a codec
+        may add a prefix of the update whose running norm is <= ``max_norm`` before it has read the
+        rest, and subtracts it again on rejection, which leaves each element ``a`` of that prefix
+        within ``eps32 * (2 |a| + |weight * x|)`` of its old value (exactly equal where nothing was
+        added). The caller must pick ``max_norm`` so that adding such a prefix cannot overflow
+        ``out`` (WeightedAccumulator does). This default reads the update twice (norm, then add)
+        and never writes before it has decided: bit-exact.
+        """
+        return checked_add_two_pass(self, parsed, out, weight, max_norm)
+
+    def write_into(self, parsed: Parsed, out: torch.Tensor) -> None:
+        """``out[:] = decode(parsed)`` (every element overwritten)."""
+        out.zero_()
+        self.add_into(parsed, out, 1.0)
+
+    def write_into_checked(self, parsed: Parsed, out: torch.Tensor, max_norm: float) -> float:
+        """``write_into`` with ``add_into_checked``'s norm check; on rejection ``out`` holds
+        unspecified values (callers write into scratch storage they only commit on success)."""
+        norm = check_norm(self.norm(parsed), max_norm)
+        self.write_into(parsed, out)
+        return norm
+
     def decode(self, parsed: Parsed, device: torch.device | str = "cpu") -> torch.Tensor:
         out = torch.zeros(parsed.numel, dtype=torch.float32, device=device)
         self.add_into(parsed, out, 1.0)
@@ -118,3 +149,31 @@ def check_arrays(arrays: Mapping[str, Array], names: set[str], max_bytes: int) -
     total = sum(len(a.data) for a in arrays.values())
     require(total <= max_bytes, "arrays", f"total at most {max_bytes} bytes", total)
     return total
+
+
+FLT_MAX = float(torch.finfo(torch.float32).max)
+
+
+def norm_rule(sq: float, max_norm: float) -> str | None:
+    """The rule a sum of squares ``sq`` breaks (None if none): ``"non-finite"`` when it is not
+    finite or overflows float32 (the dense norm is a float32 reduction), else ``"norm-too-large"``
+    when ``sqrt(sq) > max_norm``."""
+    if not (math.isfinite(sq) and sq <= FLT_MAX):
+        return "non-finite"
+    return "norm-too-large" if math.sqrt(sq) > max_norm else None
+
+
+def check_norm(norm: float, max_norm: float) -> float:
+    """Return ``norm`` if it is finite and <= ``max_norm``, else raise UpdateRejected."""
+    if not math.isfinite(norm):
+        raise UpdateRejected("non-finite", norm, max_norm)
+    if norm > max_norm:
+        raise UpdateRejected("norm-too-large", norm, max_norm)
+    return norm
+
+
+def checked_add_two_pass(codec: Codec, parsed: Parsed, out: torch.Tensor, weight: float, max_norm: float) -> float:
+    """``add_into_checked`` without writing before deciding: ``codec.norm``, then ``codec.add_into``."""
+    norm = check_norm(float(codec.norm(parsed)), max_norm)
+    codec.add_into(parsed, out, weight)
+    return norm

@@ -10,11 +10,17 @@ import torch
 from flwr.app import Array
 
 from ..wire import array_to_tensor, tensor_to_array
-from .base import Codec, Encoded, Parsed, check_arrays, check_header, register_codec, require
+from .._errors import UpdateRejected
+from .base import (Codec, Encoded, Parsed, check_arrays, check_header, checked_add_two_pass, norm_rule, register_codec,
+                   require)
 
 # bfloat16 has no numpy dtype: it travels as its raw 16 bits in an int16 array.
 _WIRE = {"float32": ("float32", torch.float32), "float16": ("float16", torch.float16), "bfloat16": ("int16", torch.bfloat16)}
 VALUES = "values"
+# Block of the fused check-and-add (float32 elements): the dot leaves it in cache for the add.
+# 256K floats (1 MB, half per thread on two) measured fastest on a 2-core Xeon with 2 MB L2 per
+# core: 64K blocks pay ~5 us of torch op overhead too often, 1M blocks fall out of L2.
+BLOCK = 1 << 18
 
 
 @register_codec
@@ -47,6 +53,56 @@ class DenseCodec(Codec):
 
     def add_into(self, parsed: Parsed, out: torch.Tensor, weight: float) -> None:
         out.add_(parsed.tensors[VALUES].to(out.device, non_blocking=True), alpha=weight)
+
+    def add_into_checked(self, parsed: Parsed, out: torch.Tensor, weight: float, max_norm: float) -> float:
+        """One pass over the update: per block of ``BLOCK`` floats, its sum of squares (BLAS dot),
+        then, while the running norm is within ``max_norm``, the weighted add of that block while
+        it is still in cache. On rejection the blocks already added are subtracted again (see
+        ``Codec.add_into_checked`` for the rounding this leaves); the rest of the update is still
+        read, without adding, so that the rule named is the one the two-pass check would name
+        (``"non-finite"`` wins over ``"norm-too-large"``)."""
+        values = parsed.tensors[VALUES]
+        if values.dtype != torch.float32 or out.dtype != torch.float32 or values.device != out.device:
+            return checked_add_two_pass(self, parsed, out, weight, max_norm)
+        n, sq, added = values.numel(), 0.0, 0
+        for start in range(0, n, BLOCK):
+            x = values[start : start + BLOCK]
+            sq += float(torch.dot(x, x))
+            if norm_rule(sq, max_norm) is not None:
+                break
+            out[start : start + BLOCK].add_(x, alpha=weight)
+            added = start + x.numel()
+        else:
+            return math.sqrt(sq)
+        for rest in range(start + BLOCK, n, BLOCK):  # rejected: finish the sum for the rule's name
+            if not math.isfinite(sq):
+                break
+            x = values[rest : rest + BLOCK]
+            sq += float(torch.dot(x, x))
+        if added:
+            out[:added].sub_(values[:added], alpha=weight)
+        rule = norm_rule(sq, max_norm)
+        raise UpdateRejected(rule, math.sqrt(sq) if rule == "norm-too-large" else math.inf, max_norm)
+
+    def write_into(self, parsed: Parsed, out: torch.Tensor) -> None:
+        out.copy_(parsed.tensors[VALUES])
+
+    def write_into_checked(self, parsed: Parsed, out: torch.Tensor, max_norm: float) -> float:
+        """Copy block by block, each block's sum of squares taken from the copy while it is in cache."""
+        values = parsed.tensors[VALUES]
+        if values.dtype != torch.float32 or out.dtype != torch.float32:
+            return super().write_into_checked(parsed, out, max_norm)
+        sq = 0.0
+        for start in range(0, values.numel(), BLOCK):
+            dst = out[start : start + BLOCK]
+            dst.copy_(values[start : start + BLOCK])
+            sq += float(torch.dot(dst, dst))
+            if not math.isfinite(sq):
+                break
+        rule = norm_rule(sq, max_norm)
+        if rule is not None:
+            raise UpdateRejected(rule, math.sqrt(sq) if rule == "norm-too-large" else math.inf, max_norm)
+        return math.sqrt(sq)
 
     def norm(self, parsed: Parsed) -> float:
         values = parsed.tensors[VALUES]

@@ -144,3 +144,46 @@ def test_stock_numpy_array_accepted():
 ])
 def test_metric_rules(metrics, rule):
     assert _rule(_reply(_instruction(11, "m1"), metrics=metrics)) == rule
+
+
+# ------------------------------------------------------------------ norm check fused with the add
+
+
+@pytest.mark.parametrize("delta,rule", [
+    (torch.full((N,), float("nan")), "non-finite"),
+    (torch.full((N,), 3e38), "non-finite"),
+    (torch.full((N,), 50.0), "norm-too-large"),
+])
+def test_add_reply_rejects_by_the_norm_rules_and_leaves_the_aggregator(delta, rule):
+    from aggregation import create_aggregator
+    from coordinator.validation import add_reply
+
+    exp = _exp()
+    agg = create_aggregator("mean", N, "cpu", 2)
+    first = validate_reply(_reply(_instruction(11, "m1"), delta=torch.ones(N)), exp, check_norm=False)
+    assert first.norm != first.norm  # nan: not checked yet
+    first = add_reply(agg, exp.codec, first, 10.0, exp)
+    assert first.norm == pytest.approx(N**0.5) and agg.count == 1
+    before = agg.result().clone()
+    ok = validate_reply(_reply(_instruction(12, "m2"), delta=delta), exp, check_norm=False)  # passes: norm deferred
+    with pytest.raises(RejectedReply) as info:
+        add_reply(agg, exp.codec, ok, 10.0, exp)
+    assert info.value.rule == rule and info.value.node_id == 12
+    assert agg.count == 1 and torch.equal(agg.result(), before)
+    # the same reply through validate_reply alone is refused by the same rule
+    assert _rule(_reply(_instruction(12, "m2"), delta=delta), _exp()) == rule
+
+
+def test_add_reply_equals_validate_then_add():
+    from aggregation import create_aggregator
+    from coordinator.validation import add_reply
+
+    x = torch.linspace(-1, 1, N)
+    exp_a, exp_b = _exp(), _exp()
+    fused, plain = create_aggregator("mean", N, "cpu", 1), create_aggregator("mean", N, "cpu", 1)
+    ok = add_reply(fused, exp_a.codec, validate_reply(_reply(_instruction(11, "m1"), delta=x), exp_a, check_norm=False),
+                   3.0, exp_a)
+    ref = validate_reply(_reply(_instruction(11, "m1"), delta=x), exp_b)
+    plain.add(exp_b.codec, ref.parsed, 3.0, norm=ref.norm)
+    assert ok.norm == pytest.approx(ref.norm, rel=1e-6)
+    assert torch.equal(fused.result(), plain.result())
