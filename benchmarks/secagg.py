@@ -11,12 +11,15 @@ fedshield's in-process Grid (the same engine for every case, no Ray), with
 fedshield plain, fedshield SecAgg+ (complete graph, and the log-degree graph
 chosen for ``--dropout``), and Flower's legacy SecAggPlusWorkflow (complete
 graph, and 11 shares) against a Flower plain round with the same update size.
-Thresholds are ``--threshold`` of each node's share holders.
+Thresholds are ``--threshold`` of each node's share holders. ``--engine flower`` runs
+part 2 on Flower's simulation engine (Ray) instead, where every message costs what it costs
+in a Flower simulation.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import os
 import sys
@@ -73,14 +76,26 @@ def protocol_stage_times(n: int, dim: int, k: int, t: int) -> dict[str, float]:
 
 
 # -- part 2: one round end to end -------------------------------------------------------------------
+ENGINE = "inprocess"
+_BACKEND = {"client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": {"logging_level": logging.WARNING}}
+
+
 def fedshield_round(n: int, hidden: int, extra: dict) -> dict:
     from clients.client_app import app
     from coordinator import RunConfig, RunDirectory, SyncWorkflow
     from simulations.inprocess import InProcessGrid
 
-    cfg = RunConfig.from_mapping({"num-rounds": 1, "min-nodes": n, "task": "digits", "hidden-units": hidden,
-                                  "local-epochs": 1, "seed": 0, "poll-interval": 0.01, "secagg-clip": 10.0, **extra})
     with tempfile.TemporaryDirectory() as d:
+        cfg = RunConfig.from_mapping({"num-rounds": 1, "min-nodes": n, "task": "digits", "hidden-units": hidden,
+                                      "local-epochs": 1, "seed": 0, "poll-interval": 0.01, "secagg-clip": 10.0,
+                                      "run-dir": d, **extra})
+        if ENGINE == "flower":  # Flower's simulation engine (Ray): the row of the one round
+            from simulations.runner import run_flower_engine
+            from simulations.scenario import Scenario, SimulationSettings
+
+            rows: list[dict] = []
+            run_flower_engine(Scenario(sim=SimulationSettings(name="bench", num_supernodes=n), run=cfg), rows.append)
+            return rows[0]
         wf = SyncWorkflow(cfg, InProcessGrid(app, n), RunDirectory(d))
         wf.run()
     return wf.history[0]
@@ -121,6 +136,21 @@ def flwr_round(n: int, dim: int, shares: int | None, threshold: int | None) -> f
                         config=ServerConfig(num_rounds=1), strategy=strategy)
     fit = SecAggPlusWorkflow(num_shares=shares, reconstruction_threshold=threshold) if shares else None
     workflow = DefaultWorkflow(fit_workflow=fit) if fit else DefaultWorkflow()
+    if ENGINE == "flower":
+        from flwr.serverapp import ServerApp
+        from flwr.simulation import run_simulation
+
+        server_app, took = ServerApp(), []
+
+        @server_app.main()
+        def _main(grid, context) -> None:
+            legacy = LegacyContext(context, config=ServerConfig(num_rounds=1), strategy=strategy)
+            t0 = time.perf_counter()
+            workflow(grid, legacy)
+            took.append(time.perf_counter() - t0)
+
+        run_simulation(server_app=server_app, client_app=client_app, num_supernodes=n, backend_config=_BACKEND)
+        return took[0]
     grid = InProcessGrid(client_app, n)
     t0 = time.perf_counter()
     workflow(grid, ctx)
@@ -159,9 +189,15 @@ def main() -> None:
     ap.add_argument("--threshold", type=float, default=0.6, help="fraction of each node's share holders")
     ap.add_argument("--dropout", type=float, default=0.1, help="dropout rate the log-degree graph is chosen for")
     ap.add_argument("--skip-flwr-complete", action="store_true", help="skip Flower's complete graph (minutes)")
+    ap.add_argument("--engine", choices=["inprocess", "flower"], default="inprocess",
+                    help="part 2's engine: fedshield's in-process Grid, or Flower's simulation engine (Ray)")
     ap.add_argument("--skip-learning", action="store_true", help="skip part 3 (compression under SecAgg, digits)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    global ENGINE
+    ENGINE = args.engine
+    if ENGINE == "flower":
+        os.environ.setdefault("FEDSHIELD_TORCH_THREADS", "1")
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     from privacy.secagg import choose_degree
 
@@ -180,7 +216,8 @@ def main() -> None:
         for stage, sec in protocol_stage_times(n, numel + 1, k, t).items():
             rep.add(f"{name} (k={k}, t={t}): {stage}", sec * 1e3, "ms")
 
-    print("\n## Part 2: one round end to end on fedshield's in-process Grid")
+    print(f"\n## Part 2: one round end to end on {'Flower' if ENGINE == 'flower' else 'fedshield'}'s "
+          f"{'simulation engine (Ray)' if ENGINE == 'flower' else 'in-process Grid'}")
     fedshield_round(n, hidden, {})  # warm-up: imports, data partitions, the clients' profile measurement
     plain = fedshield_round(n, hidden, {})
     rep.add("fedshield plain round", plain["round_time_s"], "s")

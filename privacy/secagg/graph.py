@@ -65,10 +65,10 @@ def harary_graph(node_ids: Sequence[int], k: int, seed: bytes) -> Graph:
     if not isinstance(k, int) or k < 2 or k % 2:
         raise PrivacyError(f"Harary degree k must be an even integer >= 2. Found {k!r}.")
     rng = np.random.Generator(np.random.PCG64(np.frombuffer(hashlib.sha256(seed).digest(), dtype="<u4")))
-    order = np.array(ids, dtype=np.int64)[rng.permutation(n)]
+    order = rng.permutation(n)  # ring positions -> indices into ids (node ids may exceed int64: Flower's are uint64)
     offsets = np.concatenate([np.arange(1, k // 2 + 1), -np.arange(1, k // 2 + 1)])
     neighbours = order[(np.arange(n)[:, None] + offsets[None, :]) % n]
-    return {int(order[i]): frozenset(int(v) for v in neighbours[i]) for i in range(n)}
+    return {ids[order[i]]: frozenset(ids[j] for j in neighbours[i]) for i in range(n)}
 
 
 def _binomial_cdf_below(t: int, k: int, p_survive: float) -> float:

@@ -278,3 +278,9 @@ def test_client_state_round_trips_through_fields():
     back = SecAggClient.from_fields(clients[a].to_fields())
     assert back.stage == "masked-input" and back.peers == clients[a].peers
     assert back.self_seed == clients[a].self_seed and "secret" not in repr(back) and "seed" not in repr(back)
+
+
+def test_node_ids_above_int64_work_like_flowers_uint64_ids():
+    params = SecAggParams.create(1, [2**63 + 11 * i for i in range(8)], degree=4, threshold=3, bits=32, clip=1.0, dim=20)
+    result, plain, _ = run(params, {"masked-input": {params.nodes[2]}})
+    assert torch.equal(result.total, plain) and len(result.survivors) == 7
