@@ -26,6 +26,17 @@ METRIC_FIELDS = [
     "secagg_clipped", "secagg_server_s", "secagg_failure", "late_accepted", "reduced_work",
 ]
 EPSILON_PLOT = "epsilon.png"
+TIME_PLOT = "accuracy_vs_time.png"
+
+
+def time_axis(rows: list[dict[str, Any]]) -> list[float]:
+    """Seconds since the run started at each round's end: simulated time where the rows have it, else the
+    rounds' own durations summed (wall time on a real clock)."""
+    out, t = [], 0.0
+    for r in rows:
+        t = float(r["sim_time_s"]) if r.get("sim_time_s") is not None else t + float(r["round_time_s"])
+        out.append(t)
+    return out
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
@@ -92,6 +103,25 @@ class RunDirectory:
         ax.grid(alpha=0.3)
         ax.legend()
         self._save(fig, EPSILON_PLOT)
+
+    def plot_accuracy_vs_time(self, runs: dict[str, list[dict[str, Any]]], title: str) -> None:
+        """``accuracy_vs_time.png``: test accuracy against (simulated) time, one line per run."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+        for label, rows in runs.items():
+            if rows:
+                ax.plot(time_axis(rows), [r["test_accuracy"] for r in rows], "o-", markersize=3, label=label)
+        ax.set_xlabel("time (s; simulated on the virtual engine)")
+        ax.set_ylabel("test accuracy")
+        ax.set_ylim(0, 1)
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        self._save(fig, TIME_PLOT)
 
     def _save(self, fig: Any, name: str) -> None:
         import matplotlib.pyplot as plt

@@ -342,6 +342,9 @@ class SyncWorkflow:
         row["test_accuracy"], row["test_loss"] = evaluate(self.model, self.task.test_set)
         row["version"] = self.version
         row["round_time_s"] = self.clock.now() - start
+        if not isinstance(self.clock, WallClock):  # a simulation's clock: seconds of simulated time so far
+            before = (self.history[-1].get("sim_time_s") or 0.0) if self.history else 0.0
+            row["sim_time_s"] = before + row["round_time_s"]
         row["wall_time_s"] = time.monotonic() - self.wall_start
         return row
 
@@ -370,6 +373,7 @@ class SyncWorkflow:
         self.run_dir.save_model({k: v.detach().cpu() for k, v in self.model.state_dict().items()})
         if self.history:
             self.run_dir.plot(self.history, f"{self.cfg.task.task}: accuracy and loss per round")
+            self.run_dir.plot_accuracy_vs_time({self.run_dir.path.name: self.history}, f"{self.cfg.task.task}: accuracy over time")
             if self.cfg.privacy.dp != "none":
                 self.run_dir.plot_epsilon(self.history, f"{self.cfg.task.task}: privacy spent ({self.cfg.privacy.dp} DP)")
         last = self.history[-1] if self.history else {}

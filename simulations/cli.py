@@ -26,18 +26,43 @@ def _simulate(args: argparse.Namespace) -> int:
         overrides["run.num-rounds"] = args.rounds
     if args.engine:
         overrides["simulation.engine"] = args.engine
-    scn = load_scenario(args.scenario, overrides)
-    run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / f"{scn.sim.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    print(f"fedshield simulate: scenario {scn.sim.name!r}, engine {scn.sim.engine}, "
-          f"{scn.sim.num_supernodes} clients, {scn.run.server.num_rounds} rounds -> {run_dir}", file=sys.stderr)
+    scenarios = [load_scenario(p, overrides) for p in (args.scenario or [None])]  # all checked before any runs
+    stamp = time.strftime('%Y%m%d-%H%M%S')
     if not args.verbose:
         import logging
 
         logging.getLogger("flwr").setLevel(logging.WARNING)
-    start = time.monotonic()
-    summary = run_scenario(scn, run_dir, show_progress=not args.quiet)
-    print(f"final test accuracy {summary['final_test_accuracy']:.4f} after {summary['rounds']} rounds; "
-          f"wall time {time.monotonic() - start:.1f} s; results in {summary['run_dir']}")
+    if len(scenarios) == 1:
+        scn = scenarios[0]
+        run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / f"{scn.sim.name}-{stamp}"
+        runs = [(scn, run_dir)]
+    else:  # a comparison: one run directory each under one parent, and one accuracy_vs_time.png over all
+        parent = Path(args.run_dir) if args.run_dir else Path("runs") / f"compare-{stamp}"
+        names = [s.sim.name if [t.sim.name for t in scenarios].count(s.sim.name) == 1 else f"{i}-{s.sim.name}"
+                 for i, s in enumerate(scenarios)]
+        runs = [(scn, parent / name) for scn, name in zip(scenarios, names, strict=True)]
+    results = []
+    for scn, run_dir in runs:
+        print(f"fedshield simulate: scenario {scn.sim.name!r}, engine {scn.sim.engine}, "
+              f"{scn.sim.num_supernodes} clients, {scn.run.server.num_rounds} rounds -> {run_dir}", file=sys.stderr)
+        start = time.monotonic()
+        summary = run_scenario(scn, run_dir, show_progress=not args.quiet)
+        wall = time.monotonic() - start
+        results.append((run_dir, summary, wall))
+        print(f"final test accuracy {summary['final_test_accuracy']:.4f} after {summary['rounds']} rounds; "
+              f"wall time {wall:.1f} s; results in {summary['run_dir']}")
+    if len(runs) > 1:
+        from coordinator import RunDirectory
+        from coordinator.rundir import TIME_PLOT, time_axis
+
+        histories = {d.name: (RunDirectory(d).load_checkpoint() or {}).get("history", []) for d, _, _ in results}
+        parent = results[0][0].parent
+        RunDirectory(parent).plot_accuracy_vs_time(histories, "accuracy over time")
+        for d, summary, wall in results:
+            rows = histories[d.name]
+            print(f"  {d.name:<28} accuracy {summary['final_test_accuracy']:.4f}  time {time_axis(rows)[-1] if rows else 0:.1f} s "
+                  f"(simulated on the virtual engine)  wall {wall:.1f} s")
+        print(f"comparison plot: {parent / TIME_PLOT}")
     return 0
 
 
@@ -82,7 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     s = sub.add_parser("simulate", help="run a scenario on one machine (Flower's simulation engine)")
-    s.add_argument("scenario", nargs="?", help="scenario TOML (default: the packaged default scenario)")
+    s.add_argument("scenario", nargs="*", help="scenario TOML (default: the packaged default scenario); several: "
+                   "a comparison, one run each and one accuracy_vs_time.png over all")
     s.add_argument("--engine", choices=["flower", "inprocess", "virtual"],
                    help="override the scenario's engine (virtual: simulated time from device tiers)")
     s.add_argument("--run-dir", help="results directory (default: runs/NAME-TIMESTAMP); an existing one resumes")

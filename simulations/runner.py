@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from pathlib import Path
@@ -62,14 +63,14 @@ def run_virtual_engine(scn: Scenario, on_round: RoundCallback | None) -> dict[st
     from clients.client_app import app as client_app
 
     clock = VirtualClock()
-    profiles = tiered_profiles(scn.sim.num_supernodes, seed=scn.run.server.seed)
+    profiles = tiered_profiles(scn.sim.num_supernodes, scn.tiers or None, seed=scn.run.server.seed)
     grid = VirtualGrid(client_app, scn.sim.num_supernodes, clock, profiles, seed=scn.run.server.seed)
     return make_workflow(scn.run, grid, RunDirectory(scn.run.server.run_dir), clock=clock, on_round=on_round).run()
 
 
 def run_scenario(scn: Scenario, run_dir: str | Path, show_progress: bool = True) -> dict[str, Any]:
     """Run ``scn`` writing into ``run_dir`` (resuming if it holds a checkpoint)."""
-    scn = Scenario(sim=scn.sim, run=scn.run.replace(run_dir=str(Path(run_dir).resolve())))
+    scn = dataclasses.replace(scn, run=scn.run.replace(run_dir=str(Path(run_dir).resolve())))
     start = RunDirectory(run_dir).load_checkpoint()
     done = int(start["round"]) if start else 0
     engine = {"flower": run_flower_engine, "inprocess": run_inprocess_engine, "virtual": run_virtual_engine}[scn.sim.engine]

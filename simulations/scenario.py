@@ -1,4 +1,5 @@
-"""Scenario files: what a simulation runs (TOML, ``[simulation]`` + ``[run]``)."""
+"""Scenario files: what a simulation runs (TOML, ``[simulation]`` + ``[run]``, and ``[[tiers]]`` of devices
+for the virtual-clock engine)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from typing import Any
 
 from clients.config import ConfigError, build_config, check
 from coordinator.config import RunConfig
+
+from .virtual import DeviceProfile
 
 ENGINES = ("flower", "inprocess", "virtual")
 
@@ -36,23 +39,53 @@ class SimulationSettings:
         check(self.ray_num_cpus >= 0, "ray-num-cpus", "be >= 0 (0: all)", self.ray_num_cpus)
 
 
+TIER_KEYS = {"name": "tier", "fraction": None, "compute-s-per-example": "compute_s_per_example",
+             "uplink-mbps": "uplink_mbps", "downlink-mbps": "downlink_mbps", "latency-s": "latency_s",
+             "sigma": "sigma", "availability": "availability", "dropout": "dropout"}
+
+
+def parse_tiers(items: Any, source: str) -> tuple[tuple[float, DeviceProfile], ...]:
+    """``[[tiers]]`` tables -> (fraction, DeviceProfile) pairs for the virtual engine."""
+    check(isinstance(items, list) and items, f"{source}: [[tiers]]", "be a non-empty array of tables", type(items).__name__)
+    out = []
+    for i, t in enumerate(items):
+        where = f"{source}: tiers[{i}]"
+        check(isinstance(t, Mapping), where, "be a table", type(t).__name__)
+        unknown = sorted(set(t) - set(TIER_KEYS))
+        check(not unknown, f"{where}.{unknown[0] if unknown else ''}", f"be one of {sorted(TIER_KEYS)}", "an unknown key")
+        for key in ("name", "fraction", "compute-s-per-example", "uplink-mbps", "downlink-mbps"):
+            check(key in t, f"{where}.{key}", "be given", None)
+        frac = t["fraction"]
+        check(isinstance(frac, int | float) and not isinstance(frac, bool) and frac > 0, f"{where}.fraction",
+              "be a number > 0 (fractions are normalised to sum to 1)", frac)
+        try:
+            profile = DeviceProfile(**{TIER_KEYS[k]: v for k, v in t.items() if TIER_KEYS[k]})
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+        out.append((float(frac), profile))
+    return tuple(out)
+
+
 @dataclasses.dataclass(frozen=True)
 class Scenario:
     sim: SimulationSettings
     run: RunConfig
+    tiers: tuple[tuple[float, DeviceProfile], ...] = ()  # the virtual engine's device tiers (default: DEFAULT_TIERS)
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any], source: str = "scenario") -> "Scenario":
-        unknown = sorted(set(data) - {"simulation", "run"})
+        unknown = sorted(set(data) - {"simulation", "run", "tiers"})
         if unknown:
-            raise ConfigError(f"{source}: [{unknown[0]}] is not a known table. Known tables: [simulation], [run].")
+            raise ConfigError(f"{source}: [{unknown[0]}] is not a known table. Known tables: [simulation], [run], "
+                              "[[tiers]].")
         for table in ("simulation", "run"):
             check(isinstance(data.get(table, {}), Mapping), f"{source}: [{table}]", "be a table", data.get(table))
         sim = build_config(SimulationSettings, data.get("simulation", {}), "simulation")
         run = RunConfig.from_mapping(data.get("run", {}))
         if run.server.min_nodes > sim.num_supernodes:
             raise ConfigError(f"run.min-nodes must be <= simulation.num-supernodes={sim.num_supernodes}. Found {run.server.min_nodes}.")
-        return cls(sim=sim, run=run)
+        tiers = parse_tiers(data["tiers"], source) if "tiers" in data else ()
+        return cls(sim=sim, run=run, tiers=tiers)
 
 
 def load_scenario(path: str | Path | None = None, overrides: Mapping[str, Any] | None = None) -> Scenario:

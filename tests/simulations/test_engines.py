@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import csv
+from pathlib import Path
 
 import pytest
 
 from clients import ConfigError
 from simulations import load_scenario, run_scenario
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "scenarios"
+EXAMPLE_TEXT = (EXAMPLES / "tiered-virtual.toml").read_text()
 
 
 def _scn(engine: str, **run):
@@ -50,3 +54,38 @@ def test_over_selection_closes_the_round_when_enough_updates_are_in(tmp_path):
     early = run("early", **{"close-after-replies": 4})
     assert all(r["accepted"] == 4 and r["late"] == r["selected"] - 4 - r["rejected"] for r in early)
     assert sum(r["round_time_s"] for r in early) < sum(r["round_time_s"] for r in everyone)
+
+
+def test_scenario_tiers_drive_the_virtual_engine_and_bad_ones_are_one_line(tmp_path):
+    from simulations.virtual import DEFAULT_TIERS
+
+    scn = load_scenario(EXAMPLES / "tiered-virtual.toml")
+    assert [(f, p) for f, p in scn.tiers] == [(f, p) for f, p in DEFAULT_TIERS]
+    bad = tmp_path / "bad.toml"
+    bad.write_text(EXAMPLE_TEXT.replace("sigma = 0.1", "sigma = -1.0"))
+    with pytest.raises(ConfigError, match=r"tiers\[2\]: .*sigma"):
+        load_scenario(bad)
+    bad.write_text(EXAMPLE_TEXT.replace("sigma = 0.1", "speed = 3"))
+    with pytest.raises(ConfigError, match=r"tiers\[2\]\.speed must be one of"):
+        load_scenario(bad)
+
+
+def test_simulate_compares_several_scenarios_with_one_accuracy_vs_time_plot(tmp_path):
+    import subprocess
+    import sys
+
+    small = tmp_path / "small.toml"
+    small.write_text(EXAMPLE_TEXT.replace("num-supernodes = 100", "num-supernodes = 10")
+                     .replace("num-rounds = 30", "num-rounds = 2").replace("min-nodes = 30", "min-nodes = 6")
+                     .replace("close-after-replies = 20", "close-after-replies = 4"))
+    fedbuff = tmp_path / "fedbuff.toml"
+    fedbuff.write_text(small.read_text().replace('name = "tiered-virtual"', 'name = "fedbuff"')
+                       .replace('late-replies = "carry"', 'late-replies = "drop"\nworkflow = "fedbuff"\n'
+                                                          'buffer-size = 3\nconcurrency = 6'))
+    out = subprocess.run([sys.executable, "-m", "simulations.cli", "simulate", str(small), str(fedbuff), "--quiet",
+                          "--run-dir", str(tmp_path / "cmp")], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert (tmp_path / "cmp" / "accuracy_vs_time.png").stat().st_size > 0
+    for name in ("tiered-virtual", "fedbuff"):
+        assert (tmp_path / "cmp" / name / "accuracy_vs_time.png").is_file()
+        assert f"  {name}" in out.stdout
