@@ -73,6 +73,9 @@ def run_scenario(scn: Scenario, run_dir: str | Path, show_progress: bool = True)
     scn = dataclasses.replace(scn, run=scn.run.replace(run_dir=str(Path(run_dir).resolve())))
     start = RunDirectory(run_dir).load_checkpoint()
     done = int(start["round"]) if start else 0
+    from clients.tasks import get_task
+
+    get_task(scn.run.task).partition(0, scn.sim.num_supernodes)  # can the data be split this way? (one clear error)
     engine = {"flower": run_flower_engine, "inprocess": run_inprocess_engine, "virtual": run_virtual_engine}[scn.sim.engine]
     if not show_progress:
         return engine(scn, None)

@@ -91,8 +91,8 @@ def test_min_size_is_honoured():
 
 
 def test_impossible_min_size_raises_config_error():
-    with pytest.raises(ConfigError, match=r"must leave every part >= 30 samples\. Found none in 5 draws"):
-        dirichlet_partition(LABELS[:100], 4, 0.5, seed=0, min_size=30, max_tries=5)
+    with pytest.raises(ConfigError, match=r"must leave every part >= 20 samples\. Found none in 5 draws"):
+        dirichlet_partition(LABELS[:100], 4, 0.05, seed=0, min_size=20, max_tries=5)
 
 
 @pytest.mark.parametrize("num_parts", [0, -1, 101])
@@ -112,3 +112,33 @@ def test_bad_alpha_raises(alpha):
 def test_single_part_is_everything():
     assert np.array_equal(iid_partition(50, 1, 0)[0], np.arange(50))
     assert np.array_equal(dirichlet_partition(LABELS[:50], 1, 0.1, 0)[0], np.arange(50))
+
+
+def _reference_dirichlet(labels, num_parts, alpha, seed, min_size=2, max_tries=1000):
+    """The straightforward per-part loop the vectorized split must reproduce exactly."""
+    rng = np.random.default_rng(seed)
+    by_class = [rng.permutation(np.flatnonzero(labels == c)) for c in np.unique(labels)]
+    for _ in range(max_tries):
+        props = rng.dirichlet(np.full(num_parts, alpha), size=len(by_class))
+        parts = [[] for _ in range(num_parts)]
+        for idx, p in zip(by_class, props):
+            for part, chunk in zip(parts, np.split(idx, (np.cumsum(p)[:-1] * len(idx)).astype(int))):
+                part.append(chunk)
+        out = [np.sort(np.concatenate(p)) for p in parts]
+        if min(len(p) for p in out) >= min_size:
+            return out
+    return None
+
+
+@pytest.mark.parametrize("num_parts,alpha", [(3, 1.0), (20, 0.5), (100, 0.5), (200, 5.0)])
+def test_dirichlet_split_equals_the_reference_loop(num_parts, alpha):
+    labels = np.random.default_rng(0).integers(0, 10, 1437)
+    want = _reference_dirichlet(labels, num_parts, alpha, 1)
+    got = dirichlet_partition(labels, num_parts, alpha, 1)
+    assert len(got) == len(want) and all(np.array_equal(a, b) for a, b in zip(got, want))
+
+
+def test_an_impossible_split_fails_at_once_with_the_limit():
+    labels = np.zeros(100, dtype=np.int64)
+    with pytest.raises(ConfigError, match="num-partitions must be <= 50"):
+        dirichlet_partition(labels, 51, 0.5, 0)

@@ -89,3 +89,10 @@ def test_simulate_compares_several_scenarios_with_one_accuracy_vs_time_plot(tmp_
     for name in ("tiered-virtual", "fedbuff"):
         assert (tmp_path / "cmp" / name / "accuracy_vs_time.png").is_file()
         assert f"  {name}" in out.stdout
+
+
+def test_more_clients_than_the_data_can_feed_is_one_error_before_any_round(tmp_path):
+    scn = load_scenario(EXAMPLES / "tiered-virtual.toml", {"simulation.num-supernodes": 1000})
+    with pytest.raises(ConfigError, match="num-partitions must be <= 718"):
+        run_scenario(scn, tmp_path / "r", show_progress=False)
+    assert not (tmp_path / "r" / "metrics.csv").exists()
