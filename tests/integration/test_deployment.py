@@ -6,63 +6,18 @@ Runs ``fedshield coordinator start`` and ``fedshield agent start`` as processes 
 
 from __future__ import annotations
 
-import csv
 import hashlib
 import json
-import subprocess
 
 import pytest
 import torch
 
 from coordinator.rundir import CHECKPOINT, CONFIG, METRICS, MODEL, PLOT, SUMMARY
 
-from .procs import free_port, wait_for
+from .deploy import metrics_rows, setup_deployment, start_agent, start_coordinator
+from .procs import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-
-
-def _setup(tmp_path, fedshield_bin, num_rounds: int, keys: int = 4, nodes: int = 3, extra: str = ""):
-    run = lambda *a: subprocess.run([fedshield_bin, *a], cwd=tmp_path, check=True, capture_output=True, text=True)  # noqa: E731
-    run("certs", "init", "certs")
-    for i in range(keys):
-        run("keys", "new", f"keys/client-{i}")
-    run("data", "export", "--num-partitions", str(nodes), "--out", "data")
-    port = free_port()
-    (tmp_path / "coordinator.toml").write_text(f"""
-[coordinator]
-host = "127.0.0.1"
-port = {port}
-enrolled-keys = [{", ".join(f'"keys/client-{i}.pub"' for i in range(nodes))}]
-
-[run]
-run-dir = "runs/deploy"
-num-rounds = {num_rounds}
-min-nodes = {nodes}
-wait-nodes-timeout = 120.0
-round-timeout = 120.0
-{extra}""")
-    return port
-
-
-def _agent(procs, tmp_path, fedshield_bin, port, i, key=None, data=None, name=None):
-    home = tmp_path / f"agent-home-{name or i}"
-    home.mkdir(exist_ok=True)
-    return procs.start(name or f"agent{i}", [
-        fedshield_bin, "agent", "start", "--coordinator", f"127.0.0.1:{port}", "--root-cert", "certs/ca.crt",
-        "--key", key or f"keys/client-{i}", "--data", data or f"data/client-{i}.npz",
-    ], cwd=tmp_path, env={"FLWR_HOME": str(home)})
-
-
-def _start_coordinator(procs, tmp_path, fedshield_bin, name):
-    procs.start(name, [fedshield_bin, "coordinator", "start", "--config", "coordinator.toml"], cwd=tmp_path)
-    wait_for(lambda: "enrolled client-2.pub" in procs.log(name) or procs.procs[name].poll() is not None,
-             90, "the coordinator to enrol the keys")
-    assert procs.procs[name].poll() is None, procs.log(name)[-2000:]
-
-
-def _rows(run_dir):
-    with open(run_dir / METRICS) as fh:
-        return list(csv.DictReader(fh))
 
 
 def _initial_accuracy() -> float:
@@ -78,11 +33,11 @@ def _initial_accuracy() -> float:
 
 @pytest.mark.timeout(420)
 def test_three_node_tls_run_and_unenrolled_key_refused(tmp_path, procs, fedshield_bin):
-    port = _setup(tmp_path, fedshield_bin, num_rounds=3)
-    _start_coordinator(procs, tmp_path, fedshield_bin, "coordinator")
+    port = setup_deployment(tmp_path, fedshield_bin, num_rounds=3)
+    start_coordinator(procs, tmp_path, fedshield_bin, "coordinator")
     for i in range(3):
-        _agent(procs, tmp_path, fedshield_bin, port, i)
-    rogue = _agent(procs, tmp_path, fedshield_bin, port, 3, key="keys/client-3", data="data/client-0.npz", name="rogue")
+        start_agent(procs, tmp_path, fedshield_bin, port, i)
+    rogue = start_agent(procs, tmp_path, fedshield_bin, port, 3, key="keys/client-3", data="data/client-0.npz", name="rogue")
     assert rogue.wait(timeout=90) == 1
     assert "not enrolled" in procs.log("rogue")
     assert procs.wait("coordinator", timeout=300) == 0, procs.log("coordinator")[-3000:]
@@ -90,7 +45,7 @@ def test_three_node_tls_run_and_unenrolled_key_refused(tmp_path, procs, fedshiel
     run_dir = tmp_path / "runs" / "deploy"
     for name in (CHECKPOINT, METRICS, SUMMARY, MODEL, PLOT, CONFIG):
         assert (run_dir / name).is_file(), name
-    rows = _rows(run_dir)
+    rows = metrics_rows(run_dir)
     assert [int(r["round"]) for r in rows] == [1, 2, 3]
     assert all(int(r["accepted"]) == 3 and int(r["rejected"]) == 0 for r in rows)
     print("\n3-node TLS deployment, seconds per round:", [round(float(r["round_time_s"]), 2) for r in rows])
@@ -104,27 +59,27 @@ def test_three_node_tls_run_and_unenrolled_key_refused(tmp_path, procs, fedshiel
 
 @pytest.mark.timeout(600)
 def test_coordinator_resumes_from_checkpoint(tmp_path, procs, fedshield_bin):
-    port = _setup(tmp_path, fedshield_bin, num_rounds=4, keys=3)
+    port = setup_deployment(tmp_path, fedshield_bin, num_rounds=4, keys=3)
     run_dir = tmp_path / "runs" / "deploy"
-    _start_coordinator(procs, tmp_path, fedshield_bin, "coordinator")
+    start_coordinator(procs, tmp_path, fedshield_bin, "coordinator")
     for i in range(3):
-        _agent(procs, tmp_path, fedshield_bin, port, i)
-    wait_for(lambda: (run_dir / METRICS).is_file() and len(_rows(run_dir)) >= 2, 300, "round 2's checkpoint", 0.1)
+        start_agent(procs, tmp_path, fedshield_bin, port, i)
+    wait_for(lambda: (run_dir / METRICS).is_file() and len(metrics_rows(run_dir)) >= 2, 300, "round 2's checkpoint", 0.1)
     procs.stop("coordinator")  # SIGTERM: the coordinator stops its SuperLink
     for i in range(3):
         procs.stop(f"agent{i}")
     saved = torch.load(run_dir / CHECKPOINT, weights_only=True)
     assert saved["round"] == 2, "the coordinator was stopped after round 2"
     digest = hashlib.sha256(saved["weights"].numpy().tobytes()).hexdigest()[:16]
-    before = _rows(run_dir)
+    before = metrics_rows(run_dir)
 
-    _start_coordinator(procs, tmp_path, fedshield_bin, "coordinator2")
+    start_coordinator(procs, tmp_path, fedshield_bin, "coordinator2")
     for i in range(3):
-        _agent(procs, tmp_path, fedshield_bin, port, i, name=f"agent{i}-again")
+        start_agent(procs, tmp_path, fedshield_bin, port, i, name=f"agent{i}-again")
     assert procs.wait("coordinator2", timeout=400) == 0, procs.log("coordinator2")[-3000:]
     log = procs.log("coordinator2")
     assert f"at round 3 (version 2, model sha256 {digest})" in log
-    rows = _rows(run_dir)
+    rows = metrics_rows(run_dir)
     assert [int(r["round"]) for r in rows] == [1, 2, 3, 4]
     assert rows[:2] == before
 
@@ -139,15 +94,15 @@ def test_fedbuff_on_a_real_superlink_with_a_slow_node(tmp_path, procs, fedshield
     """
     import numpy as np
 
-    port = _setup(tmp_path, fedshield_bin, num_rounds=5, keys=3)
+    port = setup_deployment(tmp_path, fedshield_bin, num_rounds=5, keys=3)
     with open(tmp_path / "coordinator.toml", "a") as fh:
         fh.write('workflow = "fedbuff"\nbuffer-size = 2\nconcurrency = 3\n')
     with np.load(tmp_path / "data" / "client-2.npz") as d:
         np.savez(tmp_path / "data" / "slow.npz", x=np.tile(d["x"], (200, 1)), y=np.tile(d["y"], 200))
-    _start_coordinator(procs, tmp_path, fedshield_bin, "coordinator")
-    _agent(procs, tmp_path, fedshield_bin, port, 0)
-    _agent(procs, tmp_path, fedshield_bin, port, 1)
-    _agent(procs, tmp_path, fedshield_bin, port, 2, data="data/slow.npz")
+    start_coordinator(procs, tmp_path, fedshield_bin, "coordinator")
+    start_agent(procs, tmp_path, fedshield_bin, port, 0)
+    start_agent(procs, tmp_path, fedshield_bin, port, 1)
+    start_agent(procs, tmp_path, fedshield_bin, port, 2, data="data/slow.npz")
     assert procs.wait("coordinator", timeout=360) == 0, procs.log("coordinator")[-3000:]
 
     run_dir = tmp_path / "runs" / "deploy"
@@ -155,7 +110,7 @@ def test_fedbuff_on_a_real_superlink_with_a_slow_node(tmp_path, procs, fedshield
     assert summary["workflow"] == "fedbuff" and summary["rounds"] == 5
     # Nothing lost, nothing applied twice.
     assert summary["dispatched"] == summary["accepted_total"] + summary["rejected_total_async"] + summary["in_flight_at_end"]
-    rows = _rows(run_dir)
+    rows = metrics_rows(run_dir)
     assert sum(int(r["accepted"]) for r in rows) == 2 * 5 <= summary["accepted_total"]
     assert max(float(r["mean_staleness"]) for r in rows) > 0  # late updates arrived and were down-weighted
     assert 0.80 <= summary["final_test_accuracy"] <= 1.0

@@ -17,7 +17,7 @@ import pytest
 from coordinator.rundir import EPSILON_PLOT, METRICS, PLOT, SUMMARY
 from privacy import PrivacyEvent, RdpAccountant
 
-from .test_deployment import _agent, _rows, _setup, _start_coordinator
+from .deploy import metrics_rows, setup_deployment, start_agent, start_coordinator
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -35,16 +35,16 @@ def _epsilon(rounds: int) -> float:
 def test_central_dp_run_stops_cleanly_when_the_budget_is_spent(tmp_path, procs, fedshield_bin):
     eps2, eps3 = _epsilon(2), _epsilon(3)
     target = (eps2 + eps3) / 2  # round 3 would overspend it
-    port = _setup(tmp_path, fedshield_bin, num_rounds=6, keys=3)  # three keys enrolled, two agents run
+    port = setup_deployment(tmp_path, fedshield_bin, num_rounds=6, keys=3)  # three keys enrolled, two agents run
     config = tmp_path / "coordinator.toml"
     text = config.read_text().replace("min-nodes = 3", f"min-nodes = {NODES}")
     assert f"min-nodes = {NODES}" in text
     config.write_text(text + (  # [run] is the file's last table
         f'local-epochs = 1\ndp = "central"\ndp-noise-multiplier = {Z}\ntarget-epsilon = {target!r}\n'
         f"dp-delta = {DELTA}\ndp-clip = 1.0\n"))
-    _start_coordinator(procs, tmp_path, fedshield_bin, "coordinator")
+    start_coordinator(procs, tmp_path, fedshield_bin, "coordinator")
     for i in range(NODES):
-        _agent(procs, tmp_path, fedshield_bin, port, i)
+        start_agent(procs, tmp_path, fedshield_bin, port, i)
     assert procs.wait("coordinator", timeout=180) == 0, procs.log("coordinator")[-3000:]
     procs.stop_together()  # the agents wait for more work: stop them in parallel (the fixture would one by one)
 
@@ -57,7 +57,7 @@ def test_central_dp_run_stops_cleanly_when_the_budget_is_spent(tmp_path, procs, 
     guarantee = summary["privacy_guarantee"]
     assert f"({eps2:.3g}, {DELTA:g})-differential privacy at the user level after 2 rounds" in guarantee
     assert f"target epsilon {target:g}" in guarantee
-    rows = _rows(run_dir)
+    rows = metrics_rows(run_dir)
     assert [int(r["round"]) for r in rows] == [1, 2]
     assert all(int(r["accepted"]) == NODES for r in rows)
     eps = [float(r["epsilon"]) for r in rows]

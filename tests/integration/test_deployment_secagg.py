@@ -18,7 +18,7 @@ from flwr.app import Context, Message, RecordDict
 from coordinator.rundir import MODEL, SUMMARY
 
 from .procs import wait_for
-from .test_deployment import _agent, _rows, _setup, _start_coordinator
+from .deploy import metrics_rows, setup_deployment, start_agent, start_coordinator
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -50,11 +50,11 @@ def _expected_weights(tmp_path, survivors: list[int]) -> torch.Tensor:
 
 @pytest.mark.timeout(420)
 def test_secagg_round_survives_a_supernode_killed_after_sharing_keys(tmp_path, procs, fedshield_bin):
-    port = _setup(tmp_path, fedshield_bin, num_rounds=1, keys=NODES, nodes=NODES, extra="\n".join([
+    port = setup_deployment(tmp_path, fedshield_bin, num_rounds=1, keys=NODES, nodes=NODES, extra="\n".join([
         'secure-aggregation = "secagg+"', "secagg-clip = 10.0", "secagg-stage-timeout = 60.0", ""]))
-    _start_coordinator(procs, tmp_path, fedshield_bin, "coordinator")
+    start_coordinator(procs, tmp_path, fedshield_bin, "coordinator")
     for i in range(NODES):
-        _agent(procs, tmp_path, fedshield_bin, port, i)
+        start_agent(procs, tmp_path, fedshield_bin, port, i)
     victim = f"agent{NODES - 1}"
     # Its second reply is the share-keys stage (the first is setup); the next stage's message
     # reaches it only after every node has shared keys and its next poll (3 s), so kill it now.
@@ -68,7 +68,7 @@ def test_secagg_round_survives_a_supernode_killed_after_sharing_keys(tmp_path, p
     assert f"secagg share-keys: {NODES} of {NODES} nodes in" in log
     assert f"secagg masked-input: {NODES - 1} of {NODES} nodes in" in log
     run_dir = tmp_path / "runs" / "deploy"
-    row = _rows(run_dir)[0]
+    row = metrics_rows(run_dir)[0]
     assert int(row["secagg_survivors"]) == NODES - 1 and int(row["secagg_dropped"]) == 1, row
     assert not row["secagg_failure"]
     summary = json.loads((run_dir / SUMMARY).read_text())

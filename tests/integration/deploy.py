@@ -1,0 +1,54 @@
+"""A deployment on 127.0.0.1 for integration tests: certificates, keys, data, coordinator config, processes."""
+
+from __future__ import annotations
+
+import csv
+import subprocess
+
+from coordinator.rundir import METRICS
+
+from .procs import free_port, wait_for
+
+
+def setup_deployment(tmp_path, fedshield_bin, num_rounds: int, keys: int = 4, nodes: int = 3, extra: str = ""):
+    run = lambda *a: subprocess.run([fedshield_bin, *a], cwd=tmp_path, check=True, capture_output=True, text=True)  # noqa: E731
+    run("certs", "init", "certs")
+    for i in range(keys):
+        run("keys", "new", f"keys/client-{i}")
+    run("data", "export", "--num-partitions", str(nodes), "--out", "data")
+    port = free_port()
+    (tmp_path / "coordinator.toml").write_text(f"""
+[coordinator]
+host = "127.0.0.1"
+port = {port}
+enrolled-keys = [{", ".join(f'"keys/client-{i}.pub"' for i in range(nodes))}]
+
+[run]
+run-dir = "runs/deploy"
+num-rounds = {num_rounds}
+min-nodes = {nodes}
+wait-nodes-timeout = 120.0
+round-timeout = 120.0
+{extra}""")
+    return port
+
+
+def start_agent(procs, tmp_path, fedshield_bin, port, i, key=None, data=None, name=None):
+    home = tmp_path / f"agent-home-{name or i}"
+    home.mkdir(exist_ok=True)
+    return procs.start(name or f"agent{i}", [
+        fedshield_bin, "agent", "start", "--coordinator", f"127.0.0.1:{port}", "--root-cert", "certs/ca.crt",
+        "--key", key or f"keys/client-{i}", "--data", data or f"data/client-{i}.npz",
+    ], cwd=tmp_path, env={"FLWR_HOME": str(home)})
+
+
+def start_coordinator(procs, tmp_path, fedshield_bin, name):
+    procs.start(name, [fedshield_bin, "coordinator", "start", "--config", "coordinator.toml"], cwd=tmp_path)
+    wait_for(lambda: "enrolled client-2.pub" in procs.log(name) or procs.procs[name].poll() is not None,
+             90, "the coordinator to enrol the keys")
+    assert procs.procs[name].poll() is None, procs.log(name)[-2000:]
+
+
+def metrics_rows(run_dir):
+    with open(run_dir / METRICS) as fh:
+        return list(csv.DictReader(fh))
