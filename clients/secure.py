@@ -9,9 +9,11 @@ they are deleted when the round's unmask stage is answered.
 from __future__ import annotations
 
 import math
-import time
+import re
+from logging import WARNING
 
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.common.logger import log
 
 from aggregation import array_to_tensor, tensor_to_array
 from privacy import PrivacyError, clip_scale, skellam_noise
@@ -19,7 +21,8 @@ from privacy.secagg.inputs import encode_input, input_length, shared_subset
 from privacy.secagg.protocol import PublicKeys, SecAggClient, SecAggParams
 
 from ._errors import ClientError
-from .protocol import ARRAYS, MASKED, METRICS, SECAGG, SECAGG_KEYS, SECAGG_SHARES
+from .profile import PROFILE_KEYS
+from .protocol import ARRAYS, CONFIG, MASKED, METRICS, SECAGG, SECAGG_KEYS, SECAGG_SHARES
 
 STATE = "fedshield.secagg"
 RESIDUAL = "fedshield.secagg-residual"
@@ -32,7 +35,7 @@ def _node_map(record: ConfigRecord | None, what: str) -> dict[int, bytes]:
         raise ClientError(f"secagg message must carry a '{what}' record.")
     out = {}
     for key, value in record.items():
-        if not key.isdigit() or not isinstance(value, bytes):
+        if not re.fullmatch(r"[0-9]{1,20}", key) or not isinstance(value, bytes):
             raise ClientError(f"'{what}' must map node ids to bytes. Found key {key[:20]!r}.")
         out[int(key)] = value
     return out
@@ -52,22 +55,24 @@ def _weight(plan: dict, num_examples: int) -> float:
 def _masked_input(msg: Message, context: Context, client: SecAggClient, plan: dict) -> Message:
     from .client_app import local_update
 
-    start = time.perf_counter()
+    config = msg.content.config_records.get(CONFIG)
+    if config is None or config.get("round") != client.params.round:
+        raise ClientError(f"secagg masked-input must train for round {client.params.round}, the round set up.")
     client.receive_shares(_node_map(msg.content.config_records.get(SECAGG_SHARES), SECAGG_SHARES))
     delta, metrics, _ = local_update(msg, context)
     numel = int(plan["numel"])
     if delta.numel() != numel:
         raise ClientError(f"the model has {delta.numel()} parameters; the round was set up for {numel}.")
     subset = shared_subset(plan["subset-seed"], numel, float(plan["sparse-ratio"]))
+    residual = None
     if subset is None:
         values = delta
-        context.state.array_records.pop(RESIDUAL, None)
     else:  # error feedback: what this round does not send is added to the next update
         if RESIDUAL in context.state.array_records:
             delta = delta + array_to_tensor(context.state.array_records[RESIDUAL]["r"], "float32", numel)
         values = delta[subset]
-        delta[subset] = 0.0
-        context.state.array_records[RESIDUAL] = ArrayRecord({"r": tensor_to_array(delta)})
+        residual = delta
+        residual[subset] = 0.0
     if "dp-mu" in plan:  # distributed DP: bound this client's influence, then noise its share
         norm = float(values.norm())
         values = values * clip_scale(norm, float(plan["dp-clip"]))
@@ -76,9 +81,20 @@ def _masked_input(msg: Message, context: Context, client: SecAggClient, plan: di
     else:
         q, clipped = encode_input(values, _weight(plan, int(metrics["num-examples"])), client.params)
     masked = client.mask(q)
-    metrics.update({"secagg-clipped": clipped, "client-time-s": metrics["client-time-s"] + time.perf_counter() - start})
+    if residual is None:  # the residual changes only once the input is on its way
+        context.state.array_records.pop(RESIDUAL, None)
+    else:
+        context.state.array_records[RESIDUAL] = ArrayRecord({"r": tensor_to_array(residual)})
+    if clipped:  # stated here, on the client: per-client counts are not sent (they depend on the data)
+        log(WARNING, "[fedshield] secagg round %d: clipped %d of %d coordinates to +-secagg-clip=%g",
+            client.params.round, clipped, values.numel(), client.params.clip)
+    # Only what the coordinator must see in the clear: the model version, the example count when it
+    # weights the mean (and the coordinator checks their sum), and the device profile (hardware, not data).
+    public = {"base-version", *PROFILE_KEYS} | ({"num-examples"} if plan["weighting"] == "num-examples" and "dp-mu"
+                                                not in plan else set())
+    out = {k: v for k, v in metrics.items() if k in public}
     return _reply(msg, "masked-input", client.params.round, **{ARRAYS: ArrayRecord({MASKED: Array(masked)}),
-                                                             METRICS: MetricRecord(metrics)})
+                                                             METRICS: MetricRecord(out)})
 
 
 def run_secagg_stage(msg: Message, context: Context) -> Message:
@@ -105,7 +121,10 @@ def run_secagg_stage(msg: Message, context: Context) -> Message:
             if input_length(plan["numel"], subset) != params.dim:
                 raise ClientError(f"secagg vector length {params.dim} does not match the model and sparse ratio.")
             done = context.state.config_records.get(LAST_INPUT, {}).get("round", -1)
-            if params.round <= done:  # a second instance of a round could let the coordinator difference two sums
+            # A second instance of a round it already sent input for is refused (and masked-input checks that it
+            # trains for the round set up). This stops replays of one round; differencing sums across rounds
+            # with different survivors remains possible for any SecAgg (the threat model is a semi-honest server).
+            if params.round <= done:
                 raise ClientError(f"secagg setup for round {params.round} refused: this node already sent its masked "
                                   f"input for round {done}.")
             client, keys = SecAggClient.setup(me, params)

@@ -106,16 +106,21 @@ class DistributedDp(CentralDp):
     The coordinator sees only the noised sum. Noise is sized so the survivors' total has
     std ``z * C`` when at least ``(1 - secagg-dropout-rate)`` of the selected clients survive
     (each adds variance ``(z C)^2 / (n (1 - r))``); a round with fewer survivors is not
-    unmasked (nothing is released, nothing spent). The round is accounted as a sampled
-    Gaussian with ``z_eff = z * sqrt(survivors / (n (1 - r))) >= z``: Skellam noise of that
+    unmasked (nothing is released, nothing spent). Each round is accounted as a Gaussian with
+    ``z_eff = z * sqrt(survivors / (n (1 - r))) >= z`` and no sampling amplification (the
+    coordinator, the party this protects against, chooses the sample): Skellam noise of that
     variance, at the scale of the quantization grid here (std of 1e4+ levels), is within a
     negligible margin of the Gaussian (Agarwal, Kairouz, Liu 2021, Thm 3.5).
     """
 
     def __init__(self, cfg: PrivacySettings, expected_rate: float, num_rounds: int, seed: int,
                  dropout_rate: float) -> None:
-        super().__init__(cfg, expected_rate, num_rounds, seed)
+        # The coordinator picks the sample and sees who took part: against it, sampling amplifies nothing.
+        super().__init__(cfg, 1.0, num_rounds, seed)
         self.dropout_rate = dropout_rate
+
+    def event(self, sampling_rate: float) -> PrivacyEvent:
+        return PrivacyEvent(sampling_rate=1.0, noise_multiplier=self.z)
 
     def min_survivors(self, selected: int) -> int:
         return max(1, math.ceil(selected * (1 - self.dropout_rate) - 1e-9))
@@ -134,18 +139,20 @@ class DistributedDp(CentralDp):
         return clip, sigma_levels**2 / (selected * (1 - self.dropout_rate)) / 2.0
 
     def check_headroom(self, secagg_clip: float, selected: int) -> None:
-        """The noised sum must stay inside the ring: n * (secagg-clip - C) >= 8 z C."""
-        need = self.clip * (1 + 8 * self.z / max(1, selected))
+        """The noised sum must stay inside the ring, per coordinate: s * (secagg-clip - C) >= 8 z C for the fewest
+        survivors s a round may release with."""
+        need = self.clip * (1 + 8 * self.z / self.min_survivors(selected))
         if secagg_clip < need:
-            raise CoordinatorError(f"secagg-clip must be >= dp-clip * (1 + 8 z / n) = {need:.4g} so that {selected} "
-                                   f"clients' noised sum cannot wrap around the ring. Found {secagg_clip:g}.")
+            raise CoordinatorError(f"secagg-clip must be >= dp-clip * (1 + 8 z / s) = {need:.4g} so that the noised sum "
+                                   f"of s = {self.min_survivors(selected)} survivors cannot wrap around the ring. "
+                                   f"Found {secagg_clip:g}.")
 
     def after_secure_round(self, sampling_rate: float, survivors: int, selected: int) -> None:
         z_eff = self.z * math.sqrt(survivors / (selected * (1 - self.dropout_rate)))
-        self.accountant.compose(PrivacyEvent(sampling_rate=min(1.0, max(sampling_rate, 1e-12)), noise_multiplier=z_eff))
+        self.accountant.compose(PrivacyEvent(sampling_rate=1.0, noise_multiplier=z_eff))
 
     def describe(self) -> str:
         return (super().describe() + " The noise is distributed: each client adds its share of Skellam noise to its "
                 "quantized, clipped update under SecAgg+, so the coordinator never sees an un-noised sum; the guarantee "
-                "assumes the coordinator follows the protocol (semi-honest) and accounts Skellam as a Gaussian of the "
-                "same variance.")
+                "assumes the coordinator follows the protocol (semi-honest) and no client colludes with it, claims no "
+                "amplification by sampling against it, and accounts Skellam as a Gaussian of the same variance.")

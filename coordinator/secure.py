@@ -12,8 +12,8 @@ log line (tests scan the logs).
 
 from __future__ import annotations
 
-import math
 import os
+import re
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -38,6 +38,7 @@ from clients.protocol import (
     WEIGHTS,
     message_nbytes,
 )
+from privacy import PrivacyError
 from privacy.secagg import SEED_BYTES
 from privacy.secagg.inputs import decode_sum, input_length, shared_subset
 from privacy.secagg.protocol import (
@@ -49,12 +50,16 @@ from privacy.secagg.protocol import (
     ring_dtype,
 )
 
+from clients._errors import ConfigError
+
+from ._errors import CoordinatorError
 from .privacy_policy import DistributedDp
 
 if TYPE_CHECKING:
     from .workflow import SyncWorkflow
 
 Handler = Callable[[int, Message], None]
+_NODE_ID = re.compile(r"[0-9]{1,20}")
 
 
 class SecureRound:
@@ -95,6 +100,12 @@ class SecureRound:
                     log(WARNING, "[fedshield] round %d secagg %s: rejected node %d (%s): %s", rnd, stage, node,
                         rej.rule, rej.detail)
                     continue
+                except (PrivacyError, ValueError, TypeError, KeyError, OverflowError) as exc:
+                    # Anything else a reply's content provokes is that node's fault, never the run's end.
+                    rejected["malformed"] += 1
+                    log(WARNING, "[fedshield] round %d secagg %s: rejected node %d (malformed): %s", rnd, stage, node,
+                        type(exc).__name__)
+                    continue
                 accepted.add(node)
                 stats["bytes_up"] += message_nbytes(reply)
             if pending and clock.now() >= deadline:
@@ -126,8 +137,8 @@ class SecureRound:
             raise SecAggRejected(node, "missing-record", f"reply must hold a '{name}' record")
         out = {}
         for key, value in rec.items():
-            if not key.isdigit() or not isinstance(value, bytes):
-                raise SecAggRejected(node, "bad-share", f"'{name}' must map node ids to bytes")
+            if not _NODE_ID.fullmatch(key) or not isinstance(value, bytes):
+                raise SecAggRejected(node, "bad-share", f"'{name}' must map node ids (ASCII digits) to bytes")
             out[int(key)] = value
         return out
 
@@ -140,21 +151,28 @@ class SecureRound:
                                  "server_s": {}}
         subset_seed = os.urandom(SEED_BYTES)
         subset = shared_subset(subset_seed, numel, st.secagg_sparse_ratio)
-        k, t = st.graph(len(selected))
-        params = SecAggParams.create(rnd, selected, degree=k, threshold=t, bits=st.secagg_bits, clip=st.secagg_clip,
-                                     dim=input_length(numel, subset))
+        dp = wf.dp if isinstance(wf.dp, DistributedDp) else None
+        dp_plan: dict[str, float] = {}
+        try:  # parameters that cannot work for this many nodes fail the round, not the run
+            k, t = st.graph(len(selected))
+            params = SecAggParams.create(rnd, selected, degree=k, threshold=t, bits=st.secagg_bits,
+                                         clip=st.secagg_clip, dim=input_length(numel, subset))
+            if dp is not None:  # each client clips and adds its share of the noise
+                dp.check_headroom(st.secagg_clip, len(selected))
+                clip, mu = dp.client_noise(len(selected), params.step, params.dim - 1)
+                dp_plan = {"dp-clip": clip, "dp-mu": mu}
+        except (ConfigError, PrivacyError, CoordinatorError) as exc:
+            log(WARNING, "[fedshield] round %d: secure aggregation cannot run with %d nodes: %s; the global model is "
+                "unchanged", rnd, len(selected), exc)
+            return None, {"replies": 0, "accepted": 0, "rejected": 0, "late": len(selected), "rejected_by_rule": {},
+                          "bytes_up": 0, "bytes_down": 0, "train_loss": float("nan"), "secagg_survivors": 0,
+                          "secagg_dropped": 0, "secagg_failure": str(exc)}
         server = SecAggServer(params, wf.device)
-        losses: dict[int, tuple[float, int]] = {}
-        clipped = 0
+        weights: dict[int, float] = {}  # what each survivor's weight must be (public: uniform, or its example count)
         update = None
         reason = ""
         timeout = st.secagg_stage_timeout
-        dp = wf.dp if isinstance(wf.dp, DistributedDp) else None
-        dp_plan: dict[str, float] = {}
-        if dp is not None:  # each client clips and adds its share of the noise
-            dp.check_headroom(st.secagg_clip, len(selected))
-            clip, mu = dp.client_noise(len(selected), params.step, params.dim - 1)
-            dp_plan = {"dp-clip": clip, "dp-mu": mu}
+        by_examples = st.secagg_weighting == "num-examples" and dp is None
         try:
             setup = ConfigRecord({"stage": "setup", **params.to_fields(), "numel": numel, "sparse-ratio": st.secagg_sparse_ratio,
                                   "subset-seed": subset_seed, "weighting": st.secagg_weighting,
@@ -182,7 +200,6 @@ class SecureRound:
             max_bytes = params.dim * ring_dtype(params.bits).itemsize + 1024
 
             def on_masked(node: int, reply: Message) -> None:
-                nonlocal clipped
                 arrays = reply.content.array_records.get(ARRAYS)
                 metrics = reply.content.metric_records.get(METRICS)
                 if arrays is None or MASKED not in arrays or metrics is None:
@@ -191,10 +208,13 @@ class SecureRound:
                 if len(array.data) > max_bytes:
                     raise SecAggRejected(node, "oversized", f"masked input must be <= {max_bytes} bytes; "
                                                             f"found {len(array.data)}")
-                num = metrics.get("num-examples")
-                if not isinstance(num, int) or isinstance(num, bool) or not 0 < num <= wf.cfg.server.max_examples:
-                    raise SecAggRejected(node, "bad-num-examples", f"num-examples must be an integer in "
-                                                                   f"[1, {wf.cfg.server.max_examples}]; found {num!r}")
+                weight = 1.0
+                if by_examples:  # the count is public (it weights the mean); the coordinator checks the sum of them
+                    num = metrics.get("num-examples")
+                    if not isinstance(num, int) or isinstance(num, bool) or not 0 < num <= wf.cfg.server.max_examples:
+                        raise SecAggRejected(node, "bad-num-examples", f"num-examples must be an integer in "
+                                                                       f"[1, {wf.cfg.server.max_examples}]; found {num!r}")
+                    weight = min(num, st.secagg_max_weight) / st.secagg_max_weight
                 if metrics.get("base-version") != wf.version:
                     raise SecAggRejected(node, "stale-version", f"base-version must be {wf.version}")
                 try:
@@ -202,11 +222,7 @@ class SecureRound:
                 except Exception:  # noqa: BLE001 - any undecodable payload is the client's fault
                     raise SecAggRejected(node, "bad-array", "masked input is not a decodable array") from None
                 server.add_masked(node, vector)
-                loss = metrics.get("train-loss")
-                if isinstance(loss, int | float) and math.isfinite(loss):
-                    losses[node] = (float(loss), num)
-                c = metrics.get("secagg-clipped", 0)
-                clipped += int(c) if isinstance(c, int) and c >= 0 else 0
+                weights[node] = weight
 
             self._exchange(rnd, "masked-input", {
                 n: RecordDict({SECAGG: ConfigRecord({"stage": "masked-input", "round": rnd}),
@@ -227,10 +243,21 @@ class SecureRound:
             result = server.finish()
             weighted, weight = decode_sum(result)
             stats["server_s"]["finish"] = time.perf_counter() - t0
-            if not weight > 0:
-                raise SecAggAborted("the survivors' summed weight is not positive")
+            # The weight coordinate and every value are bounded for honest clients; a client that sent
+            # out-of-range ring elements shows here, and the round fails instead of scaling the model.
+            expected = sum(weights[u] for u in result.survivors)
+            slack = len(result.survivors) * params.step / params.clip + 1e-9
+            if not abs(weight - expected) <= slack:
+                raise SecAggAborted(f"the survivors' summed weight {weight:.6g} must be {expected:.6g}: a client sent an "
+                                    "out-of-range weight")
+            mean64 = weighted / weight
+            bound = params.clip + len(result.survivors) * params.step / weight
+            if float(mean64.abs().max()) > bound:
+                raise SecAggAborted(f"the unmasked mean must lie within +-secagg-clip={params.clip:g}; found "
+                                    f"{float(mean64.abs().max()):.4g}: a client sent out-of-range ring elements (or "
+                                    "the DP noise wrapped the ring)")
             update = torch.zeros(numel, dtype=torch.float32, device=wf.device)
-            mean = (weighted / weight).to(torch.float32).to(wf.device)
+            mean = mean64.to(torch.float32).to(wf.device)
             if subset is None:
                 update.copy_(mean)
             else:
@@ -241,19 +268,15 @@ class SecureRound:
             log(WARNING, "[fedshield] round %d: secure aggregation failed: %s; the global model is unchanged", rnd, reason)
             survivors, dropped = tuple(sorted(server.survivors)), ()
         rejected = stats["rejected_by_rule"]
-        weight_sum = sum(n for _, n in losses.values())
         row = {
             "replies": stats["replies"], "accepted": len(survivors) if update is not None else 0,
             "rejected": sum(rejected.values()), "late": len(selected) - len(survivors), "rejected_by_rule": dict(rejected),
             "bytes_up": stats["bytes_up"], "bytes_down": stats["bytes_down"],
-            "train_loss": sum(l * n for l, n in losses.values()) / weight_sum if weight_sum else float("nan"),
+            "train_loss": float("nan"),  # a client's own loss is not sent under secure aggregation
             "secagg_degree": params.degree, "secagg_threshold": params.threshold, "secagg_survivors": len(survivors),
-            "secagg_dropped": len(dropped), "secagg_clipped": clipped,
+            "secagg_dropped": len(dropped),
             "secagg_server_s": round(sum(stats["server_s"].values()), 4),
         }
         if reason:
             row["secagg_failure"] = reason
-        if clipped:
-            log(WARNING, "[fedshield] round %d secagg: clients clipped %d coordinates to secagg-clip=%g", rnd, clipped,
-                st.secagg_clip)
         return update, row

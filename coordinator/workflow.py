@@ -92,6 +92,8 @@ class SyncWorkflow:
         self.dp = (CentralDp(*dp_args) if cfg.privacy.dp == "central"
                    else DistributedDp(*dp_args, cfg.secure.secagg_dropout_rate) if cfg.privacy.dp == "distributed"
                    else None)
+        if isinstance(self.dp, DistributedDp):  # the fewest nodes a round may have must leave the noise room
+            self.dp.check_headroom(cfg.secure.secagg_clip, cfg.server.min_nodes)
         self.status = "completed"
         self.weights = self.task.init_weights(cfg.server.seed).to(self.device)
         self.round, self.version = 0, 0
@@ -388,8 +390,7 @@ class SyncWorkflow:
         }
         if self.secure is not None:
             summary.update({"secure_aggregation": self.cfg.secure.secure_aggregation,
-                            "secagg_failed_rounds": sum(1 for r in self.history if r.get("secagg_failure")),
-                            "secagg_clipped_total": sum(r.get("secagg_clipped", 0) for r in self.history)})
+                            "secagg_failed_rounds": sum(1 for r in self.history if r.get("secagg_failure"))})
         if self.dp is not None:
             summary.update({"epsilon": self.dp.epsilon, "delta": self.cfg.privacy.dp_delta,
                             "noise_multiplier": self.dp.z, "privacy_guarantee": self.dp.describe()})

@@ -27,14 +27,21 @@ vector, unless it holds ``t`` shares of both secrets of one client, which
 vanish at any stage; the round completes while every survivor's self seed and
 every dropped client's key can still be rebuilt from ``t`` shares, and
 otherwise :class:`SecAggAborted` says why. A malformed, replayed or
-unauthenticated message raises :class:`SecAggRejected` naming the node and the
-rule; the caller counts it and treats that node as dropped, so honest clients'
-rounds are not corrupted.
+unauthenticated message to the server raises :class:`SecAggRejected` naming the
+node and the rule; the caller counts it and treats that node as dropped.
 
-Limits (stated, not hidden): a client can still add any ring element as its
-input (SecAgg hides inputs, so no norm check is possible; clip and range are
-the client's own); the server picks the graph seed (a malicious server could
-bias the graph; Bell et al. assume a semi-honest server for graph choice).
+Threat model and limits (stated, not hidden): the server is semi-honest. The
+clients' public keys are not authenticated by a PKI, so a server that deviates
+(swaps a victim's neighbours' keys for its own, adds Sybil nodes, or sends
+different parameters to different clients) can learn an input; the server also
+picks the graph seed. Clients colluding with the server are not modelled
+(``choose_degree`` ignores a corrupted fraction), and under distributed DP they
+could subtract their own noise shares. A client can add any ring element as its
+input (SecAgg hides inputs, so no norm check is possible); the coordinator checks
+what it can of the result (the summed weight, the mean's range). A client that
+sends its neighbours undecryptable shares makes those neighbours refuse the
+round (they cannot tell whom to blame safely); the refusal names the sender in
+its error.
 """
 
 from __future__ import annotations
@@ -309,6 +316,8 @@ class SecAggClient:
         if surv & drop:
             raise SecAggRejected(me, "bad-unmask", "a node cannot be both a survivor and dropped "
                                                    "(answering would reveal both of its secrets)")
+        if me in drop:
+            raise SecAggRejected(me, "bad-unmask", "this node cannot be named dropped in a request sent to it")
         if not (surv | drop) <= set(self.held) | {me}:
             raise SecAggRejected(me, "bad-unmask", "the request names nodes whose shares this node does not hold")
         if set(self.maskers) - surv - drop - {me}:
@@ -383,6 +392,12 @@ class SecAggServer:
         seen = {k for pk in self.keys.values() for k in (pk.c, pk.s)}
         if keys.c == keys.s or keys.c in seen or keys.s in seen:
             raise SecAggRejected(node, "bad-keys", "public keys must be fresh (one equals another node's or its own)")
+        probe = KeyPair.generate()
+        for pub in (keys.c, keys.s):  # a low-order point would make every neighbour's key agreement fail
+            try:
+                agree(probe, pub)
+            except PrivacyError:
+                raise SecAggRejected(node, "bad-keys", "a public key is not a usable X25519 point") from None
         self.keys[node] = keys
 
     def _stable(self, candidates: set[int], did: str) -> set[int]:
@@ -508,6 +523,14 @@ class SecAggServer:
 
     def finish(self) -> SecAggResult:
         """Remove the masks: survivors' self masks and the pairwise masks dropped nodes left behind."""
+        try:
+            return self._finish()
+        except SecAggAborted:
+            raise
+        except PrivacyError as exc:  # e.g. a rebuilt key that cannot agree: the round fails, the run goes on
+            raise SecAggAborted(f"unmasking failed: {exc}") from None
+
+    def _finish(self) -> SecAggResult:
         p = self.params
         self_seeds = [self._rebuild(u, self.self_shares.get(u, {}), "the self-mask seed",
                                     lambda b, u=u: seed_digest(b) == self.keys[u].seed_hash)

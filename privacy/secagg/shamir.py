@@ -38,7 +38,7 @@ _HEADER = struct.Struct("<4sII")  # magic, x, secret length in bytes
 MAX_SECRET_BYTES = 1 << 20
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, repr=False)
 class Share:
     """One share: x-coordinate ``x`` (1..n) and one field element per 3-byte chunk."""
 
@@ -61,6 +61,9 @@ class Share:
         values = values.copy()
         values.setflags(write=False)
         object.__setattr__(self, "values", values)
+
+    def __repr__(self) -> str:  # a share is secret material: never show its values
+        return f"Share(x={self.x}, secret_len={self.secret_len})"
 
     def to_bytes(self) -> bytes:
         """Fixed layout: ``b"FSS1"``, x (uint32 LE), secret length (uint32 LE), values (uint32 LE each)."""

@@ -6,6 +6,7 @@ import base64
 import json
 import logging
 import math
+import re
 import tempfile
 from pathlib import Path
 
@@ -317,3 +318,55 @@ def test_a_client_refuses_a_second_instance_of_a_round_it_already_sent_input_for
     msg = Message(RecordDict({SECAGG: setup}), dst_node_id=1001, message_type="train.secagg", group_id="1")
     with pytest.raises(Exception, match="already sent its masked input for round 1"):
         run_secagg_stage(msg, ctx)
+
+
+def _odd_key_name(reply, replies, msg):
+    reply.content.config_records[SECAGG_KEYS] = ConfigRecord({"\u00b2": b"x" * 96})  # isdigit() but not int()
+    return reply
+
+
+def _low_order_key(reply, replies, msg):
+    keys = reply.content.config_records[SECAGG_KEYS]["1002"]
+    reply.content.config_records[SECAGG_KEYS] = ConfigRecord({"1002": bytes(32) + keys[32:]})
+    return reply
+
+
+@pytest.mark.parametrize("mutate,rule", [(_odd_key_name, "bad-share"), (_low_order_key, "bad-keys")])
+def test_keys_that_would_break_others_are_rejected_and_the_round_completes(tmp_path, mutate, rule):
+    wf = run(tmp_path, InProcessGrid(misbehave(1002, "setup", mutate), N), **{"secure-aggregation": "secagg+"})
+    row = wf.history[0]
+    assert row["rejected_by_rule"] == {rule: 1} and row["secagg_survivors"] == N - 1 and wf.version == 1
+
+
+def _shift(index: int, amount: int):
+    def mutate(reply, replies, msg):
+        arr = reply.content.array_records[ARRAYS][MASKED].numpy().copy()
+        arr[index] = (int(arr[index]) + amount) % 2**32  # any ring element: SecAgg cannot see it
+        reply.content.array_records[ARRAYS] = ArrayRecord({MASKED: Array(arr)})
+        return reply
+    return mutate
+
+
+@pytest.mark.parametrize("index,amount,why", [(-1, 2**31, "summed weight"), (0, 2**31, "within \\+-secagg-clip")])
+def test_out_of_range_ring_elements_fail_the_round_instead_of_scaling_the_model(tmp_path, index, amount, why):
+    grid = InProcessGrid(misbehave(1002, "masked-input", _shift(index, amount)), N)
+    wf = SyncWorkflow(cfg(**{"secure-aggregation": "secagg+"}), grid, RunDirectory(tmp_path / "a"), clock=VirtualClock())
+    before = wf.weights.clone()
+    wf.run()
+    assert re.search(why, wf.history[0]["secagg_failure"]) and torch.equal(wf.weights, before)
+
+
+def test_only_public_metrics_travel_in_the_clear(tmp_path):
+    seen = []
+
+    def spy(msg, ctx):
+        reply = app(msg, ctx)
+        if stage_of(msg) == "masked-input":
+            seen.append(set(reply.content.metric_records["metrics"]))
+        return reply
+
+    run(tmp_path, InProcessGrid(spy, N), **{"secure-aggregation": "secagg+"})
+    assert seen and all("train-loss" not in m and "num-examples" in m and "base-version" in m for m in seen)
+    seen.clear()
+    run(tmp_path, InProcessGrid(spy, N), "b", **DDP)
+    assert seen and all(m <= {"base-version"} | {k for k in m if k.startswith("profile-")} for m in seen)

@@ -233,6 +233,11 @@ def test_client_never_reveals_both_secrets_of_one_node():
     clients[a].unmask([a, *others], [b])  # b claimed dropped: key share only
     with pytest.raises(SecAggRejected, match="wrong-stage"):  # asking again (now claiming b survived) is refused
         clients[a].unmask([a, b, *others], [])
+    with pytest.raises(SecAggRejected, match="cannot be named dropped"):
+        clients[b].unmask([*others], [a, b])
+    from privacy.secagg import split
+
+    assert "values" not in repr(split(b"secret-bytes", 2, 3)[0])
 
 
 def test_corrupted_share_is_left_out_or_aborts():
