@@ -26,6 +26,7 @@ read as dense float32: the plain format any Flower ClientApp can send.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,3 +109,22 @@ def message_nbytes(msg: Message) -> int:
         return 0
     arrays = sum(len(a.data) for rec in msg.content.array_records.values() for a in rec.values())
     return arrays + sum(len(v) for rec in msg.content.config_records.values() for v in rec.values() if isinstance(v, bytes))
+
+
+_NODE_ID = re.compile(r"[0-9]{1,20}")
+
+
+def node_map(record: ConfigRecord | None, what: str) -> dict[int, bytes]:
+    """A record mapping node ids (ASCII digits, as Flower's uint64 ids print) to bytes, as ints -> bytes.
+
+    Anything else (a missing record, a key like "²" that ``isdigit()`` accepts, a non-bytes value)
+    raises ClientError naming the record.
+    """
+    if record is None:
+        raise ClientError(f"message must carry a '{what}' record.")
+    out = {}
+    for key, value in record.items():
+        if not _NODE_ID.fullmatch(key) or not isinstance(value, bytes):
+            raise ClientError(f"'{what}' must map node ids (ASCII digits) to bytes. Found key {key[:20]!r}.")
+        out[int(key)] = value
+    return out

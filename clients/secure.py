@@ -9,7 +9,6 @@ they are deleted when the round's unmask stage is answered.
 from __future__ import annotations
 
 import math
-import re
 from logging import WARNING
 
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
@@ -17,12 +16,12 @@ from flwr.common.logger import log
 
 from aggregation import array_to_tensor, tensor_to_array
 from privacy import PrivacyError, clip_scale, skellam_noise
-from privacy.secagg.inputs import encode_input, input_length, shared_subset
+from privacy.secagg.inputs import encode_input, input_length, secagg_weight, shared_subset
 from privacy.secagg.protocol import PublicKeys, SecAggClient, SecAggParams
 
 from ._errors import ClientError
 from .profile import PROFILE_KEYS
-from .protocol import ARRAYS, CONFIG, MASKED, METRICS, SECAGG, SECAGG_KEYS, SECAGG_SHARES
+from .protocol import ARRAYS, CONFIG, MASKED, METRICS, SECAGG, SECAGG_KEYS, SECAGG_SHARES, node_map
 
 STATE = "fedshield.secagg"
 RESIDUAL = "fedshield.secagg-residual"
@@ -30,26 +29,9 @@ LAST_INPUT = "fedshield.secagg-last-input"  # the last round this node sent a ma
 _PLAN = ("numel", "sparse-ratio", "subset-seed", "weighting", "max-weight")
 
 
-def _node_map(record: ConfigRecord | None, what: str) -> dict[int, bytes]:
-    if record is None:
-        raise ClientError(f"secagg message must carry a '{what}' record.")
-    out = {}
-    for key, value in record.items():
-        if not re.fullmatch(r"[0-9]{1,20}", key) or not isinstance(value, bytes):
-            raise ClientError(f"'{what}' must map node ids to bytes. Found key {key[:20]!r}.")
-        out[int(key)] = value
-    return out
-
-
 def _reply(msg: Message, stage: str, rnd: int, **records) -> Message:
     content = RecordDict({SECAGG: ConfigRecord({"stage": stage, "round": rnd}), **records})
     return Message(content, reply_to=msg)
-
-
-def _weight(plan: dict, num_examples: int) -> float:
-    if plan["weighting"] == "uniform":
-        return 1.0
-    return min(num_examples, int(plan["max-weight"])) / int(plan["max-weight"])
 
 
 def _masked_input(msg: Message, context: Context, client: SecAggClient, plan: dict) -> Message:
@@ -58,7 +40,7 @@ def _masked_input(msg: Message, context: Context, client: SecAggClient, plan: di
     config = msg.content.config_records.get(CONFIG)
     if config is None or config.get("round") != client.params.round:
         raise ClientError(f"secagg masked-input must train for round {client.params.round}, the round set up.")
-    client.receive_shares(_node_map(msg.content.config_records.get(SECAGG_SHARES), SECAGG_SHARES))
+    client.receive_shares(node_map(msg.content.config_records.get(SECAGG_SHARES), SECAGG_SHARES))
     delta, metrics, _ = local_update(msg, context)
     numel = int(plan["numel"])
     if delta.numel() != numel:
@@ -79,7 +61,8 @@ def _masked_input(msg: Message, context: Context, client: SecAggClient, plan: di
         q, clipped = encode_input(values, 1.0, client.params)
         q[:-1] += skellam_noise(q.numel() - 1, float(plan["dp-mu"]))
     else:
-        q, clipped = encode_input(values, _weight(plan, int(metrics["num-examples"])), client.params)
+        weight = 1.0 if plan["weighting"] == "uniform" else secagg_weight(int(metrics["num-examples"]), int(plan["max-weight"]))
+        q, clipped = encode_input(values, weight, client.params)
     masked = client.mask(q)
     if residual is None:  # the residual changes only once the input is on its way
         context.state.array_records.pop(RESIDUAL, None)
@@ -138,7 +121,7 @@ def run_secagg_stage(msg: Message, context: Context) -> Message:
         if rnd != client.params.round:
             raise ClientError(f"secagg message is for round {rnd}; this node is in round {client.params.round}.")
         if stage == "share-keys":
-            keys = {v: PublicKeys.from_bytes(v, b) for v, b in _node_map(msg.content.config_records.get(SECAGG_KEYS),
+            keys = {v: PublicKeys.from_bytes(v, b) for v, b in node_map(msg.content.config_records.get(SECAGG_KEYS),
                                                                           SECAGG_KEYS).items()}
             cts = client.share_keys(keys)
             reply = _reply(msg, stage, rnd, **{SECAGG_SHARES: ConfigRecord({str(v): ct for v, ct in cts.items()})})

@@ -115,6 +115,10 @@ class ProfileRegistry:
     def count(self, node_id: int) -> int:
         return self.counts.get(int(node_id), 0)
 
+    def link_mbps(self, node_id: int) -> float | None:
+        """The uplink the node last reported (validated), if any."""
+        return self.profiles.get(int(node_id), {}).get("profile-link-mbps")
+
     def speed_key(self, node_id: int) -> tuple[int, float]:
         """Sort key, lower is preferred: unmeasured nodes first (to measure them), then by EMA time.
 

@@ -13,7 +13,6 @@ log line (tests scan the logs).
 from __future__ import annotations
 
 import os
-import re
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -37,10 +36,11 @@ from clients.protocol import (
     TrainInstruction,
     WEIGHTS,
     message_nbytes,
+    node_map,
 )
 from privacy import PrivacyError
 from privacy.secagg import SEED_BYTES
-from privacy.secagg.inputs import decode_sum, input_length, shared_subset
+from privacy.secagg.inputs import decode_sum, input_length, secagg_weight, shared_subset
 from privacy.secagg.protocol import (
     PublicKeys,
     SecAggAborted,
@@ -50,7 +50,7 @@ from privacy.secagg.protocol import (
     ring_dtype,
 )
 
-from clients._errors import ConfigError
+from clients._errors import ClientError, ConfigError
 
 from ._errors import CoordinatorError
 from .privacy_policy import DistributedDp
@@ -59,7 +59,6 @@ if TYPE_CHECKING:
     from .workflow import SyncWorkflow
 
 Handler = Callable[[int, Message], None]
-_NODE_ID = re.compile(r"[0-9]{1,20}")
 
 
 class SecureRound:
@@ -71,8 +70,8 @@ class SecureRound:
 
     # -- transport ---------------------------------------------------------------------------
     def _exchange(self, rnd: int, stage: str, contents: dict[int, RecordDict], timeout: float, handle: Handler,
-                  stats: dict[str, Any]) -> set[int]:
-        """Send one stage's messages; hand each valid reply to ``handle``; return the nodes it accepted."""
+                  stats: dict[str, Any]) -> None:
+        """Send one stage's messages; hand each valid reply to ``handle`` (which records what it accepts)."""
         grid, clock = self.wf.grid, self.wf.clock
         msgs = [Message(content, dst_node_id=node, message_type=MESSAGE_TYPE_SECAGG, group_id=str(rnd),
                         ttl=timeout + 60.0) for node, content in contents.items()]
@@ -115,7 +114,6 @@ class SecureRound:
             if pending:
                 clock.sleep(self.wf.cfg.server.poll_interval)
         log(INFO, "[fedshield] round %d secagg %s: %d of %d nodes in", rnd, stage, len(accepted), len(contents))
-        return accepted
 
     @staticmethod
     def _check_envelope(reply: Message, node: int, rnd: int, stage: str) -> None:
@@ -135,12 +133,10 @@ class SecureRound:
         rec = reply.content.config_records.get(name)
         if rec is None:
             raise SecAggRejected(node, "missing-record", f"reply must hold a '{name}' record")
-        out = {}
-        for key, value in rec.items():
-            if not _NODE_ID.fullmatch(key) or not isinstance(value, bytes):
-                raise SecAggRejected(node, "bad-share", f"'{name}' must map node ids (ASCII digits) to bytes")
-            out[int(key)] = value
-        return out
+        try:
+            return node_map(rec, name)
+        except ClientError as exc:
+            raise SecAggRejected(node, "bad-share", str(exc)) from None
 
     # -- the round ---------------------------------------------------------------------------
     def run(self, rnd: int, selected: list[int]) -> tuple[torch.Tensor | None, dict[str, Any]]:
@@ -214,7 +210,7 @@ class SecureRound:
                     if not isinstance(num, int) or isinstance(num, bool) or not 0 < num <= wf.cfg.server.max_examples:
                         raise SecAggRejected(node, "bad-num-examples", f"num-examples must be an integer in "
                                                                        f"[1, {wf.cfg.server.max_examples}]; found {num!r}")
-                    weight = min(num, st.secagg_max_weight) / st.secagg_max_weight
+                    weight = secagg_weight(num, st.secagg_max_weight)
                 if metrics.get("base-version") != wf.version:
                     raise SecAggRejected(node, "stale-version", f"base-version must be {wf.version}")
                 try:

@@ -105,7 +105,6 @@ class SyncWorkflow:
         # In flight only: a resumed run does not wait for them.
         self._late: dict[str, RoundExpectation] = {}
         self._epochs: dict[int, int] = {}  # local epochs each node was last asked for
-        self._reduced = 0
         self.staleness_fn = create_staleness(cfg.asynchrony.staleness, **cfg.asynchrony.workflow_kwargs()["staleness_params"])
         self.wall_start = time.monotonic()
         self._resume()
@@ -116,7 +115,7 @@ class SyncWorkflow:
         return codec, dict(enc.header), min(int(self.cfg.server.max_update_mb * 2**20), enc.nbytes + 1024)
 
     def _is_slow_link(self, node: int) -> bool:
-        link = self.profiles.profiles.get(node, {}).get("profile-link-mbps")
+        link = self.profiles.link_mbps(node)
         return self.slow_link is not None and link is not None and link < self.cfg.aggregation.slow_link_mbps
 
     def dp_sampling_rate(self) -> float:
@@ -215,8 +214,7 @@ class SyncWorkflow:
         ttl = s.round_timeout * (1 + (self.cfg.asynchrony.max_staleness if s.late_replies == "carry" else 0)) + 60.0
         msgs = [Message(content(n), dst_node_id=n, message_type=MESSAGE_TYPE_TRAIN, group_id=str(rnd), ttl=ttl)
                 for n in selected]
-        if self.cfg.server.work_deadline > 0:
-            self._reduced = sum(1 for n in selected if self._epochs[n] < self.cfg.train.local_epochs)
+
         ids = list(self.grid.push_messages(msgs))
         if len(ids) != len(msgs):
             log(WARNING, "[fedshield] round %d: %d of %d messages were not accepted by the grid", rnd, len(msgs) - len(ids), len(msgs))
@@ -310,7 +308,7 @@ class SyncWorkflow:
         if local_eps:
             extra["local_epsilon_max"] = max(local_eps)
         if self.cfg.server.work_deadline > 0:
-            extra["reduced_work"] = self._reduced
+            extra["reduced_work"] = sum(1 for n in sent.values() if self._epochs[n] < self.cfg.train.local_epochs)
         if stalenesses:
             extra.update({"late_accepted": late_in, "mean_staleness": sum(stalenesses) / len(stalenesses)})
         return {**extra, "replies": replies, "accepted": acc.count, "rejected": sum(rejected.values()), "late": len(pending),

@@ -42,6 +42,11 @@ def input_length(numel: int, subset: torch.Tensor | None) -> int:
     return (numel if subset is None else subset.numel()) + 1
 
 
+def secagg_weight(num_examples: int, max_weight: int) -> float:
+    """A client's weight in (0, 1] under ``num-examples`` weighting: its example count, capped, over the cap."""
+    return min(num_examples, max_weight) / max_weight
+
+
 def encode_input(values: torch.Tensor, weight: float, params: SecAggParams) -> tuple[torch.Tensor, int]:
     """Ring elements for ``values`` (the kept coordinates) with ``weight`` in (0, 1]; and how many were clipped."""
     if not 0 < weight <= 1:

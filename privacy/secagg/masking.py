@@ -131,30 +131,51 @@ def dequantize(total: torch.Tensor, n_clients: int, clip: float, bits: int = 32)
     return total.to(torch.float64) * step - n_clients * float(clip)
 
 
+def mask_words(words: np.ndarray, self_seed: bytes, pairwise: Mapping[int, bytes], my_id: int,
+               bits: int = 32) -> np.ndarray:
+    """``q + PRG(b_u) + sum_{v > u} PRG(s_uv) - sum_{v < u} PRG(s_uv)`` mod 2**bits (Bell et al. 2020).
+
+    ``words`` are the uint32 ring elements, masked in place; returned reduced mod 2**bits.
+    """
+    mod = _modulus_mask(bits)
+    apply_masks_(words, [(self_seed, 1), *pairwise_signs(my_id, pairwise)])
+    return np.bitwise_and(words, mod, out=words)
+
+
+def unmask_words(words: np.ndarray, survivor_self_seeds: Iterable[bytes],
+                 dropped_pairwise: Mapping[int, Mapping[int, bytes]], bits: int = 32) -> np.ndarray:
+    """Server side: remove survivors' self masks and the pairwise masks dropped clients left behind.
+
+    ``words`` is the uint32 ring sum of the survivors' masked inputs (unmasked in place).
+    ``survivor_self_seeds`` holds each survivor's self-mask seed (recovered from Shamir shares).
+    ``dropped_pairwise[v][u]`` is the seed ``s_uv`` between dropped node ``v`` and surviving
+    neighbour ``u`` (recomputed from v's recovered private key and u's public key). Survivor
+    ``u`` added ``+PRG(s_uv)`` if ``u < v`` and ``-PRG(s_uv)`` otherwise; that is undone here.
+    The result is the plain ring sum of the survivors' quantized inputs, mod 2**bits.
+    """
+    mod = _modulus_mask(bits)
+    apply_masks_(words, unmask_signs(survivor_self_seeds, dropped_pairwise))
+    return np.bitwise_and(words, mod, out=words)
+
+
+def _words(t: torch.Tensor) -> np.ndarray:
+    return t.detach().reshape(-1).cpu().numpy().astype(np.uint32)
+
+
+def _ring_tensor(words: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+    return torch.from_numpy(words.astype(np.int64)).reshape(like.shape).to(like.device)
+
+
 def mask(q: torch.Tensor, self_seed: bytes, pairwise: Mapping[int, bytes], my_id: int,
          bits: int = 32) -> torch.Tensor:
-    """``q + PRG(b_u) + sum_{v > u} PRG(s_uv) - sum_{v < u} PRG(s_uv)`` mod 2**bits (Bell et al. 2020)."""
-    mod = _modulus_mask(bits)
-    words = q.detach().reshape(-1).cpu().numpy().astype(np.uint32)
-    apply_masks_(words, [(self_seed, 1), *pairwise_signs(my_id, pairwise)])
-    return torch.from_numpy((words & mod).astype(np.int64)).reshape(q.shape).to(q.device)
+    """:func:`mask_words` on an int64 tensor of ring elements."""
+    return _ring_tensor(mask_words(_words(q), self_seed, pairwise, my_id, bits), q)
 
 
 def unmask(sum_masked: torch.Tensor, survivor_self_seeds: Iterable[bytes],
            dropped_pairwise: Mapping[int, Mapping[int, bytes]], bits: int = 32) -> torch.Tensor:
-    """Server side: remove survivors' self masks and the pairwise masks dropped clients left behind.
-
-    ``sum_masked`` is the ring sum of the survivors' masked inputs. ``survivor_self_seeds``
-    holds each survivor's self-mask seed (recovered from Shamir shares).
-    ``dropped_pairwise[v][u]`` is the seed ``s_uv`` between dropped node ``v`` and surviving
-    neighbour ``u`` (recomputed from v's recovered private key and u's public key). Survivor
-    ``u`` added ``+PRG(s_uv)`` if ``u < v`` and ``-PRG(s_uv)`` otherwise; that is undone here.
-    The result is the plain ring sum of the survivors' quantized inputs.
-    """
-    mod = _modulus_mask(bits)
-    words = sum_masked.detach().reshape(-1).cpu().numpy().astype(np.uint32)
-    apply_masks_(words, unmask_signs(survivor_self_seeds, dropped_pairwise))
-    return torch.from_numpy((words & mod).astype(np.int64)).reshape(sum_masked.shape).to(sum_masked.device)
+    """:func:`unmask_words` on an int64 tensor holding the ring sum."""
+    return _ring_tensor(unmask_words(_words(sum_masked), survivor_self_seeds, dropped_pairwise, bits), sum_masked)
 
 
 def unmask_signs(survivor_self_seeds: Iterable[bytes],

@@ -59,7 +59,7 @@ import torch
 from .._errors import PrivacyError
 from .graph import Graph, check_threshold, complete_graph, harary_graph
 from .keys import KEY_BYTES, KeyPair, agree, decrypt_share, derive_pairwise, encrypt_share
-from .masking import SEED_BYTES, apply_masks_, pairwise_signs, quantization_step, unmask_signs
+from .masking import SEED_BYTES, mask_words, quantization_step, unmask_words
 from .shamir import Share, combine, split
 
 STAGES = ("setup", "share-keys", "masked-input", "unmask")
@@ -303,10 +303,9 @@ class SecAggClient:
             raise PrivacyError(f"masked input must be int64 of length {p.dim}. Found {q.dtype} {q.numel()}.")
         pairwise = {v: derive_pairwise(agree(self.s, self.peers[v].s), run_id=p.session, round=p.round,
                                        node_a=me, node_b=v).mask_seed for v in self.maskers}
-        words = q.detach().reshape(-1).cpu().numpy().astype(np.uint32)
-        apply_masks_(words, [(self.self_seed, 1), *pairwise_signs(me, pairwise)])
+        words = mask_words(q.detach().reshape(-1).cpu().numpy().astype(np.uint32), self.self_seed, pairwise, me, p.bits)
         self.stage = "unmask"
-        return (words & ((1 << p.bits) - 1)).astype(ring_dtype(p.bits))
+        return words.astype(ring_dtype(p.bits))
 
     def unmask(self, survivors: Iterable[int], dropped: Iterable[int]) -> dict[str, bytes]:
         """Stage 4: self-seed shares of surviving neighbours, key shares of dropped ones; never both."""
@@ -546,7 +545,7 @@ class SecAggServer:
             s_v = KeyPair.from_private_bytes(raw)
             dropped_pairwise[v] = {u: derive_pairwise(agree(s_v, self.keys[u].s), run_id=p.session, round=p.round,
                                                       node_a=u, node_b=v).mask_seed for u in sorted(maskers)}
-        words = apply_masks_(self.total.copy(), unmask_signs(self_seeds, dropped_pairwise))
-        total = torch.from_numpy((words & ((1 << p.bits) - 1)).astype(np.int64)).to(self.device)
+        words = unmask_words(self.total.copy(), self_seeds, dropped_pairwise, p.bits)
+        total = torch.from_numpy(words.astype(np.int64)).to(self.device)
         return SecAggResult(total=total, survivors=tuple(sorted(self.survivors)), dropped=tuple(sorted(dropped)),
                             params=p)
