@@ -54,6 +54,7 @@ from clients._errors import ClientError, ConfigError
 
 from ._errors import CoordinatorError
 from .privacy_policy import DistributedDp
+from .validation import RejectedReply, check_base_version, check_num_examples
 
 if TYPE_CHECKING:
     from .workflow import SyncWorkflow
@@ -94,7 +95,7 @@ class SecureRound:
                     t0 = time.perf_counter()
                     handle(node, reply)
                     stats["server_s"][stage] = stats["server_s"].get(stage, 0.0) + time.perf_counter() - t0
-                except SecAggRejected as rej:
+                except (SecAggRejected, RejectedReply) as rej:
                     rejected[rej.rule] += 1
                     log(WARNING, "[fedshield] round %d secagg %s: rejected node %d (%s): %s", rnd, stage, node,
                         rej.rule, rej.detail)
@@ -206,13 +207,9 @@ class SecureRound:
                                                             f"found {len(array.data)}")
                 weight = 1.0
                 if by_examples:  # the count is public (it weights the mean); the coordinator checks the sum of them
-                    num = metrics.get("num-examples")
-                    if not isinstance(num, int) or isinstance(num, bool) or not 0 < num <= wf.cfg.server.max_examples:
-                        raise SecAggRejected(node, "bad-num-examples", f"num-examples must be an integer in "
-                                                                       f"[1, {wf.cfg.server.max_examples}]; found {num!r}")
-                    weight = secagg_weight(num, st.secagg_max_weight)
-                if metrics.get("base-version") != wf.version:
-                    raise SecAggRejected(node, "stale-version", f"base-version must be {wf.version}")
+                    weight = secagg_weight(check_num_examples(node, metrics, wf.cfg.server.max_examples),
+                                           st.secagg_max_weight)
+                check_base_version(node, metrics, wf.version)
                 try:
                     vector = array.numpy()
                 except Exception:  # noqa: BLE001 - any undecodable payload is the client's fault

@@ -65,6 +65,21 @@ def _norm_rejection(node: int, rule: str, norm: float, max_norm: float) -> Rejec
     return RejectedReply(node, "norm-too-large", f"update L2 norm must be <= max-update-norm={max_norm:g}; found {norm:.4g}")
 
 
+def check_num_examples(node: int, metrics: Any, max_examples: int) -> int:
+    """The reply's ``num-examples``: an integer in [1, max_examples], else RejectedReply."""
+    num = metrics.get("num-examples")
+    if not isinstance(num, int) or isinstance(num, bool) or not 0 < num <= max_examples:
+        raise RejectedReply(node, "bad-num-examples", f"num-examples must be an integer in [1, {max_examples}]; found {num!r}")
+    return num
+
+
+def check_base_version(node: int, metrics: Any, version: int) -> None:
+    """The reply must have trained from the model version it was sent."""
+    base = metrics.get("base-version")
+    if base != version:
+        raise RejectedReply(node, "stale-version", f"base-version must be {version}; found {base!r}")
+
+
 def validate_reply(reply: Message, exp: RoundExpectation, *, check_norm: bool = True) -> ValidReply:
     """Check one reply against every rule; return its parts or raise RejectedReply.
 
@@ -116,12 +131,8 @@ def validate_reply(reply: Message, exp: RoundExpectation, *, check_norm: bool = 
         if norm > exp.max_norm:
             raise _norm_rejection(node, "norm-too-large", norm, exp.max_norm)
     metrics = content.metric_records[METRICS]
-    num = metrics.get("num-examples")
-    if not isinstance(num, int) or isinstance(num, bool) or not 0 < num <= exp.max_examples:
-        raise RejectedReply(node, "bad-num-examples", f"num-examples must be an integer in [1, {exp.max_examples}]; found {num!r}")
-    base = metrics.get("base-version")
-    if base != exp.version:
-        raise RejectedReply(node, "stale-version", f"base-version must be {exp.version}; found {base!r}")
+    num = check_num_examples(node, metrics, exp.max_examples)
+    check_base_version(node, metrics, exp.version)
     loss = metrics.get("train-loss", float("nan"))
     loss = float(loss) if isinstance(loss, int | float) and math.isfinite(loss) else float("nan")
     eps = metrics.get("local-epsilon")

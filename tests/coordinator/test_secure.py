@@ -159,6 +159,11 @@ def _huge_vector(reply, replies, msg):
     return reply
 
 
+def _zero_examples(reply, replies, msg):
+    reply.content.metric_records["metrics"]["num-examples"] = 0
+    return reply
+
+
 def _bogus_unmask(reply, replies, msg):
     reply.content.config_records[SECAGG_SHARES] = ConfigRecord({"self:1": b"x"})
     return reply
@@ -171,6 +176,7 @@ BAD = {  # (stage, mutate, rule, counted as survivor?)
     "wrong share count": ("share-keys", _drops_one_share, "wrong-share-count", False),
     "float masked vector": ("masked-input", _float_vector, "bad-array", False),
     "oversized masked vector": ("masked-input", _huge_vector, "oversized", False),
+    "zero examples claimed": ("masked-input", _zero_examples, "bad-num-examples", False),
     "unmask names unknown shares": ("unmask", _bogus_unmask, "wrong-share-count", True),
 }
 
