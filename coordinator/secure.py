@@ -54,7 +54,7 @@ from clients._errors import ClientError, ConfigError
 
 from ._errors import CoordinatorError
 from .privacy_policy import DistributedDp
-from .validation import RejectedReply, check_base_version, check_num_examples
+from .validation import RejectedReply, check_base_version, check_envelope, check_num_examples
 
 if TYPE_CHECKING:
     from .workflow import SyncWorkflow
@@ -118,13 +118,10 @@ class SecureRound:
 
     @staticmethod
     def _check_envelope(reply: Message, node: int, rnd: int, stage: str) -> None:
-        if reply.has_error():
-            raise SecAggRejected(node, "error-reply", f"code {reply.error.code}: {reply.error.reason[:200]}")
-        if reply.metadata.src_node_id != node:
-            raise SecAggRejected(reply.metadata.src_node_id, "unknown-sender", f"reply must come from node {node}")
+        check_envelope(reply, node, rnd)
         rec = reply.content.config_records.get(SECAGG)
-        if reply.metadata.group_id != str(rnd) or rec is None or rec.get("round") != rnd:
-            raise SecAggRejected(node, "wrong-round", f"reply must belong to round {rnd}")
+        if rec is None or rec.get("round") != rnd:
+            raise SecAggRejected(node, "wrong-round", f"reply's {SECAGG} record must belong to round {rnd}")
         if rec.get("stage") != stage:
             raise SecAggRejected(node, "wrong-stage", f"reply must answer stage {stage!r}; found "
                                                       f"{str(rec.get('stage'))[:20]!r} (replayed or out of order)")

@@ -65,6 +65,17 @@ def _norm_rejection(node: int, rule: str, norm: float, max_norm: float) -> Rejec
     return RejectedReply(node, "norm-too-large", f"update L2 norm must be <= max-update-norm={max_norm:g}; found {norm:.4g}")
 
 
+def check_envelope(reply: Message, asked: int, rnd: int) -> None:
+    """A reply must not be an error, must come from the node asked, and must belong to round ``rnd``."""
+    node = reply.metadata.src_node_id
+    if reply.has_error():  # from the client, or from the SuperLink (node gone, message expired)
+        raise RejectedReply(asked, "error-reply", f"code {reply.error.code}: {reply.error.reason[:200]}")
+    if asked != node:
+        raise RejectedReply(node, "unknown-sender", f"reply must come from node {asked}, the node asked")
+    if reply.metadata.group_id != str(rnd):
+        raise RejectedReply(node, "wrong-round", f"group id must be {rnd}; found {reply.metadata.group_id!r}")
+
+
 def check_num_examples(node: int, metrics: Any, max_examples: int) -> int:
     """The reply's ``num-examples``: an integer in [1, max_examples], else RejectedReply."""
     num = metrics.get("num-examples")
@@ -95,12 +106,7 @@ def validate_reply(reply: Message, exp: RoundExpectation, *, check_norm: bool = 
     if msg_id in exp.replied:
         raise RejectedReply(node, "duplicate", "a reply to this message was already received")
     exp.replied.add(msg_id)
-    if reply.has_error():  # from the client, or from the SuperLink (node gone, message expired)
-        raise RejectedReply(exp.sent[msg_id], "error-reply", f"code {reply.error.code}: {reply.error.reason[:200]}")
-    if exp.sent[msg_id] != node:
-        raise RejectedReply(node, "unknown-sender", f"reply must come from node {exp.sent[msg_id]}, the node asked")
-    if meta.group_id != str(exp.round):
-        raise RejectedReply(node, "wrong-round", f"group id must be {exp.round}; found {meta.group_id!r}")
+    check_envelope(reply, exp.sent[msg_id], exp.round)
     content = reply.content
     if ARRAYS not in content.array_records or METRICS not in content.metric_records:
         raise RejectedReply(node, "missing-record", f"reply must hold '{ARRAYS}' and '{METRICS}'; found {list(content.keys())}")
