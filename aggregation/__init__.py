@@ -18,6 +18,7 @@ from .optimizers import (
     register_server_optimizer,
 )
 from .robust import Aggregator, available_aggregators, create_aggregator, register_aggregator
+from . import kernels
 from .staleness import StalenessFunction, available_staleness_functions, create_staleness, register_staleness
 from .wire import array_to_tensor, tensor_to_array
 
@@ -41,6 +42,7 @@ __all__ = [
     "create_server_optimizer",
     "create_staleness",
     "get_device",
+    "kernels",
     "register_aggregator",
     "register_server_optimizer",
     "register_staleness",

@@ -1,5 +1,8 @@
 """Root error of the aggregation package."""
 
+from collections.abc import Callable, Sequence
+from typing import Any
+
 
 class AggregationError(ValueError):
     """An update, codec or aggregation setting broke a rule; the message says which."""
@@ -20,3 +23,16 @@ class UpdateRejected(AggregationError):
             msg = f"update L2 norm must be <= max-update-norm={max_norm:g}; found {norm:.4g}"
         super().__init__(msg)
         self.rule, self.norm, self.max_norm = rule, norm, max_norm
+
+
+def each_checked(add: Callable[[Any, float], float], batch: Sequence[Any],
+                 weights: Sequence[float]) -> list[float | UpdateRejected]:
+    """``add(update, weight)`` (a checked add) for each update in turn: its norm, or the
+    UpdateRejected it raised (the others are still added)."""
+    results: list[float | UpdateRejected] = []
+    for update, weight in zip(batch, weights, strict=True):
+        try:
+            results.append(add(update, weight))
+        except UpdateRejected as rej:
+            results.append(rej)
+    return results

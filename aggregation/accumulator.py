@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ._errors import AggregationError, UpdateRejected
+from ._errors import AggregationError, UpdateRejected, each_checked
 
 if TYPE_CHECKING:
     from .codecs import Codec, Parsed
@@ -102,6 +102,32 @@ class WeightedAccumulator:
         self.total_weight += weight
         self.count += 1
         return norm
+
+    def add_parsed_checked_many(self, codec: "Codec", batch: list["Parsed"], weights: list[float],
+                                max_norm: float = math.inf) -> list[float | UpdateRejected]:
+        """``add_parsed_checked`` for each update of ``batch``; returns, per update, its norm or the
+        UpdateRejected it raised (the others are added whatever one of them breaks).
+
+        Where the codec has a batch path (``Codec.add_batch_checked``: the fused CPU kernels), the
+        whole batch is checked and added in one pass over the sum; the parts added ahead of their
+        decision share what the sum may still grow by (``_SAFE - _bound``)."""
+        if len(batch) != len(weights):
+            raise AggregationError(f"weights must number as many as the updates ({len(batch)}). Found {len(weights)}.")
+        for parsed, weight in zip(batch, weights, strict=True):
+            if parsed.numel != self.numel:
+                raise AggregationError(f"update must have {self.numel} elements. Found {parsed.numel}.")
+            self._check_weight(weight)
+        weights = [float(w) for w in weights]
+        many = getattr(codec, "add_batch_checked", None)
+        results = many(batch, self._sum, weights, max_norm, _SAFE - self._bound) if many is not None and batch else None
+        if results is None:
+            return each_checked(lambda p, w: self.add_parsed_checked(codec, p, w, max_norm), batch, weights)
+        for res, weight in zip(results, weights, strict=True):
+            if not isinstance(res, UpdateRejected):
+                self._bound += weight * res
+                self.total_weight += weight
+                self.count += 1
+        return results
 
     @staticmethod
     def _check_weight(weight: float) -> None:

@@ -42,7 +42,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ._errors import AggregationError, UpdateRejected
+from ._errors import AggregationError, UpdateRejected, each_checked
 from .accumulator import WeightedAccumulator
 from ._registry import Registry
 
@@ -165,6 +165,26 @@ class Aggregator(ABC):
         self.total_weight += float(weight)
         return norm
 
+    def add_checked_many(self, codec: Any, batch: list[Any], weights: list[float],
+                         max_norm: float = math.inf) -> list[float | UpdateRejected]:
+        """``add_checked`` for each update of ``batch`` (all in ``codec``); returns, per update,
+        its norm or the UpdateRejected it raised. Rules that can take the batch in one pass
+        (``mean``, with the fused CPU kernels) do; the others add one at a time."""
+        _check(len(batch) == len(weights), "weights", f"number as many as the updates ({len(batch)})", len(weights))
+        _check(self.count + len(batch) <= self.max_clients, f"{self.name} updates",
+               f"number at most max-clients={self.max_clients}", self.count + len(batch))
+        _check(isinstance(max_norm, Real) and not isinstance(max_norm, bool) and max_norm > 0, "max norm", "be > 0",
+               max_norm)
+        for parsed, weight in zip(batch, weights, strict=True):
+            _check(_is_real(weight) and weight > 0, "weight", "be finite and > 0", weight)
+            _check(parsed.numel == self.numel, "update numel", f"be {self.numel}", parsed.numel)
+        return self._add_checked_many(codec, batch, [float(w) for w in weights], float(max_norm))
+
+    def _add_checked_many(self, codec: Any, batch: list[Any], weights: list[float],
+                          max_norm: float) -> list[float | UpdateRejected]:
+        """Default: ``add_checked`` one update at a time."""
+        return each_checked(lambda p, w: self.add_checked(codec, p, w, max_norm), batch, weights)
+
     def _add_checked(self, codec: Any, parsed: Any, weight: float, max_norm: float) -> float:
         """Default: the norm (``codec.norm``), its check, then ``_add`` (two reads of the update)."""
         norm = float(codec.norm(parsed))
@@ -250,6 +270,15 @@ class Mean(_Streaming):
 
     def _add_checked(self, codec: Any, parsed: Any, weight: float, max_norm: float) -> float:
         return self._acc.add_parsed_checked(codec, parsed, weight, max_norm)
+
+    def _add_checked_many(self, codec: Any, batch: list[Any], weights: list[float],
+                          max_norm: float) -> list[float | UpdateRejected]:
+        results = self._acc.add_parsed_checked_many(codec, batch, weights, max_norm)
+        for res, weight in zip(results, weights, strict=True):
+            if not isinstance(res, UpdateRejected):
+                self.count += 1
+                self.total_weight += weight
+        return results
 
 
 @register_aggregator("norm-bounded-mean")

@@ -4,10 +4,10 @@ A reply that breaks a rule raises :class:`RejectedReply` naming the node and
 the rule; the caller logs it, counts it, and the round goes on.
 
 The hot path reads each update once: ``validate_reply(reply, exp, check_norm=False)``
-checks everything but the norm, and ``add_reply(agg, codec, ok, weight, exp)`` does the
-norm check fused with the add into the aggregator (``Aggregator.add_checked``), raising
-the same ``"non-finite"`` / ``"norm-too-large"`` rejections and leaving the aggregator as
-it was. ``validate_reply(reply, exp)`` alone still checks the norm too (two reads).
+checks everything but the norm, and ``add_replies(agg, [(ok, weight, exp), ...])`` does the
+norm checks fused with the adds into the aggregator (``Aggregator.add_checked_many``: a whole
+batch in one pass over the sum where the rule allows), rejecting with the same
+``"non-finite"`` / ``"norm-too-large"`` rules and leaving the aggregator as it was. ``validate_reply(reply, exp)`` alone still checks the norm too (two reads).
 """
 
 from __future__ import annotations
@@ -147,18 +147,35 @@ def validate_reply(reply: Message, exp: RoundExpectation, *, check_norm: bool = 
                       local_epsilon=eps)
 
 
-def add_reply(agg: Any, codec: Codec, ok: ValidReply, weight: float, exp: RoundExpectation) -> ValidReply:
-    """Add a reply validated with ``check_norm=False`` into ``agg`` (an Aggregator) with ``weight``,
-    checking its norm while adding: the norm rules of ``validate_reply``, one read of the update.
+def add_replies(agg: Any, items: list[tuple[ValidReply, float, RoundExpectation]]) -> list[ValidReply | RejectedReply]:
+    """Add replies validated with ``check_norm=False`` into ``agg`` (an Aggregator), each
+    ``(reply, weight, expectation)``, checking every norm while adding (``add_checked_many``: for
+    the mean on CPU, one fused pass over the sum for the whole batch).
 
-    Returns ``ok`` with its ``norm`` filled in. A reply breaking a norm rule raises RejectedReply
-    ("non-finite" or "norm-too-large") and leaves ``agg`` as it was (its count and weights exactly;
-    the streaming sum up to float32 rounding where a partly added update is subtracted again, see
-    ``aggregation.accumulator``). Other AggregationErrors (a full aggregator, a bad weight) pass
-    through, as from ``agg.add``.
+    Returns, in order, each reply with its ``norm`` filled in, or the RejectedReply
+    ("non-finite" or "norm-too-large") of a reply that broke a norm rule and was left out
+    (the aggregator's count and weights exactly; its sum up to float32 rounding where a partly
+    added update was subtracted again, see ``aggregation.accumulator``). Other
+    AggregationErrors (a full aggregator, a bad weight) pass through.
     """
-    try:
-        norm = agg.add_checked(codec, ok.parsed, weight, exp.max_norm)
-    except UpdateRejected as rej:
-        raise _norm_rejection(ok.node_id, rej.rule, rej.norm, exp.max_norm) from None
-    return dataclasses.replace(ok, norm=norm)
+    out: list[ValidReply | RejectedReply | None] = [None] * len(items)
+    groups: dict[tuple[int, float], list[int]] = {}
+    for i, (_, _, exp) in enumerate(items):  # one batch per codec (a slow link's may differ)
+        groups.setdefault((id(exp.codec), exp.max_norm), []).append(i)
+    for idx in groups.values():
+        exp = items[idx[0]][2]
+        results = agg.add_checked_many(exp.codec, [items[i][0].parsed for i in idx], [items[i][1] for i in idx],
+                                       exp.max_norm)
+        for i, res in zip(idx, results, strict=True):
+            ok = items[i][0]
+            out[i] = (_norm_rejection(ok.node_id, res.rule, res.norm, exp.max_norm) if isinstance(res, UpdateRejected)
+                      else dataclasses.replace(ok, norm=res))
+    return out  # type: ignore[return-value]
+
+
+def add_reply(agg: Any, codec: Codec, ok: ValidReply, weight: float, exp: RoundExpectation) -> ValidReply:
+    """``add_replies`` for one reply (with ``codec``): returns it with its norm, or raises its RejectedReply."""
+    res = add_replies(agg, [(ok, weight, dataclasses.replace(exp, codec=codec))])[0]
+    if isinstance(res, RejectedReply):
+        raise res
+    return res

@@ -37,7 +37,7 @@ from .progress import format_row
 from .rundir import CONFIG as CONFIG_FILE
 from .rundir import SUMMARY, RunDirectory
 from .secure import SecureRound
-from .validation import RejectedReply, RoundExpectation, add_reply, validate_reply
+from .validation import RejectedReply, RoundExpectation, ValidReply, add_replies, validate_reply
 
 
 class Clock(Protocol):
@@ -249,7 +249,13 @@ class SyncWorkflow:
         sent_at = self.clock.now()
         deadline = sent_at + s.round_timeout
         late_in, stalenesses = 0, []
+
+        def reject(rej: RejectedReply) -> None:
+            rejected[rej.rule] += 1
+            log(WARNING, "[fedshield] round %d: rejected reply from node %d (%s): %s", rnd, rej.node_id, rej.rule, rej.detail)
+
         while pending:
+            batch: list[tuple[Message, RoundExpectation | None, ValidReply, float, RoundExpectation]] = []
             for reply in self.grid.pull_messages(list(pending) + list(self._late)):
                 mid = reply.metadata.reply_to_message_id
                 late_exp = self._late.pop(mid, None)
@@ -259,14 +265,19 @@ class SyncWorkflow:
                 try:
                     ok_exp = late_exp or exp_for.get(mid, exp)
                     ok = validate_reply(reply, ok_exp, check_norm=False)
-                    # Under central DP every client weighs 1: its influence on the sum is then at most the clip norm.
-                    weight = 1.0 if self.dp is not None else float(ok.num_examples)
-                    if late_exp is not None:  # a straggler from an earlier round: weighted by its staleness
-                        weight *= self.staleness_fn(self.version - late_exp.version)
-                    ok = add_reply(acc, ok_exp.codec, ok, weight, ok_exp)  # the norm rules, checked while adding
                 except RejectedReply as rej:
-                    rejected[rej.rule] += 1
-                    log(WARNING, "[fedshield] round %d: rejected reply from node %d (%s): %s", rnd, rej.node_id, rej.rule, rej.detail)
+                    reject(rej)
+                    continue
+                # Under central DP every client weighs 1: its influence on the sum is then at most the clip norm.
+                weight = 1.0 if self.dp is not None else float(ok.num_examples)
+                if late_exp is not None:  # a straggler from an earlier round: weighted by its staleness
+                    weight *= self.staleness_fn(self.version - late_exp.version)
+                batch.append((reply, late_exp, ok, weight, ok_exp))
+            # the norm rules, checked while adding: this pull's replies in one pass over the sum
+            added = add_replies(acc, [(ok, weight, ok_exp) for _, _, ok, weight, ok_exp in batch])
+            for (reply, late_exp, _, _, _), ok in zip(batch, added, strict=True):
+                if isinstance(ok, RejectedReply):
+                    reject(ok)
                     continue
                 if late_exp is not None:
                     stalenesses.append(self.version - late_exp.version)

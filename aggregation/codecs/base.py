@@ -20,10 +20,11 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import math
 
+import numpy as np
 import torch
 from flwr.app import Array
 
@@ -94,6 +95,18 @@ class Codec(ABC):
         and never writes before it has decided: bit-exact.
         """
         return checked_add_two_pass(self, parsed, out, weight, max_norm)
+
+    def add_batch_checked(self, batch: list[Parsed], out: torch.Tensor, weights: list[float], max_norm: float,
+                          budget: float) -> list[float | UpdateRejected] | None:
+        """``add_into_checked`` for every update of ``batch`` in one pass over ``out``, or None
+        where this codec has no batch path for ``out`` (the caller then adds one at a time).
+
+        Returns, per update, its norm (added) or the UpdateRejected it raised (not added: any
+        part added ahead is subtracted again, leaving rounding as ``add_into_checked`` states).
+        ``budget``: how much the magnitude of any element of ``out`` may grow through parts
+        added ahead of their decision, all updates together (see WeightedAccumulator).
+        """
+        return None
 
     def write_into(self, parsed: Parsed, out: torch.Tensor) -> None:
         """``out[:] = decode(parsed)`` (every element overwritten)."""
@@ -177,3 +190,36 @@ def checked_add_two_pass(codec: Codec, parsed: Parsed, out: torch.Tensor, weight
     norm = check_norm(float(codec.norm(parsed)), max_norm)
     codec.add_into(parsed, out, weight)
     return norm
+
+
+def settle_batch(sq: np.ndarray, added: np.ndarray, scale: float, max_norm: float, block: int, numel: int,
+                 add_range: Callable[[int, int, int, float], None], float32_norm: bool = True
+                 ) -> list[float | UpdateRejected]:
+    """Decide a batch after a kernel pass (``aggregation.kernels``): ``sq[c, b]`` is update ``c``'s
+    sum of squares over block ``b`` (of ``block`` elements) times ``scale**2``, ``added[c, b]`` how
+    many of that block's first elements were added ahead. A rejected update has them subtracted
+    again (``add_range(c, lo, hi, -1)``); an accepted one gets the rest of each block
+    (``add_range(c, lo, hi, 1)``: only where a step was too large to add ahead, so decided first).
+    ``float32_norm``: the rules of ``norm_rule`` (a sum of squares past float32's range is
+    non-finite), else those of ``check_norm`` on the float64 norm. Returns each update's norm or
+    UpdateRejected."""
+    totals = sq.astype(np.float64).sum(axis=1) / (scale * scale)
+    out: list[float | UpdateRejected] = []
+    for c, sq_c in enumerate(totals.tolist()):
+        if float32_norm:
+            rule = norm_rule(sq_c, max_norm)
+        else:
+            rule = None if sq_c <= max_norm * max_norm else ("non-finite" if math.isnan(sq_c) else "norm-too-large")
+        row = added[c]
+        for b in np.flatnonzero(row != (block if rule is None else 0)):
+            lo = int(b) * block
+            if rule is None:
+                if lo + int(row[b]) < min(numel, lo + block):
+                    add_range(c, lo + int(row[b]), min(numel, lo + block), 1.0)
+            else:
+                add_range(c, lo, lo + int(row[b]), -1.0)
+        if rule is None:
+            out.append(math.sqrt(sq_c))
+        else:
+            out.append(UpdateRejected(rule, math.sqrt(sq_c) if rule == "norm-too-large" else math.inf, max_norm))
+    return out

@@ -6,13 +6,15 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from flwr.app import Array
 
+from .. import kernels
 from ..wire import array_to_tensor, tensor_to_array
 from .._errors import UpdateRejected
 from .base import (Codec, Encoded, Parsed, check_arrays, check_header, checked_add_two_pass, norm_rule, register_codec,
-                   require)
+                   require, settle_batch)
 
 # bfloat16 has no numpy dtype: it travels as its raw 16 bits in an int16 array.
 _WIRE = {"float32": ("float32", torch.float32), "float16": ("float16", torch.float16), "bfloat16": ("int16", torch.bfloat16)}
@@ -83,6 +85,26 @@ class DenseCodec(Codec):
             out[:added].sub_(values[:added], alpha=weight)
         rule = norm_rule(sq, max_norm)
         raise UpdateRejected(rule, math.sqrt(sq) if rule == "norm-too-large" else math.inf, max_norm)
+
+    def add_batch_checked(self, batch, out, weights, max_norm, budget):
+        """The fused kernel (``aggregation.kernels``): each update read once, the sum kept in cache.
+        A step is kept ahead of the decision only if its own norm is within ``max_norm`` and
+        within this update's share of ``budget`` (``budget / len(batch) / weight``), so nothing
+        kept can overflow; a step that is not is restored exactly."""
+        if not batch or not kernels.applies(out) or any(p.tensors[VALUES].dtype != torch.float32 for p in batch):
+            return None
+        ws = np.asarray(weights, dtype=np.float64)
+        cap = np.clip(np.minimum(max_norm, max(budget, 0.0) / len(batch) / ws), 0.0, None)
+        block = kernels.BLOCK
+        sq, added = kernels.batch_arrays(len(batch), out.numel(), block)
+        kernels.run_ranges(kernels.load().dense_range, out.numel(), block,
+                           kernels.typed_list([p.tensors[VALUES].numpy() for p in batch]), ws, cap, out.numpy(),
+                           block, kernels.SUB, sq, added)
+
+        def add_range(c: int, lo: int, hi: int, sign: float) -> None:
+            out[lo:hi].add_(batch[c].tensors[VALUES][lo:hi], alpha=sign * float(ws[c]))
+
+        return settle_batch(sq, added, 1.0, max_norm, block, out.numel(), add_range)
 
     def write_into(self, parsed: Parsed, out: torch.Tensor) -> None:
         out.copy_(parsed.tensors[VALUES])

@@ -27,10 +27,11 @@ import torch
 import torch.nn.functional as F
 from flwr.app import Array
 
+from .. import kernels
 from .._errors import AggregationError
 from ..wire import array_to_tensor, tensor_to_array
 from .base import (FLT_MAX, Codec, Encoded, Parsed, check_arrays, check_header, checked_add_two_pass, register_codec,
-                   require)
+                   require, settle_batch)
 
 CODES, SCALES = "codes", "scales"
 _BITS = (2, 4, 8)
@@ -225,6 +226,32 @@ class QSGDCodec(Codec):
             _row_norms(levels, chunk, rows, row_norms[r0 : r0 + rows])
             _add_rows(out, start, chunk, rows, levels, factors[r0 : r0 + rows])
         return math.sqrt(_sq_from_rows(row_norms, parsed.tensors[SCALES])) * unit[0]
+
+    def add_batch_checked(self, batch, out, weights, max_norm, budget):
+        """The fused kernel (``aggregation.kernels``): codes decoded once per chunk for both the
+        norm and the add, the sum kept in cache; as dense's, a chunk is kept ahead of the decision
+        only within ``max_norm`` and this update's share of ``budget`` (its scale bounds it a
+        priori, so most chunks are decoded once). Needs one (bits, chunk) for the whole batch."""
+        if not batch or not kernels.applies(out):
+            return None
+        bits, chunk = batch[0].params["bits"], batch[0].params["chunk"]
+        if any(p.params["bits"] != bits or p.params["chunk"] != chunk for p in batch):
+            return None
+        m, numel = (1 << bits) - 1, out.numel()
+        block = max(kernels.BLOCK, chunk)
+        ws = np.asarray(weights, dtype=np.float64)
+        cap = np.clip(np.minimum(max_norm, max(budget, 0.0) / len(batch) / ws), 0.0, None)
+        codes = [p.tensors[CODES].numpy() for p in batch]
+        scales = [p.tensors[SCALES].numpy() for p in batch]
+        sq, added = kernels.batch_arrays(len(batch), numel, block)
+        impl = kernels.load()
+        kernels.run_ranges(impl.qsgd_range, numel, block, kernels.typed_list(codes), kernels.typed_list(scales), bits,
+                           chunk, ws, (cap * m) ** 2, out.numpy(), block, sq, added)
+
+        def add_range(c: int, lo: int, hi: int, sign: float) -> None:
+            impl.qsgd_add(codes[c], scales[c], bits, chunk, sign * float(ws[c]) / m, out.numpy(), lo, hi)
+
+        return settle_batch(sq, added, float(m), max_norm, block, numel, add_range, float32_norm=False)
 
     def write_into(self, parsed: Parsed, out: torch.Tensor) -> None:
         out.zero_()

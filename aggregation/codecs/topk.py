@@ -22,9 +22,10 @@ import numpy as np
 import torch
 from flwr.app import Array
 
-from .._errors import AggregationError
+from .. import kernels
+from .._errors import AggregationError, UpdateRejected
 from ..wire import array_to_tensor, tensor_to_array
-from .base import Codec, Encoded, Parsed, check_arrays, check_header, register_codec, require
+from .base import Codec, Encoded, Parsed, check_arrays, check_header, check_norm, register_codec, require
 from .qsgd import encode_input
 
 PAYLOAD, INDICES, VALUES = "payload", "indices", "values"
@@ -130,6 +131,26 @@ class TopKCodec(Codec):
         idx = parsed.tensors[INDICES].to(out.device, non_blocking=True)  # int32: index_add_ takes it as is
         vals = parsed.tensors[VALUES].to(out.device, non_blocking=True).to(out.dtype)
         out.index_add_(0, idx, vals, alpha=weight)
+
+    def add_batch_checked(self, batch, out, weights, max_norm, budget):
+        """Norms from parse, checked first; the accepted updates scattered in one kernel call."""
+        if not batch or not kernels.applies(out):
+            return None
+        results: list[float | UpdateRejected] = []
+        idx, vals, ws = [], [], []
+        for parsed, weight in zip(batch, weights, strict=True):
+            try:
+                results.append(check_norm(self.norm(parsed), max_norm))
+            except UpdateRejected as rej:
+                results.append(rej)
+                continue
+            idx.append(parsed.tensors[INDICES].numpy())
+            vals.append(parsed.tensors[VALUES].numpy().astype(np.float32, copy=False))
+            ws.append(weight)
+        if idx:
+            kernels.load().scatter_many(kernels.typed_list(idx), kernels.typed_list(vals), np.asarray(ws, np.float64),
+                                        out.numpy())
+        return results
 
     def norm(self, parsed: Parsed) -> float:
         """From parse (float32 dot of the values; float64 where that overflows)."""
