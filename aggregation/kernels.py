@@ -27,9 +27,10 @@ import numpy as np
 import torch
 
 ENV_VAR = "FEDSHIELD_KERNELS"
-BLOCK = 1 << 16  # elements of the sum per block: 256 KB, kept in L2 while every update of a batch is added
-SUB = 1 << 11  # elements per step of one update: 8 KB, added with the old sum saved in L1 (restored if refused)
-_FASTMATH = {"reassoc", "contract", "nsz", "arcp"}  # reorder sums (SIMD); NaN and inf still propagate
+BLOCK = 1 << 17  # elements of the sum per block: 512 KB, kept in L2 while every update of a batch is added
+SUB = 1 << 13  # elements per step (32 KB of each update): the unit kept or rebuilt
+_FASTMATH = {"reassoc", "nsz", "arcp"}  # reorder sums (SIMD); NaN and inf still propagate; no FMA contraction,
+# so a step rebuilt by ``axpy`` rounds exactly as it did in ``add_sumsq``
 
 _lock = threading.Lock()
 _impl: Any = None  # the compiled module namespace, False when unavailable
@@ -85,55 +86,111 @@ def _compile() -> Any:
         return acc
 
     @jit
-    def add_saving(x, out, lo, hi, w, saved):
-        """``out[lo:hi] += w * x[lo:hi]``, the old values kept in ``saved``; returns the float32
-        sum of squares of ``x[lo:hi]``. One pass (SIMD), every buffer but ``x`` in L1."""
+    def add_sumsq(x, out, lo, hi, w):
+        """``out[lo:hi] += w * x[lo:hi]``; returns the float32 sum of squares of ``x[lo:hi]``. One pass (SIMD)."""
         lo = np.uint64(lo)
         acc = np.float32(0.0)
         for i in range(np.uint64(hi) - lo):
             v = x[lo + i]
             acc += v * v
-            saved[i] = out[lo + i]
             out[lo + i] += w * v
         return acc
 
     @jit
-    def restore(out, lo, hi, saved):
+    def axpy(x, out, lo, hi, w):
         lo = np.uint64(lo)
         for i in range(np.uint64(hi) - lo):
-            out[lo + i] = saved[i]
+            out[lo + i] += w * x[lo + i]
+
+    @jit
+    def add4_sumsq(x0, x1, x2, x3, out, lo, hi, w, sq4):
+        """``add_sumsq`` for four updates at once (``w``: their four float32 weights): the sum is
+        read and written once per four updates. ``sq4``: the four float32 sums of squares."""
+        lo = np.uint64(lo)
+        w0, w1, w2, w3 = w[0], w[1], w[2], w[3]
+        a0 = np.float32(0.0)
+        a1 = np.float32(0.0)
+        a2 = np.float32(0.0)
+        a3 = np.float32(0.0)
+        for i in range(np.uint64(hi) - lo):
+            v0 = x0[lo + i]
+            v1 = x1[lo + i]
+            v2 = x2[lo + i]
+            v3 = x3[lo + i]
+            a0 += v0 * v0
+            a1 += v1 * v1
+            a2 += v2 * v2
+            a3 += v3 * v3
+            out[lo + i] += (w0 * v0 + w1 * v1) + (w2 * v2 + w3 * v3)
+        sq4[0] = a0
+        sq4[1] = a1
+        sq4[2] = a2
+        sq4[3] = a3
 
     @jit
     def dense_range(xs, ws, caps, out, block, sub, sq, added, lo, hi):
         """Blocks ``[lo, hi)`` of the sum (``lo`` a multiple of ``block``), each in steps of
-        ``sub`` elements: per block, per update ``c``, each step's float32 sum of squares fused
-        with its weighted add, kept while every step of the block so far has a norm within
-        ``caps[c]`` (NaN never is); the first step that is not is restored exactly from its saved
-        copy and the rest of the block only measured. ``sq[c, b]``: the block's sum of squares
-        (float64 over steps); ``added[c, b]``: how many of its first elements were added."""
-        saved = np.empty(sub, dtype=np.float32)
+        ``sub`` elements. Per block, updates are taken four at a time (one read and write of the
+        sum per four), each step's sums of squares fused with the weighted add. An update's step
+        is kept while every step of the block so far had a norm within ``caps[c]`` (NaN never
+        does). When one is not, the step is rebuilt: the block's values before the batch (copied
+        once per block) plus every step kept so far, update by update; that update is then only
+        measured for the rest of the block (its group adds one update at a time there).
+        ``sq[c, b]``: the block's sum of squares (float64 over steps); ``added[c, b]``: how many
+        of its first elements were added."""
+        n = len(xs)
+        start = np.empty(block, dtype=np.float32)
+        w32 = np.empty(n + 4, dtype=np.float32)
+        for c in range(n):
+            w32[c] = np.float32(ws[c])
+        sq4 = np.empty(4, dtype=np.float32)
+        adding = np.empty(n, dtype=np.bool_)
         for b0 in range(lo, hi, block):
             b1 = min(hi, b0 + block)
             bi = b0 // block
-            for c in range(len(xs)):
-                x = xs[c]
-                w = np.float32(ws[c])
-                cap2 = caps[c] * caps[c]
-                total, stop, adding = 0.0, b0, True
+            for i in range(b1 - b0):
+                start[i] = out[b0 + i]
+            for c in range(n):
+                adding[c] = True
+                sq[c, bi] = 0.0
+                added[c, bi] = 0
+            for g in range(0, n, 4):
+                gn = min(4, n - g)
                 for s0 in range(b0, b1, sub):
                     s1 = min(b1, s0 + sub)
-                    if adding:
-                        s = add_saving(x, out, s0, s1, w, saved)
-                        if s <= cap2:
-                            stop = s1
-                        else:
-                            restore(out, s0, s1, saved)
-                            adding = False
+                    fast = gn == 4 and adding[g] and adding[g + 1] and adding[g + 2] and adding[g + 3]
+                    if fast:
+                        add4_sumsq(xs[g], xs[g + 1], xs[g + 2], xs[g + 3], out, s0, s1, w32[g:g + 4], sq4)
+                        failed = False
+                        for k in range(4):
+                            sq[g + k, bi] += sq4[k]
+                            if sq4[k] <= caps[g + k] * caps[g + k]:
+                                added[g + k, bi] = s1 - b0
+                            else:
+                                adding[g + k] = False
+                                failed = True
+                        if failed:  # rebuild the step from the block's start and every kept step
+                            for i in range(s0, s1):
+                                out[i] = start[i - b0]
+                            for e in range(g + 4):
+                                if added[e, bi] >= s1 - b0:
+                                    axpy(xs[e], out, s0, s1, w32[e])
                     else:
-                        s = sumsq(x, s0, s1)
-                    total += s
-                sq[c, bi] = total
-                added[c, bi] = stop - b0
+                        for c in range(g, g + gn):
+                            if adding[c]:
+                                s = add_sumsq(xs[c], out, s0, s1, w32[c])
+                                sq[c, bi] += s
+                                if s <= caps[c] * caps[c]:
+                                    added[c, bi] = s1 - b0
+                                else:
+                                    adding[c] = False
+                                    for i in range(s0, s1):
+                                        out[i] = start[i - b0]
+                                    for e in range(g + gn):
+                                        if added[e, bi] >= s1 - b0:
+                                            axpy(xs[e], out, s0, s1, w32[e])
+                            else:
+                                sq[c, bi] += sumsq(xs[c], s0, s1)
 
     @jit
     def qsgd_levels(codes, bits, c0, c1, lev):
@@ -211,16 +268,31 @@ def _compile() -> Any:
             levels_add(lev, out, c0, c1, np.float32(f * float(scales[c0 // chunk])))
 
     @jit
-    def scatter_many(idx_l, vals_l, ws, out):
-        """``out[idx] += w * vals`` for every update (indices validated: in range, no duplicates)."""
+    def sparse_scan(idx, vals):
+        """(whether ``idx`` is strictly increasing, the float32 sum of squares of ``vals``): one
+        pass each, SIMD, for top-k parsing."""
+        bad = 0
+        for j in range(np.uint64(idx.size - 1) if idx.size else np.uint64(0)):
+            bad += idx[j + np.uint64(1)] <= idx[j]
+        acc = np.float32(0.0)
+        for j in range(np.uint64(vals.size)):
+            acc += vals[j] * vals[j]
+        return bad == 0, acc
+
+    @jit
+    def scatter_range(idx_l, vals_l, ws, out, lo, hi):
+        """``out[i] += w * v`` for every update's entries whose index ``i`` lies in ``[lo, hi)``
+        (indices validated: sorted, in range, no duplicates; found by binary search)."""
         for c in range(len(idx_l)):
             idx, vals = idx_l[c], vals_l[c]
             w = np.float32(ws[c])
-            for j in range(idx.size):
+            j0 = np.searchsorted(idx, lo)
+            j1 = np.searchsorted(idx, hi)
+            for j in range(j0, j1):
                 out[idx[j]] += w * vals[j]
 
     return SimpleNamespace(dense_range=dense_range, qsgd_range=qsgd_range, qsgd_add=qsgd_add,
-                           scatter_many=scatter_many)
+                           sparse_scan=sparse_scan, scatter_range=scatter_range)
 
 
 def batch_arrays(count: int, numel: int, block: int) -> tuple[np.ndarray, np.ndarray]:

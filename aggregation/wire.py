@@ -51,6 +51,11 @@ def tensor_to_array(tensor: torch.Tensor) -> Array:
 
 
 _HEADER_CACHE: dict[bytes, tuple[str, tuple[int, ...], int]] = {}
+_NP_DTYPES = {name: np.dtype(descr) for name, (_, descr) in _DTYPES.items() if descr is not None}
+# Received bytes are immutable and only ever read through these views: torch's warning that the
+# buffer is not writable says nothing here (filtered once, for this module's calls only).
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning,
+                        module=__name__.replace(".", r"\."))
 
 
 def _parse_header(data: bytes) -> tuple[str, tuple[int, ...], int]:
@@ -109,21 +114,21 @@ def array_to_tensor(array: Array, expected_dtype: str, expected_numel: int | Non
         raise AggregationError(f"shape must be 1-D (one flat tensor). Found {shape}.")
     if expected_numel is not None and shape[0] != expected_numel:
         raise AggregationError(f"length must be {expected_numel}. Found {shape[0]}.")
-    torch_dtype, descr = _DTYPES[expected_dtype]
-    head_descr, head_shape, offset = _parse_header(array.data)
-    try:
-        head_dtype = np.dtype(head_descr)
-    except (TypeError, ValueError):
-        raise AggregationError(f"npy header dtype must be a valid numpy dtype. Found {head_descr!r}.") from None
-    if head_dtype != np.dtype(descr) or head_shape != shape:
-        raise AggregationError(f"npy header must match dtype {expected_dtype} and shape {shape}. Found {head_descr} {head_shape}.")
-    itemsize = np.dtype(descr).itemsize
-    if len(array.data) - offset != shape[0] * itemsize:
+    torch_dtype, want = _DTYPES[expected_dtype][0], _NP_DTYPES[expected_dtype]
+    data = array.data
+    head_descr, head_shape, offset = _parse_header(data)
+    if head_descr != want.str or head_shape != shape:  # the common spelling first: no dtype parsing
+        try:
+            head_dtype = np.dtype(head_descr)
+        except (TypeError, ValueError):
+            raise AggregationError(f"npy header dtype must be a valid numpy dtype. Found {head_descr!r}.") from None
+        if head_dtype != want or head_shape != shape:
+            raise AggregationError(
+                f"npy header must match dtype {expected_dtype} and shape {shape}. Found {head_descr} {head_shape}.")
+    if len(data) - offset != shape[0] * want.itemsize:
         raise AggregationError(
-            f"data must hold exactly {shape[0] * itemsize} bytes after the header. Found {len(array.data) - offset}."
+            f"data must hold exactly {shape[0] * want.itemsize} bytes after the header. Found {len(data) - offset}."
         )
     if shape[0] == 0:
         return torch.empty(0, dtype=torch_dtype)
-    with warnings.catch_warnings():  # bytes are immutable; we only ever read them
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(array.data, dtype=torch_dtype, count=shape[0], offset=offset)
+    return torch.frombuffer(data, dtype=torch_dtype, count=shape[0], offset=offset)

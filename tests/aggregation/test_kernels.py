@@ -95,7 +95,7 @@ def test_batch_equals_one_at_a_time(name, params, numel):
 @st.composite
 def _dense_batches(draw):
     numel = draw(st.sampled_from([5, 1000, (1 << 16) + 17, 2 * (1 << 16)]))
-    count = draw(st.integers(1, 6))
+    count = draw(st.integers(1, 9))  # groups of four, a partial group
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
     rows = [rng.standard_normal(numel).astype(np.float32) for _ in range(count)]
     for row in rows:  # corruptions at random places: a NaN, an inf, overflowing or merely large values
@@ -139,6 +139,28 @@ def test_a_refused_update_in_a_later_block_is_subtracted_again():
     results = codec.add_batch_checked(batch, out, [2.0, 3.0], math.inf, 1e37)
     assert not isinstance(results[0], UpdateRejected) and results[1].rule == "non-finite"
     assert torch.equal(out, torch.full((numel,), 2.0))
+
+
+def test_refusals_inside_groups_of_four_rebuild_the_sum():
+    """Nine updates (two groups of four, one alone); members refused at the first, a middle and
+    the last step of a block, in the first and in a later block: the sum equals the float64 sum
+    of the others, the refused leave nothing behind."""
+    numel = 2 * kernels.BLOCK + 100
+    codec = create_codec("dense")
+    rng = np.random.default_rng(0)
+    rows = [rng.standard_normal(numel).astype(np.float32) for _ in range(9)]
+    rows[1][0] = np.nan  # first step of the first block
+    rows[2][kernels.BLOCK // 2] = np.inf  # a middle step
+    rows[5][kernels.BLOCK - 1] = 3e38  # the last step of a block (overflows the weighted add)
+    rows[8][kernels.BLOCK + kernels.SUB + 3] = -np.inf  # the lone update, in the second block
+    batch = [_dense_parsed(r)[1] for r in rows]
+    weights = [1.0 + i for i in range(9)]
+    out = torch.zeros(numel)
+    results = codec.add_batch_checked(batch, out, weights, math.inf, 1e37)
+    assert _verdicts(results) == ["ok", "non-finite", "non-finite", "ok", "ok", "non-finite", "ok", "ok", "non-finite"]
+    ref = sum(w * r.astype(np.float64) for i, (w, r) in enumerate(zip(weights, rows)) if i not in (1, 2, 5, 8))
+    assert torch.isfinite(out).all()
+    np.testing.assert_allclose(out.numpy(), ref, rtol=0, atol=1e-4)
 
 
 def test_steps_too_large_to_add_ahead_are_added_once_decided():
