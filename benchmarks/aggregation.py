@@ -67,12 +67,12 @@ def ours_mean(codec, records, numel: int, device, batched: bool = True) -> torch
     return out
 
 
-def read_floor(records) -> float:
+def floor_fn(records):
     """The machine's read floor for these records: a torch sum over as many bytes, in as
     many separate float32 buffers (one per client), as the records carry."""
     sizes = [sum(len(a.data) for a in r["arrays"].values()) // 4 for r in records]
     bufs = [torch.randn(s) for s in sizes]
-    return best_of(lambda: [b.sum() for b in bufs])
+    return lambda: [b.sum() for b in bufs]
 
 
 def dense_cases(rep: Report, n: int, numel: int, device) -> float:
@@ -81,12 +81,17 @@ def dense_cases(rep: Report, n: int, numel: int, device) -> float:
 
     codec = create_codec("dense")
     records = make_records(codec, n, numel)
-    ours = best_of(lambda: ours_mean(codec, records, numel, device), repeat=5)
     flwr_records = [RecordDict({"arrays": r["arrays"], "metrics": r["metrics"]}) for r in records]
-    flwr_new = best_of(lambda: aggregate_arrayrecords(flwr_records, "num-examples"), repeat=3)
+    # ours, flwr's and the floor timed in turns: on a shared machine they see the same load
+    t = _report.medians_interleaved({
+        "ours": lambda: ours_mean(codec, records, numel, device),
+        "flwr": lambda: aggregate_arrayrecords(flwr_records, "num-examples"),
+        "floor": floor_fn(records),
+        "single": lambda: ours_mean(codec, records, numel, device, batched=False),
+    }, repeat=7)
+    ours, flwr_new, floor, single = t["ours"], t["flwr"], t["floor"], t["single"]
     flwr_legacy = best_of(lambda: aggregate([([a.numpy() for a in r["arrays"].values()], int(r["metrics"]["num-examples"]))
                                              for r in records]), repeat=3)
-    floor = read_floor(records)
     ref = aggregate_arrayrecords(flwr_records, "num-examples")["values"].numpy()
     got = ours_mean(codec, records, numel, device).cpu().numpy()
     assert np.allclose(got, ref, atol=1e-5), "fedshield and flwr disagree"
@@ -98,7 +103,6 @@ def dense_cases(rep: Report, n: int, numel: int, device) -> float:
             "flwr aggregate (legacy)", flwr_legacy * 1e3, ">= 5x faster", flwr_legacy / ours >= 5)
     rep.add(f"dense fp32 mean {tag} [{device.type}] vs read floor", ours * 1e3, "ms", "torch sum over same bytes",
             floor * 1e3, "<= 2x floor", ours <= 2 * floor, ratio=ours / floor)
-    single = best_of(lambda: ours_mean(codec, records, numel, device, batched=False), repeat=5)
     rep.add(f"dense fp32 mean {tag} [{device.type}] batch vs one update at a time",
             ours * 1e3, "ms", "add_checked per update (torch)", single * 1e3, "", None)
     if device.type == "cuda":
@@ -110,8 +114,9 @@ def dense_cases(rep: Report, n: int, numel: int, device) -> float:
 def sparse_case(rep: Report, n: int, numel: int, device) -> None:
     codec = create_codec("topk", ratio=0.01)
     records = make_records(codec, n, numel)
-    ours = best_of(lambda: ours_mean(codec, records, numel, device))
-    floor = read_floor(records)
+    t = _report.medians_interleaved({"ours": lambda: ours_mean(codec, records, numel, device),
+                                     "floor": floor_fn(records)}, repeat=9)
+    ours, floor = t["ours"], t["floor"]
     rep.add(f"top-1% sparse mean {n}x{numel} [{device.type}] vs nonzeros' read floor", ours * 1e3, "ms",
             "torch sum over the sparse bytes", floor * 1e3, "<= 2x floor", ours <= 2 * floor, ratio=ours / floor)
 

@@ -34,6 +34,22 @@ def best_of(fn: Callable[[], object], repeat: int = 5, warmup: int = 1) -> float
     return statistics.median(times)
 
 
+def medians_interleaved(fns: dict[str, Callable[[], object]], repeat: int = 5, warmup: int = 1) -> dict[str, float]:
+    """Median timing (seconds) of each function, timed in turns (a, b, c, a, b, c, ...) so that
+    ours and its baselines see the same background load on a shared machine: their ratio is
+    steadier than from timings taken one after the other."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
 class Report:
     def __init__(self, title: str) -> None:
         self.title = title
