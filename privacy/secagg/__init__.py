@@ -6,7 +6,7 @@ clients/secure.py carry them over Flower messages.
 """
 
 from .graph import Graph, check_threshold, choose_degree, complete_graph, harary_graph
-from .keys import KeyPair, PairwiseKeys, agree, decrypt_share, derive_pairwise, encrypt_share
+from .keys import KeyPair, PairwiseKeys, agree, decrypt_share, derive_key, derive_pairwise, encrypt_share
 from .masking import SEED_BYTES, dequantize, expand_seed, mask, quantization_step, quantize, ring_sum, unmask
 from .shamir import PRIME, Share, combine, split
 
@@ -24,6 +24,7 @@ __all__ = [
     "complete_graph",
     "decrypt_share",
     "dequantize",
+    "derive_key",
     "derive_pairwise",
     "encrypt_share",
     "expand_seed",

@@ -2,7 +2,7 @@
 
 Each client holds two X25519 key pairs per round (Bell et al. 2020): ``c`` for
 encrypting shares to its neighbours and ``s`` for pairwise masks. The raw
-Diffie-Hellman output never leaves :func:`derive_pairwise`; HKDF binds every
+Diffie-Hellman output goes only into :func:`derive_key`; HKDF binds every
 derived key to the run id, the round and the two node ids (in increasing order,
 so both ends derive the same bytes), with a distinct label per purpose.
 Key material is never logged or put into exception messages.
@@ -98,17 +98,25 @@ def _hkdf(secret: bytes, info: bytes) -> bytes:
     return HKDF(algorithm=hashes.SHA256(), length=KEY_BYTES, salt=None, info=info).derive(secret)
 
 
-def derive_pairwise(shared_secret: bytes, *, run_id: int, round: int, node_a: int, node_b: int) -> PairwiseKeys:
-    """HKDF-SHA256 of an X25519 output into a mask seed and a share key, bound to the context.
+_PURPOSES = (b"mask-seed", b"share-key")
 
-    The node ids are sorted, so both ends of the pair derive the same keys.
-    """
+
+def derive_key(shared_secret: bytes, purpose: str, *, run_id: int, round: int, node_a: int, node_b: int) -> bytes:
+    """One HKDF-SHA256 key (32 bytes) from an X25519 output, for ``purpose`` ("mask-seed" or
+    "share-key"), bound to the run, round and (sorted) pair of nodes: both ends derive the same."""
+    label = purpose.encode() if isinstance(purpose, str) else b""
+    if label not in _PURPOSES:
+        raise PrivacyError(f"key purpose must be one of {[p.decode() for p in _PURPOSES]}. Found {purpose!r}.")
     if len(shared_secret) != KEY_BYTES:
         raise PrivacyError(f"shared secret must be {KEY_BYTES} bytes. Found {len(shared_secret)}.")
-    return PairwiseKeys(
-        mask_seed=_hkdf(shared_secret, _info(b"mask-seed", run_id, round, node_a, node_b)),
-        share_key=_hkdf(shared_secret, _info(b"share-key", run_id, round, node_a, node_b)),
-    )
+    return _hkdf(shared_secret, _info(label, run_id, round, node_a, node_b))
+
+
+def derive_pairwise(shared_secret: bytes, *, run_id: int, round: int, node_a: int, node_b: int) -> PairwiseKeys:
+    """Both of :func:`derive_key`'s keys (a mask seed and a share key) from one X25519 output."""
+    ctx = {"run_id": run_id, "round": round, "node_a": node_a, "node_b": node_b}
+    return PairwiseKeys(mask_seed=derive_key(shared_secret, "mask-seed", **ctx),
+                        share_key=derive_key(shared_secret, "share-key", **ctx))
 
 
 def _associated_data(sender: int, receiver: int, round_: int, stage: str) -> bytes:

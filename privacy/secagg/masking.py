@@ -39,15 +39,23 @@ def _modulus_mask(bits: int) -> int:
     return (1 << bits) - 1
 
 
-def keystream(seed: bytes, n: int) -> np.ndarray:
-    """``n`` uniform uint32 words from an AES-256-CTR keystream keyed by the 32-byte seed (no copy made)."""
+def _check_seed(seed: bytes, n: int) -> None:
     if len(seed) != SEED_BYTES:
         raise PrivacyError(f"mask seed must be {SEED_BYTES} bytes (all of them are used). Found {len(seed)}.")
     if n < 0:
         raise PrivacyError(f"mask length must be >= 0. Found {n}.")
-    encryptor = Cipher(algorithms.AES(bytes(seed)), modes.CTR(_ZERO_IV)).encryptor()
+
+
+def _encrypt_zeros(seed: bytes, zeros: bytes, buf: bytearray) -> None:
+    """AES-256-CTR (zero IV) keyed by ``seed`` over ``zeros`` into ``buf`` (len(zeros) + 15 bytes)."""
+    Cipher(algorithms.AES(bytes(seed)), modes.CTR(_ZERO_IV)).encryptor().update_into(zeros, buf)
+
+
+def keystream(seed: bytes, n: int) -> np.ndarray:
+    """``n`` uniform uint32 words from an AES-256-CTR keystream keyed by the 32-byte seed (no copy made)."""
+    _check_seed(seed, n)
     buf = bytearray(4 * n + 15)  # update_into needs len(data) + block_size - 1 bytes
-    encryptor.update_into(bytes(4 * n), buf)
+    _encrypt_zeros(seed, bytes(4 * n), buf)
     return np.frombuffer(buf, dtype="<u4", count=n)
 
 
@@ -66,8 +74,13 @@ def apply_masks_(words: np.ndarray, seeds: Iterable[tuple[bytes, int]]) -> np.nd
     """
     if words.dtype != np.uint32:
         raise PrivacyError(f"mask words must be uint32. Found {words.dtype}.")
+    n = words.size
+    zeros, buf = bytes(4 * n), bytearray(4 * n + 15)  # one source and one keystream buffer for every seed
+    stream = np.frombuffer(buf, dtype="<u4", count=n)
     for seed, sign in seeds:
-        (np.add if sign > 0 else np.subtract)(words, keystream(seed, words.size), out=words)
+        _check_seed(seed, n)
+        _encrypt_zeros(seed, zeros, buf)
+        (np.add if sign > 0 else np.subtract)(words, stream, out=words)
     return words
 
 

@@ -21,7 +21,7 @@ from clients.protocol import ARRAYS, MASKED, SECAGG, SECAGG_KEYS, SECAGG_SHARES
 from clients.secure import STATE, run_secagg_stage
 from coordinator import RunConfig, RunDirectory, SyncWorkflow
 from coordinator.rundir import METRICS, SUMMARY
-from privacy.secagg.protocol import SecAggParams
+from privacy.secagg.protocol import SecAggClient, SecAggParams
 from simulations.inprocess import InProcessGrid, ensure_task_identity
 from simulations.virtual import VirtualClock
 
@@ -222,7 +222,9 @@ def test_no_key_material_or_masks_reach_the_logs_or_run_dir(tmp_path, caplog, ca
         state = ctx.state.config_records.get(STATE)
         if state is not None:
             secrets.extend(state[k] for k in ("c-sk", "s-sk", "self-seed"))
-            secrets.extend(v for k, v in state.items() if k.startswith(("hs:", "hk:")))
+            saved = SecAggClient.from_fields(dict(state))
+            secrets.extend(b for pair in saved.held.values() for b in pair)
+            secrets.extend(saved.transport.values())
         if ARRAYS in reply.content.array_records and MASKED in reply.content.array_records[ARRAYS]:
             secrets.append(reply.content.array_records[ARRAYS][MASKED].numpy()[:8].tobytes())
         return reply

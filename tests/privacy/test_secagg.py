@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 
 import numpy as np
 import pytest
@@ -12,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from privacy import PrivacyError
+from privacy.secagg.masking import apply_masks_, keystream
 from privacy.secagg import (
     PRIME,
     KeyPair,
@@ -23,6 +23,7 @@ from privacy.secagg import (
     complete_graph,
     decrypt_share,
     dequantize,
+    derive_key,
     derive_pairwise,
     encrypt_share,
     expand_seed,
@@ -138,6 +139,32 @@ def test_both_sides_derive_the_same_keys_and_context_changes_them():
     seeds = {ka.mask_seed} | {k.mask_seed for k in others} | {k.share_key for k in others}
     assert len(seeds) == 7
     assert "secret" in repr(ka) and a.private_bytes().hex() not in repr(a)
+
+
+def test_derive_key_gives_each_purpose_its_own_key():
+    secret = agree(KeyPair.generate(), KeyPair.generate().public_bytes)
+    ctx = {"run_id": 7, "round": 3, "node_a": 11, "node_b": 22}
+    both = derive_pairwise(secret, **ctx)
+    assert derive_key(secret, "mask-seed", **ctx) == both.mask_seed
+    assert derive_key(secret, "share-key", **{**ctx, "node_a": 22, "node_b": 11}) == both.share_key
+    for bad in ("mask", "", None, b"mask-seed"):
+        with pytest.raises(PrivacyError, match="key purpose"):
+            derive_key(secret, bad, **ctx)
+    with pytest.raises(PrivacyError, match="32 bytes"):
+        derive_key(secret[:31], "mask-seed", **ctx)
+
+
+def test_apply_masks_adds_and_subtracts_each_keystream():
+    seeds = [(os.urandom(32), 1), (os.urandom(32), -1), (os.urandom(32), 1)]
+    words = np.arange(1000, dtype=np.uint32)
+    want = np.arange(1000, dtype=np.uint64)
+    for seed, sign in seeds:
+        stream = keystream(seed, 1000).astype(np.uint64)
+        want = want + stream if sign > 0 else want - stream  # uint64 wraps mod 2**64, a multiple of 2**32
+    apply_masks_(words, seeds)
+    assert np.array_equal(words, (want % 2**32).astype(np.uint32))
+    with pytest.raises(PrivacyError, match="32 bytes"):
+        apply_masks_(words, [(bytes(31), 1)])
 
 
 def test_a_recovered_private_key_recomputes_the_pairwise_seed():

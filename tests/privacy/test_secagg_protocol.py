@@ -280,7 +280,50 @@ def test_client_state_round_trips_through_fields():
     clients[a].share_keys(reqs[a])
     back = SecAggClient.from_fields(clients[a].to_fields())
     assert back.stage == "masked-input" and back.peers == clients[a].peers
+    assert back.transport == clients[a].transport and len(back.transport) == len(reqs[a]) - 1
     assert back.self_seed == clients[a].self_seed and "secret" not in repr(back) and "seed" not in repr(back)
+
+
+def test_a_round_with_every_client_saved_and_restored_between_stages_sums_exactly():
+    """What clients/secure.py does (state in Context between messages), with a dropout."""
+    params = make_params(7, 4, 3)
+    server = SecAggServer(params)
+
+    def saved(c: SecAggClient) -> SecAggClient:
+        return SecAggClient.from_fields(dict(c.to_fields()))
+
+    clients = {}
+    for v in params.nodes:
+        c, keys = SecAggClient.setup(v, params)
+        clients[v] = saved(c)
+        server.on_keys(v, keys)
+    for v, keys in server.share_keys_requests().items():
+        server.on_shares(v, clients[v].share_keys(keys))
+        clients[v] = saved(clients[v])
+    gone, plain = params.nodes[3], torch.zeros(params.dim, dtype=torch.int64)
+    for v, cts in server.masked_input_requests().items():
+        if v == gone:
+            continue
+        clients[v].receive_shares(cts)
+        q = torch.randint(0, params.levels + 1, (params.dim,), generator=torch.Generator().manual_seed(v))
+        plain += q
+        server.add_masked(v, clients[v].mask(q))
+        restored = saved(clients[v])
+        assert restored.held == clients[v].held and restored.maskers == clients[v].maskers
+        clients[v] = restored
+    for v, (surv, drop) in server.unmask_requests().items():
+        server.on_unmask(v, clients[v].unmask(surv, drop))
+    result = server.finish()
+    assert gone not in result.survivors and torch.equal(result.total, plain & 0xFFFFFFFF)
+
+
+@pytest.mark.parametrize("field, blob", [("peers", b"\x00" * 7), ("transport", b"\x00" * 41),
+                                         ("held", b"\x00" * 15), ("held", b"\x00" * 8 + b"\x00\x00\x00\x09" + b"\x00" * 4)])
+def test_a_corrupt_saved_state_is_refused(field, blob):
+    params, server, clients, keys = started()
+    fields = clients[params.nodes[0]].to_fields()
+    with pytest.raises(SecAggRejected, match="saved"):
+        SecAggClient.from_fields({**fields, field: blob})
 
 
 def test_node_ids_above_int64_work_like_flowers_uint64_ids():
