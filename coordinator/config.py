@@ -112,11 +112,19 @@ class AggregationSettings:
         check(math.isfinite(self.slow_link_mbps) and self.slow_link_mbps >= 0, "slow-link-mbps",
               "be >= 0 Mbit/s (0: every node uses codec)", self.slow_link_mbps)
         check(self.aggregator in AGGREGATOR_PARAMS, "aggregator", f"be one of {sorted(AGGREGATOR_PARAMS)}", self.aggregator)
-        try:
-            self.make_codec()
-            self.make_codec(self.slow_link_codec)
-        except AggregationError as exc:
-            raise ConfigError(f"codec settings must be valid: {exc}") from None
+        # Every codec's settings are checked, not only those of the codecs in use: a wrong value
+        # (qsgd-bits = 3 beside codec = "dense") is a mistake to report, not a setting to ignore.
+        for name in sorted(CODEC_PARAMS):
+            try:
+                self.make_codec(name)
+            except AggregationError as exc:
+                raise ConfigError(f"codec settings must be valid: {exc}") from None
+        # The rules' own parameters, likewise for every rule (the aggregators check them again, and
+        # those that depend on the number of clients, when a round creates them).
+        check(math.isfinite(self.clip_norm) and self.clip_norm > 0, "clip-norm", "be finite and > 0", self.clip_norm)
+        check(0 <= self.trim_beta < 0.5, "trim-beta", "be in [0, 0.5)", self.trim_beta)
+        check(self.krum_f >= 0, "krum-f", "be >= 0", self.krum_f)
+        check(self.krum_m >= 1, "krum-m", "be >= 1", self.krum_m)
 
     def codec_params(self, name: str | None = None) -> dict[str, Any]:
         return {k: getattr(self, attr) for k, attr in CODEC_PARAMS[name or self.codec].items()}

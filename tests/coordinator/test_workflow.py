@@ -168,3 +168,21 @@ def test_carrying_late_replies_is_refused_where_a_round_must_hold_only_its_own_c
 
     with pytest.raises(ConfigError, match="late-replies must be 'drop' under central"):
         cfg(**{"late-replies": "carry", "dp": "central", "dp-noise-multiplier": 1.0})
+
+
+@pytest.mark.parametrize(("setting", "message"), [
+    ({"qsgd-bits": 3}, "qsgd bits must be one of [2, 4, 8]"),
+    ({"qsgd-chunk": 100}, "qsgd chunk must be a power of two"),
+    ({"topk-ratio": 0.0}, "topk ratio must be a number in (0, 1]"),
+    ({"trim-beta": 0.5}, "run.trim-beta must be in [0, 0.5). Found 0.5."),
+    ({"krum-f": -1}, "run.krum-f must be >= 0. Found -1."),
+    ({"krum-m": 0}, "run.krum-m must be >= 1. Found 0."),
+    ({"clip-norm": 0.0}, "run.clip-norm must be finite and > 0. Found 0.0."),
+])
+def test_settings_of_codecs_and_rules_not_in_use_are_still_checked(setting, message):
+    """codec = "dense" and aggregator = "mean": a wrong qsgd-bits or trim-beta is still a mistake."""
+    from clients._errors import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        cfg(**setting)
+    assert message in str(info.value)
