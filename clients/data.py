@@ -22,6 +22,15 @@ def load_npz(path: str | os.PathLike) -> Dataset:
     if not p.is_file():
         raise ClientError(f"data path must be an existing .npz file. Found {str(p)!r} (no such file).")
     try:
+        with open(p, "rb") as fh:
+            magic = fh.read(4)
+    except OSError as exc:
+        raise ClientError(f"data file must be a readable .npz. Found {p}: {exc.strerror or exc}.") from None
+    if magic not in (b"PK\x03\x04", b"PK\x05\x06"):  # numpy would try it as .npy or a pickle first
+        what = "a single .npy array" if magic == b"\x93NUM" else "empty" if not magic else "not a zip archive"
+        raise ClientError(f"data file must be a readable .npz (a zip archive of arrays 'x' and 'y'). "
+                          f"Found {p}: {what}.")
+    try:
         loaded = np.load(p, allow_pickle=False)
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
         raise ClientError(f"data file must be a readable .npz. Found {p}: {exc}.") from None

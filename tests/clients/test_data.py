@@ -88,6 +88,16 @@ def test_pickled_object_arrays_are_refused(tmp_path):
         load_npz(p)
 
 
+@pytest.mark.parametrize(("content", "what"), [(b"x,y\n1,2\n", "not a zip archive"), (b"", "empty"),
+                                               (b"\x93NUMPY\x01\x00", "a single .npy array")])
+def test_the_reason_a_file_is_not_an_npz_is_named(tmp_path, content, what):
+    p = tmp_path / "d.npz"
+    p.write_bytes(content)
+    with pytest.raises(ClientError, match="must be a readable .npz") as info:
+        load_npz(p)
+    assert str(info.value).endswith(f"{p}: {what}.")
+
+
 @pytest.mark.parametrize("kind", ["npy", "empty", "corrupt zip"])
 def test_other_non_npz_files_raise_client_error(tmp_path, kind):
     p = tmp_path / "bad.npz"
