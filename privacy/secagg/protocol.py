@@ -296,8 +296,7 @@ class SecAggClient:
                                                            f"t={p.threshold} needed")
         held = {}
         for u, ct in ciphertexts.items():
-            key = self.transport.get(u) or self._pair_key(self.c, self.peers[u].c, u, "share-key")
-            plain = decrypt_share(key, ct, sender=u, receiver=me, round=p.round, stage="share-keys")
+            plain = decrypt_share(self.transport[u], ct, sender=u, receiver=me, round=p.round, stage="share-keys")
             bs, ss = _open(plain, u, me)
             held[u] = (bs.to_bytes(), ss.to_bytes())
         self.held = held
@@ -356,6 +355,8 @@ class SecAggClient:
         node = int(f["node"])
         peers = {v: PublicKeys.from_bytes(v, b) for v, b in _fixed_entries(node, f.get("peers", b""), 3 * KEY_BYTES)}
         transport = dict(_fixed_entries(node, f.get("transport", b""), KEY_BYTES))
+        if set(transport) != set(peers):
+            raise SecAggRejected(node, "bad-state", "the saved share keys must cover exactly the saved neighbours")
         held, data, at = {}, f.get("held", b""), 0
         while at < len(data):
             if at + _HELD.size > len(data):

@@ -326,6 +326,15 @@ def test_a_corrupt_saved_state_is_refused(field, blob):
         SecAggClient.from_fields({**fields, field: blob})
 
 
+def test_a_saved_state_whose_share_keys_do_not_match_its_neighbours_is_refused():
+    params, server, clients, keys = started()
+    a = params.nodes[0]
+    clients[a].share_keys(server.share_keys_requests()[a])
+    fields = clients[a].to_fields()
+    with pytest.raises(SecAggRejected, match="cover exactly the saved neighbours"):
+        SecAggClient.from_fields({**fields, "transport": fields["transport"][:-40]})
+
+
 def test_node_ids_above_int64_work_like_flowers_uint64_ids():
     params = SecAggParams.create(1, [2**63 + 11 * i for i in range(8)], degree=4, threshold=3, bits=32, clip=1.0, dim=20)
     result, plain, _ = run(params, {"masked-input": {params.nodes[2]}})
