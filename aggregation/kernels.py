@@ -314,23 +314,35 @@ def threads() -> int:
     return max(1, min(torch.get_num_threads(), os.cpu_count() or 1))
 
 
-def run_ranges(fn: Any, numel: int, block: int, *args: Any) -> None:
-    """Run ``fn(*args, lo, hi)`` over ``[0, numel)`` split into one contiguous, block-aligned
-    range per thread (the calling thread takes the first)."""
+def run_ranges(fn: Any, numel: int, block: int, *args: Any, per_thread: int = 4) -> None:
+    """Run ``fn(*args, lo, hi)`` over ``[0, numel)`` in block-aligned ranges, about ``per_thread``
+    per thread, which the threads (the calling one and the pool's) take in turn as they finish:
+    a thread slowed by the machine's other load takes fewer, instead of holding up the sum."""
     global _pool
     nblocks = -(-numel // block)
-    parts = min(threads(), nblocks)
-    per = -(-nblocks // parts)
-    ranges = [(p * per * block, min(numel, (p + 1) * per * block)) for p in range(parts)]
-    ranges = [r for r in ranges if r[0] < r[1]]
-    if len(ranges) == 1:
-        fn(*args, *ranges[0])
+    workers = min(threads(), nblocks)
+    if workers == 1:
+        fn(*args, 0, numel)
         return
-    if _pool is None or _pool._max_workers < len(ranges) - 1:
+    per = max(1, nblocks // (workers * per_thread))  # blocks per range
+    ranges = iter([(b * block, min(numel, (b + per) * block)) for b in range(0, nblocks, per)])
+    take = threading.Lock()
+
+    def work() -> None:
+        while True:
+            with take:
+                r = next(ranges, None)
+            if r is None:
+                return
+            fn(*args, *r)
+
+    if _pool is None or _pool._max_workers < workers - 1:
         with _lock:
-            if _pool is None or _pool._max_workers < len(ranges) - 1:
-                _pool = ThreadPoolExecutor(max_workers=len(ranges) - 1, thread_name_prefix="fedshield-kernel")
-    futures = [_pool.submit(fn, *args, lo, hi) for lo, hi in ranges[1:]]
-    fn(*args, *ranges[0])
-    for fut in futures:
-        fut.result()
+            if _pool is None or _pool._max_workers < workers - 1:
+                _pool = ThreadPoolExecutor(max_workers=workers - 1, thread_name_prefix="fedshield-kernel")
+    futures = [_pool.submit(work) for _ in range(workers - 1)]
+    try:
+        work()
+    finally:
+        for fut in futures:
+            fut.result()

@@ -243,3 +243,32 @@ def test_a_batch_past_max_clients_is_refused_before_anything_is_added():
     with pytest.raises(AggregationError, match="max-clients"):
         agg.add_checked_many(codec, batch, [1.0] * 3)
     assert agg.count == 0
+
+
+@pytest.mark.parametrize("numel, block", [(1, 4), (7, 4), (8, 4), (9, 4), (100, 3), (1 << 20, 1 << 17), (1000, 1000)])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_run_ranges_covers_every_element_once_in_block_aligned_ranges(monkeypatch, numel, block, threads):
+    monkeypatch.setattr(kernels, "threads", lambda: threads)
+    seen: list[tuple[int, int]] = []
+    kernels.run_ranges(lambda tag, lo, hi: seen.append((lo, hi)) if tag == "t" else None, numel, block, "t")
+    seen.sort()
+    assert seen[0][0] == 0 and seen[-1][1] == numel
+    assert all(a[1] == b[0] for a, b in zip(seen, seen[1:]))  # contiguous, no overlap
+    assert all(lo % block == 0 and lo < hi for lo, hi in seen)
+
+
+def test_run_ranges_waits_for_every_thread_and_raises_a_failure(monkeypatch):
+    monkeypatch.setattr(kernels, "threads", lambda: 2)
+    done: list[tuple[int, int]] = []
+    first: list[int] = []
+
+    def fn(lo, hi):
+        if lo == 0:
+            first.append(hi)
+            raise ValueError("boom")
+        done.append((lo, hi))
+
+    with pytest.raises(ValueError, match="boom"):
+        kernels.run_ranges(fn, 64, 4)
+    # the first range failed; the other thread took every other range before run_ranges returned
+    assert first and first[0] + sum(hi - lo for lo, hi in done) == 64
