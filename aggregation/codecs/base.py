@@ -204,22 +204,21 @@ def settle_batch(sq: np.ndarray, added: np.ndarray, scale: float, max_norm: floa
     non-finite), else those of ``check_norm`` on the float64 norm. Returns each update's norm or
     UpdateRejected."""
     totals = sq.astype(np.float64).sum(axis=1) / (scale * scale)
-    out: list[float | UpdateRejected] = []
-    for c, sq_c in enumerate(totals.tolist()):
-        if float32_norm:
-            rule = norm_rule(sq_c, max_norm)
+    if float32_norm:
+        rules = [norm_rule(t, max_norm) for t in totals.tolist()]
+    else:
+        rules = [None if t <= max_norm * max_norm else ("non-finite" if math.isnan(t) else "norm-too-large")
+                 for t in totals.tolist()]
+    # The blocks to settle, for the whole batch at once: an accepted update's blocks that were not
+    # added in full (``added`` short of the block's length), a rejected one's that were added to.
+    lengths = np.minimum(block, numel - np.arange(added.shape[1], dtype=np.int64) * block)
+    accepted = np.array([r is None for r in rules], dtype=bool)
+    todo = np.where(accepted[:, None], added != lengths, added != 0)
+    for c, b in zip(*(i.tolist() for i in np.nonzero(todo)), strict=True):
+        lo, done = b * block, int(added[c, b])
+        if accepted[c]:
+            add_range(c, lo + done, lo + int(lengths[b]), 1.0)
         else:
-            rule = None if sq_c <= max_norm * max_norm else ("non-finite" if math.isnan(sq_c) else "norm-too-large")
-        row = added[c]
-        for b in np.flatnonzero(row != (block if rule is None else 0)):
-            lo = int(b) * block
-            if rule is None:
-                if lo + int(row[b]) < min(numel, lo + block):
-                    add_range(c, lo + int(row[b]), min(numel, lo + block), 1.0)
-            else:
-                add_range(c, lo, lo + int(row[b]), -1.0)
-        if rule is None:
-            out.append(math.sqrt(sq_c))
-        else:
-            out.append(UpdateRejected(rule, math.sqrt(sq_c) if rule == "norm-too-large" else math.inf, max_norm))
-    return out
+            add_range(c, lo, lo + done, -1.0)
+    return [math.sqrt(t) if r is None else UpdateRejected(r, math.sqrt(t) if r == "norm-too-large" else math.inf, max_norm)
+            for t, r in zip(totals.tolist(), rules, strict=True)]
