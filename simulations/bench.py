@@ -22,18 +22,6 @@ class Figure:
     met: bool | None
 
 
-def best_of(fn: Callable[[], object], repeat: int = 5, warmup: int = 1) -> float:
-    """Median of ``repeat`` timings in seconds after ``warmup`` untimed calls."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def medians_interleaved(fns: dict[str, Callable[[], object]], repeat: int = 5, warmup: int = 1) -> dict[str, float]:
     """Median timing (seconds) of each function, timed in turns (a, b, c, a, b, c, ...) so that
     ours and its baselines see the same background load on a shared machine: their ratio is
@@ -48,6 +36,11 @@ def medians_interleaved(fns: dict[str, Callable[[], object]], repeat: int = 5, w
             fn()
             times[name].append(time.perf_counter() - t0)
     return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def best_of(fn: Callable[[], object], repeat: int = 5, warmup: int = 1) -> float:
+    """Median of ``repeat`` timings in seconds after ``warmup`` untimed calls."""
+    return medians_interleaved({"fn": fn}, repeat, warmup)["fn"]
 
 
 class Report:
