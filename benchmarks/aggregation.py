@@ -6,7 +6,8 @@ Cases (targets from the issue): dense fp32 mean vs flwr's aggregate_arrayrecords
 legacy aggregate and the machine's read floor; top-1% sparse vs the read floor of
 its nonzeros' bytes; 8/4-bit QSGD vs our dense fp32; median and trimmed mean vs
 flwr's; peak memory of the dense mean path (in a subprocess). On CUDA the same
-cases run on the GPU with effective GB/s.
+cases run on the GPU with effective GB/s against the pinned host-to-device copy and
+the device's own read bandwidth.
 """
 
 from __future__ import annotations
@@ -107,8 +108,31 @@ def dense_cases(rep: Report, n: int, numel: int, device) -> float:
             ours * 1e3, "ms", "add_checked per update (torch)", single * 1e3, "", None)
     if device.type == "cuda":
         gbs = n * numel * 4 / ours / 1e9
-        rep.add(f"dense fp32 effective bandwidth [{device.type}]", gbs, "GB/s", "host->device copies included", None, "")
+        h2d, dev_read = cuda_bandwidths(device, n * numel * 4)
+        rep.add(f"dense fp32 effective bandwidth [{device.type}]", gbs, "GB/s", "pinned host->device copy, GB/s",
+                h2d, "", None, ratio=gbs / h2d)
+        rep.add(f"dense fp32 effective bandwidth [{device.type}] vs device memory", gbs, "GB/s",
+                "device read (torch sum), GB/s", dev_read, "", None, ratio=gbs / dev_read)
     return ours
+
+
+def cuda_bandwidths(device, nbytes: int) -> tuple[float, float]:
+    """The device's two bounds for a sum of updates that arrive in host memory, in GB/s: a pinned
+    host-to-device copy of ``nbytes`` (the updates must cross it) and a read of as many bytes in
+    device memory (a torch sum)."""
+    host = torch.empty(nbytes // 4, dtype=torch.float32).pin_memory()
+    on_dev = torch.empty_like(host, device=device)
+
+    def copy():
+        on_dev.copy_(host, non_blocking=True)
+        torch.cuda.synchronize(device)
+
+    def read():
+        on_dev.sum()
+        torch.cuda.synchronize(device)
+
+    t = _report.medians_interleaved({"copy": copy, "read": read}, repeat=5)
+    return nbytes / t["copy"] / 1e9, nbytes / t["read"] / 1e9
 
 
 def sparse_case(rep: Report, n: int, numel: int, device) -> None:
