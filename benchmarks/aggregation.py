@@ -152,7 +152,7 @@ def quant_cases(rep: Report, n: int, numel: int, device, dense_time: float) -> N
         ours = best_of(lambda: ours_mean(codec, records, numel, device), repeat=3)
         rep.add(f"qsgd {bits}-bit mean {n}x{numel} [{device.type}] vs our dense fp32", ours * 1e3, "ms",
                 "fedshield dense fp32", dense_time * 1e3, "<= 1.5x dense", ours <= 1.5 * dense_time, ratio=ours / dense_time)
-        del records
+        records = None  # this width's replies are freed before the next width's are made
         gc.collect()
 
 
