@@ -128,6 +128,16 @@ def _compile() -> Any:
         sq4[3] = a3
 
     @jit
+    def rebuild(xs, w32, out, start, added, b0, bi, s0, s1, upto):
+        """Step ``[s0, s1)`` of block ``bi`` (starting at ``b0``) set back to the block's values
+        before the batch (``start``) plus the step of every update below ``upto`` kept so far."""
+        for i in range(s0, s1):
+            out[i] = start[i - b0]
+        for e in range(upto):
+            if added[e, bi] >= s1 - b0:
+                axpy(xs[e], out, s0, s1, w32[e])
+
+    @jit
     def dense_range(xs, ws, caps, out, block, sub, sq, added, lo, hi):
         """Blocks ``[lo, hi)`` of the sum (``lo`` a multiple of ``block``), each in steps of
         ``sub`` elements. Per block, updates are taken four at a time (one read and write of the
@@ -169,12 +179,8 @@ def _compile() -> Any:
                             else:
                                 adding[g + k] = False
                                 failed = True
-                        if failed:  # rebuild the step from the block's start and every kept step
-                            for i in range(s0, s1):
-                                out[i] = start[i - b0]
-                            for e in range(g + 4):
-                                if added[e, bi] >= s1 - b0:
-                                    axpy(xs[e], out, s0, s1, w32[e])
+                        if failed:
+                            rebuild(xs, w32, out, start, added, b0, bi, s0, s1, g + 4)
                     else:
                         for c in range(g, g + gn):
                             if adding[c]:
@@ -184,11 +190,7 @@ def _compile() -> Any:
                                     added[c, bi] = s1 - b0
                                 else:
                                     adding[c] = False
-                                    for i in range(s0, s1):
-                                        out[i] = start[i - b0]
-                                    for e in range(g + gn):
-                                        if added[e, bi] >= s1 - b0:
-                                            axpy(xs[e], out, s0, s1, w32[e])
+                                    rebuild(xs, w32, out, start, added, b0, bi, s0, s1, g + gn)
                             else:
                                 sq[c, bi] += sumsq(xs[c], s0, s1)
 

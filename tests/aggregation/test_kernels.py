@@ -249,8 +249,10 @@ def test_a_batch_past_max_clients_is_refused_before_anything_is_added():
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_run_ranges_covers_every_element_once_in_block_aligned_ranges(monkeypatch, numel, block, threads):
     monkeypatch.setattr(kernels, "threads", lambda: threads)
-    seen: list[tuple[int, int]] = []
-    kernels.run_ranges(lambda tag, lo, hi: seen.append((lo, hi)) if tag == "t" else None, numel, block, "t")
+    seen: list = []
+    kernels.run_ranges(lambda tag, lo, hi: seen.append((tag, lo, hi)), numel, block, "t")
+    assert {tag for tag, _, _ in seen} == {"t"}  # the extra arguments come first
+    seen = [(lo, hi) for _, lo, hi in seen]
     seen.sort()
     assert seen[0][0] == 0 and seen[-1][1] == numel
     assert all(a[1] == b[0] for a, b in zip(seen, seen[1:]))  # contiguous, no overlap
