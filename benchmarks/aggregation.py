@@ -28,7 +28,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 from simulations import bench as _report  # noqa: E402
 Report, best_of = _report.Report, _report.best_of
 
-from aggregation import create_aggregator, get_device  # noqa: E402
+from aggregation import create_aggregator, get_device, kernels  # noqa: E402
 from aggregation.codecs import create_codec  # noqa: E402
 from coordinator.config import ServerSettings  # noqa: E402
 
@@ -48,13 +48,32 @@ def make_records(codec, n_clients: int, numel: int, seed: int = 0) -> list[Recor
     return out
 
 
+def parse_all(codec, records, numel: int) -> list:
+    """Each record parsed and validated by the codec, as the coordinator does on arrival."""
+    return [codec.parse(dict(rec["arrays"].items()), dict(rec["codec"]), numel, 1 << 40) for rec in records]
+
+
+def dense_kernel_fn(parsed, numel: int):
+    """The fused dense kernel alone over already-parsed updates into a warm sum (no parsing, no
+    fresh buffers, no settling): what the rest of ``ours_mean`` costs on top of it."""
+    xs = kernels.typed_list([p.tensors["values"].numpy() for p in parsed])
+    ws, caps, out = np.ones(len(parsed)), np.full(len(parsed), np.inf), np.zeros(numel, np.float32)
+
+    def run():
+        out[:] = 0
+        sq, added = kernels.batch_arrays(len(parsed), numel, kernels.BLOCK)
+        kernels.run_ranges(kernels.load().dense_range, numel, kernels.BLOCK, xs, ws, caps, out, kernels.BLOCK,
+                           kernels.SUB, sq, added)
+    return run
+
+
 def ours_mean(codec, records, numel: int, device, batched: bool = True) -> torch.Tensor:
     """The coordinator's path: parse each record, then the norm check against the default
     max-update-norm fused with the add into the "mean" rule. ``batched``: the whole pull at once
     (``add_checked_many``, what coordinator.validation.add_replies calls: on CPU the fused
     kernels of aggregation.kernels); else one ``add_checked`` per update (the async path's)."""
     acc = create_aggregator("mean", numel, device, len(records))
-    parsed = [codec.parse(dict(rec["arrays"].items()), dict(rec["codec"]), numel, 1 << 40) for rec in records]
+    parsed = parse_all(codec, records, numel)
     weights = [float(rec["metrics"]["num-examples"]) for rec in records]
     if batched:
         results = acc.add_checked_many(codec, parsed, weights, MAX_NORM)
@@ -84,12 +103,15 @@ def dense_cases(rep: Report, n: int, numel: int, device) -> float:
     records = make_records(codec, n, numel)
     flwr_records = [RecordDict({"arrays": r["arrays"], "metrics": r["metrics"]}) for r in records]
     # ours, flwr's and the floor timed in turns: on a shared machine they see the same load
-    t = _report.medians_interleaved({
-        "ours": lambda: ours_mean(codec, records, numel, device),
-        "flwr": lambda: aggregate_arrayrecords(flwr_records, "num-examples"),
-        "floor": floor_fn(records),
-        "single": lambda: ours_mean(codec, records, numel, device, batched=False),
-    }, repeat=7)
+    fns = {"ours": lambda: ours_mean(codec, records, numel, device),
+           "flwr": lambda: aggregate_arrayrecords(flwr_records, "num-examples"),
+           "floor": floor_fn(records),
+           "single": lambda: ours_mean(codec, records, numel, device, batched=False),
+           "parse": lambda: parse_all(codec, records, numel)}
+    kernel_alone = device.type == "cpu" and kernels.enabled()
+    if kernel_alone:
+        fns["kernel"] = dense_kernel_fn(parse_all(codec, records, numel), numel)
+    t = _report.medians_interleaved(fns, repeat=7)
     ours, flwr_new, floor, single = t["ours"], t["flwr"], t["floor"], t["single"]
     flwr_legacy = best_of(lambda: aggregate([([a.numpy() for a in r["arrays"].values()], int(r["metrics"]["num-examples"]))
                                              for r in records]), repeat=3)
@@ -106,6 +128,11 @@ def dense_cases(rep: Report, n: int, numel: int, device) -> float:
             floor * 1e3, "<= 2x floor", ours <= 2 * floor, ratio=ours / floor)
     rep.add(f"dense fp32 mean {tag} [{device.type}] batch vs one update at a time",
             ours * 1e3, "ms", "add_checked per update (torch)", single * 1e3, "", None)
+    rep.add(f"  of which: parsing the {n} records", t["parse"] * 1e3, "ms", "torch sum over same bytes", floor * 1e3,
+            ratio=t["parse"] / floor)
+    if kernel_alone:
+        rep.add("  the fused kernel alone (parsed updates, warm sum)", t["kernel"] * 1e3, "ms",
+                "torch sum over same bytes", floor * 1e3, ratio=t["kernel"] / floor)
     if device.type == "cuda":
         gbs = n * numel * 4 / ours / 1e9
         h2d, dev_read = cuda_bandwidths(device, n * numel * 4)
@@ -139,10 +166,13 @@ def sparse_case(rep: Report, n: int, numel: int, device) -> None:
     codec = create_codec("topk", ratio=0.01)
     records = make_records(codec, n, numel)
     t = _report.medians_interleaved({"ours": lambda: ours_mean(codec, records, numel, device),
-                                     "floor": floor_fn(records)}, repeat=9)
+                                     "floor": floor_fn(records),
+                                     "parse": lambda: parse_all(codec, records, numel)}, repeat=9)
     ours, floor = t["ours"], t["floor"]
     rep.add(f"top-1% sparse mean {n}x{numel} [{device.type}] vs nonzeros' read floor", ours * 1e3, "ms",
             "torch sum over the sparse bytes", floor * 1e3, "<= 2x floor", ours <= 2 * floor, ratio=ours / floor)
+    rep.add(f"  of which: parsing the {n} records", t["parse"] * 1e3, "ms", "torch sum over the sparse bytes",
+            floor * 1e3, ratio=t["parse"] / floor)
 
 
 def quant_cases(rep: Report, n: int, numel: int, device, dense_time: float) -> None:
