@@ -284,14 +284,15 @@ def _compile() -> Any:
     @jit
     def scatter_range(idx_l, vals_l, ws, out, lo, hi):
         """``out[i] += w * v`` for every update's entries whose index ``i`` lies in ``[lo, hi)``
-        (indices validated: sorted, in range, no duplicates; found by binary search)."""
+        (indices validated: sorted, in range, no duplicates; found by binary search). Unsigned
+        positions and indices: no negative-index wraparound test per entry (1.6x here)."""
         for c in range(len(idx_l)):
             idx, vals = idx_l[c], vals_l[c]
             w = np.float32(ws[c])
             j0 = np.searchsorted(idx, lo)
             j1 = np.searchsorted(idx, hi)
-            for j in range(j0, j1):
-                out[idx[j]] += w * vals[j]
+            for j in range(np.uint64(j0), np.uint64(j1)):
+                out[np.uint64(idx[j])] += w * vals[j]
 
     return SimpleNamespace(dense_range=dense_range, qsgd_range=qsgd_range, qsgd_add=qsgd_add,
                            sparse_scan=sparse_scan, scatter_range=scatter_range)

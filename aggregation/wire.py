@@ -2,7 +2,7 @@
 
 Flower's ``Array`` carries ``numpy.save`` bytes (an ``.npy`` header, then the raw
 buffer). We write that format directly from the tensor's memory and read it back
-with ``torch.frombuffer`` at the header's offset, so a received update is never
+with ``numpy.frombuffer`` at the header's offset (``torch.from_numpy`` on top), so a received update is never
 copied before it is added into the accumulator.
 """
 
@@ -53,9 +53,11 @@ def tensor_to_array(tensor: torch.Tensor) -> Array:
 _HEADER_CACHE: dict[bytes, tuple[str, tuple[int, ...], int]] = {}
 _NP_DTYPES = {name: np.dtype(descr) for name, (_, descr) in _DTYPES.items() if descr is not None}
 # Received bytes are immutable and only ever read through these views: torch's warning that the
-# buffer is not writable says nothing here (filtered once, for this module's calls only).
-warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning,
-                        module=__name__.replace(".", r"\."))
+# array is not writable says nothing here. torch gives it once per process (TORCH_WARN_ONCE), so
+# it is spent here, silenced, instead of surfacing at the first reply.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", UserWarning)
+    torch.from_numpy(np.frombuffer(b"\0", dtype=np.uint8))
 
 
 def _parse_header(data: bytes) -> tuple[str, tuple[int, ...], int]:
@@ -96,14 +98,14 @@ def _parse_header_uncached(data: bytes) -> tuple[str, tuple[int, ...], int]:
     return descr, shape, start + hlen
 
 
-def array_to_tensor(array: Array, expected_dtype: str, expected_numel: int | None = None) -> torch.Tensor:
-    """View an ``Array``'s bytes as a 1-D tensor, validating layout first.
+def array_view(array: Array, expected_dtype: str, expected_numel: int | None = None) -> np.ndarray:
+    """View an ``Array``'s bytes as a read-only 1-D numpy array, validating layout first.
 
     Checks the declared dtype, stype and shape, that the npy header agrees with
-    them, and that the byte count is exact. Returns a read-only-backed tensor
-    that shares memory with the record (no copy): callers must not write to it.
+    them, and that the byte count is exact. Shares memory with the record (no copy).
     """
-    if expected_dtype not in _DTYPES or _DTYPES[expected_dtype][1] is None:
+    want = _NP_DTYPES.get(expected_dtype)
+    if want is None:
         raise AggregationError(f"expected dtype must be a supported wire dtype. Found {expected_dtype}.")
     if array.stype != "numpy.ndarray":
         raise AggregationError(f"stype must be 'numpy.ndarray'. Found {array.stype!r}.")
@@ -114,7 +116,6 @@ def array_to_tensor(array: Array, expected_dtype: str, expected_numel: int | Non
         raise AggregationError(f"shape must be 1-D (one flat tensor). Found {shape}.")
     if expected_numel is not None and shape[0] != expected_numel:
         raise AggregationError(f"length must be {expected_numel}. Found {shape[0]}.")
-    torch_dtype, want = _DTYPES[expected_dtype][0], _NP_DTYPES[expected_dtype]
     data = array.data
     head_descr, head_shape, offset = _parse_header(data)
     if head_descr != want.str or head_shape != shape:  # the common spelling first: no dtype parsing
@@ -129,6 +130,15 @@ def array_to_tensor(array: Array, expected_dtype: str, expected_numel: int | Non
         raise AggregationError(
             f"data must hold exactly {shape[0] * want.itemsize} bytes after the header. Found {len(data) - offset}."
         )
-    if shape[0] == 0:
-        return torch.empty(0, dtype=torch_dtype)
-    return torch.frombuffer(data, dtype=torch_dtype, count=shape[0], offset=offset)
+    return np.frombuffer(data, dtype=want, count=shape[0], offset=offset)
+
+
+def array_to_tensor(array: Array, expected_dtype: str, expected_numel: int | None = None) -> torch.Tensor:
+    """``array_view`` as a tensor (same checks, same memory): callers must not write to it."""
+    return host_tensor(array_view(array, expected_dtype, expected_numel))
+
+
+def host_tensor(view: np.ndarray) -> torch.Tensor:
+    """A tensor on a received (read-only) numpy view, sharing its memory; an unaligned view (only a
+    foreign buffer: npy headers are padded to 64 bytes) is copied once."""
+    return torch.from_numpy(view if view.flags.aligned else view.copy())

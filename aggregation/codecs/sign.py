@@ -71,9 +71,11 @@ class SignCodec(Codec):
             scale = array_to_tensor(arrays[SCALE], "float32", 1)
         except AggregationError as exc:
             raise AggregationError(f"scale: {exc}") from None
-        value = float(scale[0])
-        require(math.isfinite(value) and value >= 0, "scale", "be finite and >= 0", value)
-        require(padding_is_zero(bits, 1, numel), "bits", "have zero padding bits in the last byte", int(bits[-1]))
+        value = float(scale.numpy()[0])
+        if not (math.isfinite(value) and value >= 0):
+            require(False, "scale", "be finite and >= 0", value)
+        if not padding_is_zero(bits, 1, numel):
+            require(False, "bits", "have zero padding bits in the last byte", int(bits[-1]))
         return Parsed(self.name, numel, {BITS: bits, SCALE: scale}, {"scale": value}, nbytes)
 
     def add_into(self, parsed: Parsed, out: torch.Tensor, weight: float) -> None:

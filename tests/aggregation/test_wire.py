@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from aggregation import AggregationError, array_to_tensor, tensor_to_array
+from aggregation.wire import array_view, host_tensor
 
 WIRE_DTYPES = ["float32", "float16", "int32", "int64", "uint8"]
 NP = {name: np.dtype(name) for name in WIRE_DTYPES}
@@ -122,6 +123,26 @@ def test_returned_tensor_shares_memory_with_the_record_bytes(dtype):
     assert lo <= start and end <= hi, "array_to_tensor copied the data"
     assert start - lo == _header_len(packed.data)
     assert end == hi
+
+
+@pytest.mark.parametrize("dtype", WIRE_DTYPES)
+def test_array_view_is_a_read_only_view_of_the_record_bytes(dtype):
+    packed = Array(np.arange(17).astype(NP[dtype]))
+    view = array_view(packed, dtype, 17)
+    raw = np.frombuffer(packed.data, np.uint8)
+    assert view.ctypes.data == raw.ctypes.data + _header_len(packed.data)
+    assert not view.flags.writeable and view.dtype == np.dtype(NP[dtype])
+    assert view.tolist() == np.arange(17).astype(NP[dtype]).tolist()
+
+
+def test_host_tensor_shares_aligned_views_and_copies_unaligned_ones():
+    buf = np.arange(9, dtype=np.int32).tobytes()
+    aligned = np.frombuffer(buf, np.int32, 8)
+    assert host_tensor(aligned).data_ptr() == aligned.ctypes.data
+    unaligned = np.frombuffer(buf, np.int32, 8, offset=1)
+    assert not unaligned.flags.aligned
+    out = host_tensor(unaligned)
+    assert out.data_ptr() % 4 == 0 and out.numpy().tobytes() == unaligned.tobytes()
 
 
 def test_zero_length_is_fine():
