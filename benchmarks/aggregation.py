@@ -254,8 +254,12 @@ def memory_case(rep: Report, n: int, numel: int) -> None:
         out = subprocess.run([sys.executable, "-c", _MEMORY_CHILD, str(n), str(numel), mode], capture_output=True,
                              text=True, check=True, env={**os.environ, "FEDSHIELD_DEVICE": "cpu"})
         peak = int(out.stdout.strip().splitlines()[-1])
+        # The target is for the 1M-parameter model: below that, the fixed buffers (a 512 KB
+        # block copy per kernel thread, the pool's stacks) outweigh a model, so no target is shown.
+        full = numel >= 1_000_000
         rep.add(f"dense mean peak memory above baseline {n}x{numel} ({mode})", peak / 1e6, "MB",
-                "one model's size (MB); ratio = peak / it", model / 1e6, "< 3x model", peak < 3 * model,
+                "one model's size (MB); ratio = peak / it", model / 1e6,
+                "< 3x model" if full else "(target at >= 1M parameters)", peak < 3 * model if full else None,
                 ratio=peak / model)
 
 

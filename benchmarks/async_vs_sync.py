@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
 import tempfile
 import time
@@ -55,19 +56,24 @@ def main() -> None:
     a = p.parse_args()
     logging.getLogger("flwr").setLevel(logging.WARNING)
     rep = _report.Report("async_vs_sync")
-    per_round = 20
+    if a.clients < 10:
+        p.error(f"--clients must be >= 10 (the cases ask a fifth of them, over-selection 1.5x that). Found {a.clients}.")
+    per_round = round(0.2 * a.clients)  # 20 of the default 100
+    over, k = math.ceil(1.5 * per_round), max(1, per_round // 2)
+    sync = f"sync FedAvg, {per_round} asked, wait for all"
     cases = {
-        "sync FedAvg, 20 asked, wait for all": {"min-nodes": per_round, "fraction-train": 0.01},
-        "sync, over-selection 30 asked, close at 20": {"min-nodes": 30, "fraction-train": 0.01,
-                                                        "close-after-replies": per_round},
+        sync: {"min-nodes": per_round, "fraction-train": 0.01},
+        f"sync, over-selection {over} asked, close at {per_round}": {
+            "min-nodes": over, "fraction-train": 0.01, "close-after-replies": per_round},
         "sync, over-selection + late replies carried (1/sqrt(1+s))": {
-            "min-nodes": 30, "fraction-train": 0.01, "close-after-replies": per_round, "late-replies": "carry",
+            "min-nodes": over, "fraction-train": 0.01, "close-after-replies": per_round, "late-replies": "carry",
             "staleness": "polynomial", "staleness-a": 0.5},
-        "FedBuff K=10, C=20, 1/sqrt(1+s)": {"min-nodes": 1, "workflow": "fedbuff", "buffer-size": 10,
-                                            "concurrency": 20, "staleness": "polynomial", "staleness-a": 0.5},
+        f"FedBuff K={k}, C={per_round}, 1/sqrt(1+s)": {"min-nodes": 1, "workflow": "fedbuff", "buffer-size": k,
+                                                      "concurrency": per_round, "staleness": "polynomial",
+                                                      "staleness-a": 0.5},
     }
     results = {name: run(a.clients, a.rounds, a.target, **kw) for name, kw in cases.items()}
-    base = results["sync FedAvg, 20 asked, wait for all"]["reached"]
+    base = results[sync]["reached"]
     for name, res in results.items():
         if res["reached"] is None:
             rep.add(f"{name}: never reached {a.target} in {a.rounds} releases (final {res['final']:.3f})",
@@ -83,7 +89,7 @@ def main() -> None:
         rep.add(f"{name}: virtual engine speed (simulated / wall)", res["sim_total"] / res["wall"], "x",
                 "real time", None, "", None)
     if a.engine_rounds:
-        engines(rep, a.clients, a.engine_rounds, cases["sync FedAvg, 20 asked, wait for all"])
+        engines(rep, a.clients, a.engine_rounds, cases[sync])
     rep.write_json(a.json)
 
 

@@ -1,0 +1,61 @@
+"""The benchmark scripts run end to end at small sizes and write every figure as JSON.
+
+No timing is asserted (the figures are for ``python benchmarks/<name>.py`` at full size on a quiet
+machine); these runs only keep the scripts working as the code under them changes: every case
+runs, the baselines agree with ours where a script checks that, and ``--json`` writes each
+figure's name, value, unit, baseline, ratio and target. ``learning_aggregation.py`` is left out:
+even at 2 rounds it trains 12 federations (about a minute); its bands are the assertions of
+tests/simulations/test_learning_aggregation.py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+FIELDS = {"name", "value", "unit", "baseline", "baseline_value", "ratio", "target", "met"}
+
+CASES = {
+    "aggregation": ["--clients", "4", "--numel", "20000", "--robust-clients", "4"],
+    "secagg": ["--clients", "4", "--dim", "500", "--skip-flwr-complete", "--skip-learning"],
+    "secagg_primitives": [],
+    "dp_overhead": ["--steps", "2", "--warmup", "1"],
+    "async_vs_sync": ["--clients", "10", "--rounds", "3", "--engine-rounds", "0"],
+}
+
+
+def run_benchmark(name: str, args: list[str], tmp_path: Path) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    out = tmp_path / f"{name}.json"
+    env = {**os.environ, "FEDSHIELD_DEVICE": "cpu", "FLWR_HOME": str(tmp_path / "flwr-home")}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), *args, "--json", str(out)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc, json.loads(out.read_text())["figures"]
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_benchmark_runs_small_and_writes_every_figure(name, tmp_path):
+    proc, figures = run_benchmark(name, CASES[name], tmp_path)
+    assert figures, f"{name} wrote no figures"
+    for fig in figures:
+        assert set(fig) == FIELDS, fig
+        assert isinstance(fig["name"], str) and fig["name"] and isinstance(fig["unit"], str)
+        assert isinstance(fig["value"], int | float) and math.isfinite(fig["value"]), fig
+        if fig["baseline_value"] is not None:
+            assert math.isfinite(fig["baseline_value"]) and fig["ratio"] is not None, fig
+        assert fig["met"] in (True, False, None)
+        assert fig["name"] in proc.stdout, f"{fig['name']!r} is in the JSON but was not printed"
+
+
+def test_async_vs_sync_refuses_too_few_clients_in_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "async_vs_sync.py"), "--clients", "5"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "--clients must be >= 10" in proc.stderr.strip().splitlines()[-1]
