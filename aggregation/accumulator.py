@@ -31,7 +31,8 @@ class WeightedAccumulator:
     numel : int
         Length of every update.
     device : torch.device
-        Where the sum lives; updates are moved there (non-blocking from pinned memory).
+        Where the sum lives; updates are moved there (an aggregator's batches on CUDA arrive through
+        pinned slots, one copy ahead of the adds: ``aggregation.staging``).
     dtype : torch.dtype
         Accumulation dtype (float32 by default; float64 for reference checks).
     """

@@ -44,6 +44,7 @@ import torch
 
 from ._errors import AggregationError, UpdateRejected, each_checked
 from .accumulator import WeightedAccumulator
+from .staging import DeviceStager
 from ._registry import Registry
 
 _REGISTRY = Registry("aggregator")
@@ -131,6 +132,9 @@ class Aggregator(ABC):
         _check(_is_int(max_clients) and max_clients > 0, "max-clients", "be an int > 0", max_clients)
         self.numel, self.max_clients, self.device = numel, max_clients, torch.device(device)
         self.count, self.total_weight = 0, 0.0
+        # On CUDA, a batch's updates reach the device through pinned slots, each copied while the
+        # previous one is checked and added (aggregation.staging); on CPU the kernels read the records.
+        self.staging: DeviceStager | None = DeviceStager(self.device) if self.device.type == "cuda" else None
 
     def add(self, codec: Any, parsed: Any, weight: float, norm: float | None = None) -> None:
         """Decode one validated update into the rule's storage with weight ``weight`` (> 0).
@@ -178,6 +182,9 @@ class Aggregator(ABC):
         for parsed, weight in zip(batch, weights, strict=True):
             _check(_is_real(weight) and weight > 0, "weight", "be finite and > 0", weight)
             _check(parsed.numel == self.numel, "update numel", f"be {self.numel}", parsed.numel)
+        if self.staging is not None:  # one update at a time, the next one's copy in flight meanwhile
+            return each_checked(lambda p, w: self.add_checked(codec, p, w, max_norm), self.staging.pipeline(batch),
+                                [float(w) for w in weights])
         return self._add_checked_many(codec, batch, [float(w) for w in weights], float(max_norm))
 
     def _add_checked_many(self, codec: Any, batch: list[Any], weights: list[float],
