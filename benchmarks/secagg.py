@@ -246,6 +246,9 @@ def main() -> None:
         expansion = (row["bytes_up"] + row["bytes_down"]) / plain_bytes
         rep.add(f"fedshield SecAgg+ {name}: bytes sent / plain bytes", expansion, "x", "", None, "<= 2x", expansion <= 2)
         rep.add(f"fedshield SecAgg+ {name}: server compute in the round", row["secagg_server_s"], "s")
+        for stage, sec in row["secagg_stage_s"].items():  # sending to last reply, all nodes together
+            rep.add(f"fedshield SecAgg+ {name}: stage {stage}", sec, "s", "fedshield plain round",
+                    plain["round_time_s"], ratio=sec / plain["round_time_s"])
 
     flwr_plain = flwr_round(n, numel, None, None)
     rep.add("flwr plain round (random updates, no training)", flwr_plain, "s")

@@ -23,7 +23,7 @@ METRIC_FIELDS = [
     "test_accuracy", "test_loss", "train_loss", "bytes_down", "bytes_up",
     "round_time_s", "wall_time_s", "rejected_by_rule", "epsilon", "local_epsilon_max", "clip",
     "sim_time_s", "mean_staleness", "secagg_degree", "secagg_threshold", "secagg_survivors", "secagg_dropped",
-    "secagg_server_s", "secagg_failure", "late_accepted", "reduced_work",
+    "secagg_server_s", "secagg_stage_s", "secagg_failure", "late_accepted", "reduced_work",
 ]
 EPSILON_PLOT = "epsilon.png"
 TIME_PLOT = "accuracy_vs_time.png"
@@ -77,7 +77,8 @@ class RunDirectory:
         writer = csv.DictWriter(buf, fieldnames=METRIC_FIELDS, extrasaction="ignore")
         writer.writeheader()
         for row in rows:
-            writer.writerow({**row, "rejected_by_rule": json.dumps(row.get("rejected_by_rule", {}), sort_keys=True)})
+            writer.writerow({**row, "rejected_by_rule": json.dumps(row.get("rejected_by_rule", {}), sort_keys=True),
+                             **({"secagg_stage_s": json.dumps(row["secagg_stage_s"])} if "secagg_stage_s" in row else {})})
         _atomic_write(self.file(METRICS), buf.getvalue().encode())
 
     def save_model(self, state_dict: dict[str, torch.Tensor]) -> None:

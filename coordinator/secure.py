@@ -74,6 +74,7 @@ class SecureRound:
                   stats: dict[str, Any]) -> None:
         """Send one stage's messages; hand each valid reply to ``handle`` (which records what it accepts)."""
         grid, clock = self.wf.grid, self.wf.clock
+        started = clock.now()
         msgs = [Message(content, dst_node_id=node, message_type=MESSAGE_TYPE_SECAGG, group_id=str(rnd),
                         ttl=timeout + 60.0) for node, content in contents.items()]
         ids = list(grid.push_messages(msgs))
@@ -114,7 +115,9 @@ class SecureRound:
                 break
             if pending:
                 clock.sleep(self.wf.cfg.server.poll_interval)
-        log(INFO, "[fedshield] round %d secagg %s: %d of %d nodes in", rnd, stage, len(accepted), len(contents))
+        stats["stage_s"][stage] = round(clock.now() - started, 4)
+        log(INFO, "[fedshield] round %d secagg %s: %d of %d nodes in %.2f s", rnd, stage, len(accepted), len(contents),
+            stats["stage_s"][stage])
 
     @staticmethod
     def _check_envelope(reply: Message, node: int, rnd: int, stage: str) -> None:
@@ -142,7 +145,7 @@ class SecureRound:
         wf, st = self.wf, self.settings
         numel = wf.numel
         stats: dict[str, Any] = {"replies": 0, "bytes_up": 0, "bytes_down": 0, "rejected_by_rule": Counter(),
-                                 "server_s": {}}
+                                 "server_s": {}, "stage_s": {}}
         subset_seed = os.urandom(SEED_BYTES)
         subset = shared_subset(subset_seed, numel, st.secagg_sparse_ratio)
         dp = wf.dp if isinstance(wf.dp, DistributedDp) else None
@@ -266,6 +269,7 @@ class SecureRound:
             "secagg_degree": params.degree, "secagg_threshold": params.threshold, "secagg_survivors": len(survivors),
             "secagg_dropped": len(dropped),
             "secagg_server_s": round(sum(stats["server_s"].values()), 4),
+            "secagg_stage_s": dict(stats["stage_s"]),  # each stage's time, from sending to its last reply
         }
         if reason:
             row["secagg_failure"] = reason

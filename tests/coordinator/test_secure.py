@@ -75,6 +75,9 @@ def test_secagg_round_equals_the_plain_weighted_mean(tmp_path):
     wf = run(tmp_path, InProcessGrid(app, N), **{"secure-aggregation": "secagg+"})
     row = wf.history[0]
     assert row["secagg_survivors"] == N and row["accepted"] == N and row["rejected"] == 0
+    stages = row["secagg_stage_s"]  # each stage's time on the workflow's clock, sending to last reply
+    assert list(stages) == ["setup", "share-keys", "masked-input", "unmask"]
+    assert all(v >= 0 for v in stages.values()) and sum(stages.values()) <= row["round_time_s"] + 1e-6
     ref = plain_reference(tmp_path, list(range(1001, 1001 + N)))
     torch.testing.assert_close(wf.weights, ref, rtol=0, atol=1e-6)  # 32-bit ring: quantization error ~1e-8
     assert wf.version == 1
@@ -247,7 +250,9 @@ def test_no_key_material_or_masks_reach_the_logs_or_run_dir(tmp_path, caplog, ca
             assert form not in text
     summary = json.loads((tmp_path / "a" / SUMMARY).read_text())
     assert summary["secure_aggregation"] == "secagg+"
-    assert "secagg_survivors" in (tmp_path / "a" / METRICS).read_text()
+    header, first = (tmp_path / "a" / METRICS).read_text().splitlines()[:2]
+    assert "secagg_survivors" in header and "secagg_stage_s" in header
+    assert '""setup"": ' in first, "the stage times are a JSON object in the CSV"
 
 
 def test_secagg_settings_are_checked():
