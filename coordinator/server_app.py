@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +13,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from .config import RunConfig
 from .rundir import RunDirectory
-from .workflow import Clock, RoundCallback, SyncWorkflow
+from .workflow import Clock, RoundCallback, StoppableClock, SyncWorkflow
 
 
 def make_workflow(cfg: RunConfig, grid: Grid, run_dir: RunDirectory, clock: Clock | None = None,
@@ -26,17 +28,43 @@ def make_workflow(cfg: RunConfig, grid: Grid, run_dir: RunDirectory, clock: Cloc
 HOME_ENV = "FEDSHIELD_HOME"
 
 
+class OneLineErrors(logging.Filter):
+    """Flower logs a ServerApp's exception with its traceback. fedshield's own errors (a run that
+    cannot go on, such as too few nodes within wait-nodes-timeout) are messages for the operator, not
+    bugs: they are logged as one line (and the run still ends as failed, with that message)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from aggregation import AggregationError
+        from clients import ClientError
+        from privacy import PrivacyError
+
+        from ._errors import CoordinatorError
+
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, CoordinatorError | AggregationError | PrivacyError | ClientError):
+            record.msg, record.args = "ServerApp stopped: %s", (exc,)
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+_FLWR_LOGGER = logging.getLogger("flwr")
+if not any(isinstance(f, OneLineErrors) for f in _FLWR_LOGGER.filters):
+    _FLWR_LOGGER.addFilter(OneLineErrors())
+
+
 def default_run_dir(run_id: int) -> Path:
     home = Path(os.environ.get(HOME_ENV, Path.home() / ".fedshield"))
     return home / "runs" / f"run-{run_id}"
 
 
 def make_server_app(
-    cfg: RunConfig | None = None, on_round: RoundCallback | None = None, result: dict[str, Any] | None = None
+    cfg: RunConfig | None = None, on_round: RoundCallback | None = None, result: dict[str, Any] | None = None,
+    stop: threading.Event | None = None,
 ) -> ServerApp:
     """A ServerApp running ``cfg`` (or, when None, the config in ``context.run_config``).
 
-    ``result`` (optional) receives the run's summary, for in-process callers.
+    ``result`` (optional) receives the run's summary, for in-process callers. ``stop`` (optional):
+    setting it ends the run within one poll interval (RunInterrupted), nothing more saved.
     """
     app = ServerApp()
 
@@ -44,7 +72,8 @@ def make_server_app(
     def main(grid: Grid, context: Context) -> None:
         run_cfg = cfg if cfg is not None else RunConfig.from_mapping(context.run_config)
         run_dir = RunDirectory(run_cfg.server.run_dir or default_run_dir(context.run_id))
-        summary = make_workflow(run_cfg, grid, run_dir, on_round=on_round).run()
+        clock = StoppableClock(stop) if stop is not None else None
+        summary = make_workflow(run_cfg, grid, run_dir, clock=clock, on_round=on_round).run()
         if result is not None:
             result.update(summary)
 

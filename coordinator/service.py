@@ -9,9 +9,12 @@ its log; stop everything it started, also on failure or Ctrl-C.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
+import re
 import signal
+import socket
 import ssl
 import subprocess
 import sys
@@ -31,6 +34,7 @@ from .config import RunConfig
 from .rundir import SUMMARY
 
 FEDERATION = "fedshield"
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,8 +83,8 @@ def load_coordinator_config(path: str | os.PathLike, run_dir: str | None = None)
     service = build_config(ServiceSettings, data.get("coordinator", {}), "coordinator")
     run_map = dict(data.get("run", {}))
     base = p.parent.resolve()
-    if run_dir is not None:
-        run_map["run-dir"] = run_dir
+    if run_dir is not None:  # the --run-dir flag: relative to where the command runs, like simulate's
+        run_map["run-dir"] = str(Path(run_dir).expanduser().resolve())
     run_map["run-dir"] = str((base / Path(run_map.get("run-dir") or "runs/coordinator").expanduser()).resolve())
     return CoordinatorFile(service=service, run=RunConfig.from_mapping(run_map), base=base)
 
@@ -127,8 +131,31 @@ class Coordinator:
         self.log_path = self.state / "superlink.log"
 
     # -- processes -----------------------------------------------------------
+    def check_port_free(self) -> None:
+        """The SuperLink's port must be free: otherwise its bind fails while the health check (and the
+        run) would reach whatever already listens there, such as another coordinator's SuperLink."""
+        s = self.cfg.service
+        try:
+            infos = socket.getaddrinfo(s.host, s.port, type=socket.SOCK_STREAM)
+        except socket.gaierror as exc:
+            raise ConfigError(f"coordinator.host must resolve to an address. Found {s.host!r}: {exc.strerror}.") from None
+        family, _, _, _, addr = infos[0]
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            # SO_REUSEADDR: a port left in TIME_WAIT by an earlier run counts as free; one that a socket
+            # listens on does not (no SO_REUSEPORT here, so a gRPC server's shared port is refused too)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(addr)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    raise CoordinatorError(f"coordinator.port {s.port} on {s.host} must be free. Found it in use "
+                                           "(another coordinator or SuperLink?): stop that or pick another port.") from None
+                raise CoordinatorError(f"coordinator.host:port {s.host}:{s.port} must be bindable. Found: "
+                                       f"{exc.strerror}.") from None
+
     def start_superlink(self) -> None:
         self.state.mkdir(parents=True, exist_ok=True)
+        self.check_port_free()
         s = self.cfg.service
         # In-memory SuperLink state: a restarted coordinator starts a fresh link (the run itself
         # resumes from the run directory's checkpoint); agents then start again and re-join.
@@ -154,19 +181,27 @@ class Coordinator:
                                        f"{self._log_tail()}")
             try:
                 with urllib.request.urlopen(url, context=ctx, timeout=2) as resp:
-                    if resp.status == 200:
-                        return
+                    healthy = resp.status == 200
             except OSError:
-                pass
+                healthy = False
+            if healthy:  # and it is ours: a SuperLink that failed to bind exits within moments
+                time.sleep(0.5)
+                if self.superlink is None or self.superlink.poll() is None:
+                    return
+                continue
             time.sleep(0.25)
         raise CoordinatorError(f"the SuperLink must answer on {url} within {self.cfg.service.start_timeout} s. Found no answer.")
 
     def _log_tail(self, lines: int = 3) -> str:
+        """The SuperLink log's telling lines (an error or errno line if there is one, else its last
+        lines), without colour codes, and where the whole log is."""
         try:
-            text = self.log_path.read_text(errors="replace").strip().splitlines()
+            text = [_ANSI.sub("", line).strip() for line in self.log_path.read_text(errors="replace").splitlines()]
         except OSError:
             return "(no log)"
-        return " | ".join(line.strip() for line in text[-lines:])
+        text = [line for line in text if line]
+        telling = [line for line in text if "Errno" in line or "ERROR" in line or "rror:" in line]
+        return " | ".join((telling or text)[-lines:]) + f" (full log: {self.log_path})"
 
     def stop(self) -> None:
         if self.superlink is not None and self.superlink.poll() is None:

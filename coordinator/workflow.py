@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -54,6 +55,23 @@ class WallClock:
 
     def sleep(self, seconds: float) -> None:
         time.sleep(seconds)
+
+
+class RunInterrupted(CoordinatorError):
+    """The run was stopped from outside (Ctrl-C on a simulation whose ServerApp runs in a thread)."""
+
+
+class StoppableClock(WallClock):
+    """A wall clock whose waits end the run once ``stop`` is set. The round logic waits on the Grid
+    only through ``sleep``, so a run in a thread stops within one poll interval, before it saves
+    another round (Flower's simulation engine runs the ServerApp in a thread that Ctrl-C does not reach)."""
+
+    def __init__(self, stop: threading.Event) -> None:
+        self.stop = stop
+
+    def sleep(self, seconds: float) -> None:
+        if self.stop.wait(seconds):
+            raise RunInterrupted("the run was interrupted; rounds not finished are not saved")
 
 
 def weights_digest(weights: torch.Tensor) -> str:

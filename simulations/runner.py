@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -39,12 +40,19 @@ def run_flower_engine(scn: Scenario, on_round: RoundCallback | None) -> dict[str
     # One torch thread per client actor: actors already fill the cores.
     os.environ.setdefault("FEDSHIELD_TORCH_THREADS", "1")
     result: dict[str, Any] = {}
-    run_simulation(
-        server_app=make_server_app(scn.run, on_round, result),
-        client_app=client_app,
-        num_supernodes=scn.sim.num_supernodes,
-        backend_config=_backend_config(scn),
-    )
+    stop = threading.Event()
+    try:
+        run_simulation(
+            server_app=make_server_app(scn.run, on_round, result, stop=stop),
+            client_app=client_app,
+            num_supernodes=scn.sim.num_supernodes,
+            backend_config=_backend_config(scn),
+        )
+    except BaseException:
+        # Ctrl-C (or any failure) reaches only this thread: the ServerApp's thread would go on
+        # running rounds with no clients (and the interpreter would wait for it at exit).
+        stop.set()
+        raise
     if not result:
         raise CoordinatorError("the simulation must end with a summary. Found none: the ServerApp failed (see the log above).")
     return result

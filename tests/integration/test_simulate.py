@@ -79,3 +79,25 @@ def test_bad_input_is_one_line(tmp_path, fedshield_bin):
         lines = out.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("fedshield: error:"), out.stderr
         assert "Traceback" not in out.stderr
+
+
+@pytest.mark.timeout(300)
+def test_ctrl_c_stops_a_flower_engine_run_at_once_and_saves_no_more_rounds(tmp_path, procs, fedshield_bin):
+    """Ctrl-C reaches only the main thread; the ServerApp's thread must stop too (it used to run on,
+    saving empty rounds with no clients, and the process never exited)."""
+    import signal
+    import time
+
+    proc = procs.start("simulate", [fedshield_bin, "simulate", "--rounds", "60", "--quiet", "--run-dir", "run"], cwd=tmp_path)
+    metrics = tmp_path / "run" / METRICS
+    deadline = time.monotonic() + 200
+    while not metrics.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    assert metrics.exists(), procs.log("simulate")[-3000:]
+    proc.send_signal(signal.SIGINT)
+    assert procs.wait("simulate", timeout=45) == 130, procs.log("simulate")[-3000:]
+    rounds_then = len(list(csv.DictReader(open(metrics))))
+    assert rounds_then < 60
+    time.sleep(2)
+    assert len(list(csv.DictReader(open(metrics)))) == rounds_then, "no round is saved after the interrupt"
+    assert "fedshield: interrupted" in procs.log("simulate")

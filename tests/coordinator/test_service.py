@@ -1,0 +1,80 @@
+"""coordinator.service without starting Flower: the port check and the SuperLink log summary."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import sys
+
+import pytest
+
+from coordinator import CoordinatorError
+from coordinator.service import Coordinator, load_coordinator_config
+
+
+def _config(tmp_path, port: int):
+    path = tmp_path / "coordinator.toml"
+    path.write_text(f'[coordinator]\nhost = "127.0.0.1"\nport = {port}\n\n[run]\nnum-rounds = 1\n')
+    return load_coordinator_config(path)
+
+
+def test_a_port_someone_listens_on_is_refused_before_anything_starts(tmp_path):
+    with socket.socket() as other:  # another coordinator's SuperLink, say
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        coord = Coordinator(_config(tmp_path, port), insecure=True)
+        with pytest.raises(CoordinatorError, match=f"coordinator.port {port} on 127.0.0.1 must be free. Found it in use"):
+            coord.start_superlink()
+    assert coord.superlink is None, "no SuperLink is started on a port in use"
+
+
+def test_a_free_port_passes_the_check(tmp_path):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    Coordinator(_config(tmp_path, port), insecure=True).check_port_free()
+
+
+def test_log_tail_names_the_error_line_without_colour_codes_and_points_at_the_log(tmp_path):
+    coord = Coordinator(_config(tmp_path, 9), insecure=True)
+    coord.log_path.parent.mkdir(parents=True)
+    coord.log_path.write_text("\x1b[92mINFO \x1b[0m:      Starting\n"
+                              "\x1b[91mERROR \x1b[0m:     [Errno 98] error while attempting to bind: address already in use\n"
+                              "\x1b[92mINFO \x1b[0m:      SuperLinkLifespan: stop\n\n")
+    tail = coord._log_tail()
+    assert "\x1b" not in tail and "[Errno 98]" in tail and "SuperLinkLifespan" not in tail
+    assert tail.endswith(f"(full log: {coord.log_path})")
+
+
+def test_run_dir_flag_is_relative_to_the_working_directory_and_the_file_s_to_the_file(tmp_path, monkeypatch):
+    conf = tmp_path / "conf"
+    conf.mkdir()
+    (conf / "coordinator.toml").write_text('[run]\nnum-rounds = 1\nrun-dir = "from-file"\n')
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    assert load_coordinator_config(conf / "coordinator.toml").run.server.run_dir == str(conf / "from-file")
+    flag = load_coordinator_config(conf / "coordinator.toml", run_dir="myrun")
+    assert flag.run.server.run_dir == str(work / "myrun")
+
+
+def _record(exc: Exception) -> logging.LogRecord:
+    try:
+        raise exc
+    except Exception:  # noqa: BLE001 - the record Flower's run_serverapp makes
+        return logging.LogRecord("flwr", logging.ERROR, __file__, 1, "%s raised an exception", ("ServerApp",),
+                                 sys.exc_info())
+
+
+def test_serverapp_stopping_with_a_fedshield_error_is_logged_as_one_line():
+    from coordinator.server_app import OneLineErrors
+
+    assert any(isinstance(f, OneLineErrors) for f in logging.getLogger("flwr").filters)
+    rec = _record(CoordinatorError("min-nodes=3 nodes must be online within wait-nodes-timeout=5.0 s. Found 0."))
+    assert OneLineErrors().filter(rec) and rec.exc_info is None
+    formatted = logging.Formatter().format(rec)
+    assert formatted == "ServerApp stopped: min-nodes=3 nodes must be online within wait-nodes-timeout=5.0 s. Found 0."
+    bug = _record(ValueError("a bug"))
+    assert OneLineErrors().filter(bug) and bug.exc_info is not None, "anything else keeps its traceback"
+    assert "Traceback" in logging.Formatter().format(bug)
