@@ -6,6 +6,7 @@ import dataclasses
 import logging
 import os
 import threading
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,12 @@ def _backend_config(scn: Scenario) -> dict[str, Any]:
     }
 
 
+def _not_for_our_users(record: logging.LogRecord) -> bool:
+    """Drops Flower's notice that ``run_simulation`` (which ``fedshield simulate`` calls for its users)
+    is deprecated: nothing a user of fedshield can act on. Everything else passes."""
+    return "`run_simulation` function is deprecated" not in record.getMessage()
+
+
 def run_flower_engine(scn: Scenario, on_round: RoundCallback | None) -> dict[str, Any]:
     """The ServerApp and ClientApp under ``flwr.simulation.run_simulation``."""
     from flwr.simulation import run_simulation
@@ -41,18 +48,24 @@ def run_flower_engine(scn: Scenario, on_round: RoundCallback | None) -> dict[str
     os.environ.setdefault("FEDSHIELD_TORCH_THREADS", "1")
     result: dict[str, Any] = {}
     stop = threading.Event()
+    flwr_logger = logging.getLogger("flwr")
+    flwr_logger.addFilter(_not_for_our_users)
     try:
-        run_simulation(
-            server_app=make_server_app(scn.run, on_round, result, stop=stop),
-            client_app=client_app,
-            num_supernodes=scn.sim.num_supernodes,
-            backend_config=_backend_config(scn),
-        )
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Tip: In future versions of Ray", category=FutureWarning)
+            run_simulation(
+                server_app=make_server_app(scn.run, on_round, result, stop=stop),
+                client_app=client_app,
+                num_supernodes=scn.sim.num_supernodes,
+                backend_config=_backend_config(scn),
+            )
     except BaseException:
         # Ctrl-C (or any failure) reaches only this thread: the ServerApp's thread would go on
         # running rounds with no clients (and the interpreter would wait for it at exit).
         stop.set()
         raise
+    finally:
+        flwr_logger.removeFilter(_not_for_our_users)
     if not result:
         raise CoordinatorError("the simulation must end with a summary. Found none: the ServerApp failed (see the log above).")
     return result

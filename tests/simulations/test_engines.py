@@ -96,3 +96,17 @@ def test_more_clients_than_the_data_can_feed_is_one_error_before_any_round(tmp_p
     with pytest.raises(ConfigError, match="num-partitions must be <= 718"):
         run_scenario(scn, tmp_path / "r", show_progress=False)
     assert not (tmp_path / "r" / "metrics.csv").exists()
+
+
+def test_flower_engine_drops_only_flowers_run_simulation_deprecation_notice():
+    import logging
+
+    from simulations.runner import _not_for_our_users
+
+    def record(msg, *args):
+        return logging.LogRecord("flwr", logging.WARNING, __file__, 1, msg, args, None)
+
+    notice = record("DEPRECATED FEATURE: %s", "The `run_simulation` function is deprecated and will be removed")
+    assert _not_for_our_users(notice) is False
+    assert _not_for_our_users(record("DEPRECATED FEATURE: %s", "something else")) is True
+    assert _not_for_our_users(record("[fedshield] round %d", 3)) is True
