@@ -34,13 +34,15 @@ class OneLineErrors(logging.Filter):
     bugs: they are logged as one line (and the run still ends as failed, with that message)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is None:
+            return True
         from aggregation import AggregationError
         from clients import ClientError
         from privacy import PrivacyError
 
         from ._errors import CoordinatorError
 
-        exc = record.exc_info[1] if record.exc_info else None
         if isinstance(exc, CoordinatorError | AggregationError | PrivacyError | ClientError):
             record.msg, record.args = "ServerApp stopped: %s", (exc,)
             record.exc_info, record.exc_text = None, None
