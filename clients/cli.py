@@ -39,17 +39,57 @@ _EXIT_REASONS = {
 
 def export_partitions(task: str, num_partitions: int, out: str, partitioning: str = "dirichlet",
                       alpha: float = 0.5, seed: int = 0) -> list[Path]:
-    """Write partitions of a task's training set as ``client-K.npz`` (x, y) files."""
+    """Write partitions of a task's training set as ``client-K.npz`` (x, y) files.
+
+    Everything is checked and split before anything is created, and a failure while writing removes what
+    this call made, so a bad input never leaves an empty (or half-filled new) directory behind.
+    """
+    if num_partitions < 1:
+        raise ClientError(f"--num-partitions must be >= 1. Found {num_partitions}.")
+    out_dir = Path(out)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ClientError(f"--out must be a directory. Found a file at {out_dir}.")
     spec = build_config(TaskSpec, {"task": task, "partitioning": partitioning, "dirichlet-alpha": alpha, "data-seed": seed})
     t = get_task(spec)
-    out_dir = Path(out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for k in range(num_partitions):
-        path = out_dir / f"client-{k}.npz"
-        save_npz(path, t.partition(k, num_partitions))
-        paths.append(path)
+    parts = [t.partition(k, num_partitions) for k in range(num_partitions)]  # raises on a bad split, nothing made yet
+    created = _missing_ancestor(out_dir)
+    paths: list[Path] = []
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for k, part in enumerate(parts):
+            path = out_dir / f"client-{k}.npz"
+            paths.append(path)
+            save_npz(path, part)
+    except OSError as exc:
+        _undo_export(paths, created, out_dir)
+        where = f" ({exc.filename})" if exc.filename and str(exc.filename) != str(out_dir) else ""
+        raise ClientError(f"--out {out_dir} must be a writable directory. Found: {exc.strerror or exc}{where}.") from None
     return paths
+
+
+def _missing_ancestor(path: Path) -> Path | None:
+    """The topmost of ``path`` and its parents that does not exist yet (what ``mkdir -p`` would create)."""
+    top = None
+    for p in (path, *path.parents):
+        if p.exists():
+            break
+        top = p
+    return top
+
+
+def _undo_export(paths: list[Path], created: Path | None, out_dir: Path) -> None:
+    """Remove what a failed export made: its files when the directory is new, then the new (empty) directories."""
+    if created is None:
+        return  # an existing directory: its older files were overwritten, nothing to restore
+    for path in paths:
+        path.unlink(missing_ok=True)
+    for d in (out_dir, *out_dir.parents):
+        try:
+            d.rmdir()  # only empty ones go
+        except OSError:
+            break
+        if d == created:
+            break
 
 
 def parse_address(text: str) -> tuple[str, int]:

@@ -41,6 +41,8 @@ class RoundProgress:
         self._progress.stop()
 
     def update(self, row: dict[str, Any]) -> None:
-        self._progress.console.print(format_row(row, self.total))
+        # In a terminal rich wraps at its width; into a file or pipe each round stays one line (no wrap at 80).
+        self._progress.console.print(format_row(row, self.total), markup=False,
+                                     soft_wrap=not self.console.is_terminal)
         info = f"acc {row['test_accuracy']:.3f}"
         self._progress.update(self._task, completed=row["round"], info=info)

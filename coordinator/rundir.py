@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from ._errors import CoordinatorError
+
 CHECKPOINT, METRICS, SUMMARY, MODEL, PLOT, CONFIG = (
     "checkpoint.pt", "metrics.csv", "summary.json", "model.pt", "accuracy.png", "config.json",
 )
@@ -39,6 +41,21 @@ def time_axis(rows: list[dict[str, Any]]) -> list[float]:
     return out
 
 
+def is_simulated(rows: list[dict[str, Any]]) -> bool:
+    """True when the rows carry simulated time (the virtual engine), False for a real clock."""
+    return bool(rows) and rows[-1].get("sim_time_s") is not None
+
+
+def time_label(runs: list[list[dict[str, Any]]]) -> str:
+    """What :func:`time_axis` measures for these runs, in words."""
+    kinds = {is_simulated(rows) for rows in runs}
+    if kinds == {True}:
+        return "simulated on the virtual engine"
+    if kinds == {False}:
+        return "rounds' wall time summed"
+    return "simulated on the virtual engine, else rounds' wall time summed"
+
+
 def _atomic_write(path: Path, data: bytes) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as fh:
@@ -53,7 +70,13 @@ class RunDirectory:
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path).expanduser().resolve()
-        self.path.mkdir(parents=True, exist_ok=True)
+        if self.path.exists() and not self.path.is_dir():
+            raise CoordinatorError(f"run directory must be a directory. Found a file at {path}; pick another run-dir.")
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise CoordinatorError(f"run directory {path} must be creatable. Found: {exc.strerror or exc}"
+                                   + (f" ({exc.filename})" if exc.filename else "") + ".") from None
 
     def file(self, name: str) -> Path:
         return self.path / name
@@ -64,10 +87,23 @@ class RunDirectory:
         _atomic_write(self.file(CHECKPOINT), buf.getvalue())
 
     def load_checkpoint(self) -> dict[str, Any] | None:
+        """The last saved state, or None when there is none; a file that is not one is a CoordinatorError."""
         path = self.file(CHECKPOINT)
         if not path.exists():
             return None
-        return torch.load(path, map_location="cpu", weights_only=True)
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except OSError as exc:
+            raise CoordinatorError(f"checkpoint {path} must be readable. Found: {exc.strerror or exc}.") from None
+        except Exception as exc:  # torch/pickle raise many kinds (UnpicklingError, RuntimeError, EOFError, KeyError...)
+            text = str(exc).strip().splitlines()
+            reason = f"{type(exc).__name__}: {text[0][:100]}" if text else type(exc).__name__
+            raise CoordinatorError(f"{path} is not a fedshield checkpoint (torch.load failed: {reason}); "
+                                   "move it away or pick another --run-dir.") from None
+        if not isinstance(state, dict) or not isinstance(state.get("round"), int):
+            raise CoordinatorError(f"{path} is not a fedshield checkpoint (no round number in it); "
+                                   "move it away or pick another --run-dir.")
+        return state
 
     def write_json(self, name: str, obj: Any) -> None:
         _atomic_write(self.file(name), (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
@@ -116,7 +152,7 @@ class RunDirectory:
         for label, rows in runs.items():
             if rows:
                 ax.plot(time_axis(rows), [r["test_accuracy"] for r in rows], "o-", markersize=3, label=label)
-        ax.set_xlabel("time (s; simulated on the virtual engine)")
+        ax.set_xlabel(f"time (s; {time_label([rows for rows in runs.values() if rows])})")
         ax.set_ylabel("test accuracy")
         ax.set_ylim(0, 1)
         ax.set_title(title)

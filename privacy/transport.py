@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime as dt
 import ipaddress
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,17 +47,50 @@ class CertificatePaths:
         return self
 
 
+def _os_reason(exc: OSError) -> str:
+    return exc.strerror or str(exc)
+
+
+def _make_dir(d: Path, what: str) -> None:
+    """``mkdir -p d`` with one clear PrivacyError instead of an OSError."""
+    if d.exists() and not d.is_dir():
+        raise PrivacyError(f"{what} must be a directory. Found a file at {d}.")
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise PrivacyError(f"{what} {d} must be creatable. Found: {_os_reason(exc)}"
+                           + (f" ({exc.filename})" if exc.filename and str(exc.filename) != str(d) else "") + ".") from None
+
+
 def _write(path: Path, data: bytes, private: bool) -> None:
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
     mode = 0o600 if private else 0o644
-    fd = os.open(path, flags, mode)
-    os.fchmod(fd, mode)  # also when the file existed (--force) with looser bits
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(data)
+    try:
+        with os.fdopen(os.open(path, flags, mode), "wb") as fh:
+            os.fchmod(fh.fileno(), mode)  # also when the file existed (--force) with looser bits
+            fh.write(data)
+    except OSError as exc:
+        raise PrivacyError(f"{path} must be writable. Found: {_os_reason(exc)}.") from None
 
 
 def _name(cn: str) -> x509.Name:
     return x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "fedshield"), x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+
+_DNS_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
+
+
+def check_san(name: str) -> str:
+    """``name`` if it is an IP address or a DNS name (``*.`` allowed as the first label), else a PrivacyError."""
+    try:
+        ipaddress.ip_address(name)
+        return name
+    except ValueError:
+        pass
+    labels = name[2:].split(".") if name.startswith("*.") else name.split(".")
+    if not (0 < len(name) <= 253 and all(_DNS_LABEL.fullmatch(label) for label in labels)):
+        raise PrivacyError(f"--san must be a DNS name (letters, digits, '-' and dots) or an IP address. Found {name!r}.")
+    return name
 
 
 def _san(names: tuple[str, ...]) -> x509.SubjectAlternativeName:
@@ -73,7 +107,8 @@ def init_certificates(directory: str | os.PathLike, extra_names: tuple[str, ...]
                       force: bool = False) -> CertificatePaths:
     """Create a CA and a server certificate signed by it in ``directory``."""
     d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
+    extra_names = tuple(check_san(n) for n in extra_names)  # before anything is created
+    _make_dir(d, "certificate directory")
     paths = CertificatePaths.in_dir(d)
     if not force and any(p.exists() for p in (paths.ca_cert, paths.server_cert, paths.server_key, d / CA_KEY)):
         raise PrivacyError(f"certificate directory must not already hold certificates. Found them in {d}; use --force to replace.")
@@ -119,7 +154,7 @@ def new_node_key(path: str | os.PathLike, force: bool = False) -> tuple[Path, Pa
         raise PrivacyError(f"key path must be DIR/NAME. Found {str(priv)!r}.")
     if not force and (priv.exists() or pub.exists()):
         raise PrivacyError(f"key path must not exist yet. Found {priv}; use --force to replace.")
-    priv.parent.mkdir(parents=True, exist_ok=True)
+    _make_dir(priv.parent, "key directory")
     key = ec.generate_private_key(ec.SECP384R1())
     _write(priv, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
                                    serialization.NoEncryption()), private=True)

@@ -17,7 +17,43 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"fedshield: error: {message}\n")
 
 
+def _check_scenario_file(path: str) -> None:
+    """A scenario path the loader would trip on (a directory, bytes that are not UTF-8) as one clear line."""
+    from clients import ClientError
+
+    p = Path(path)
+    if p.is_dir():
+        raise ClientError(f"scenario must be a TOML file. Found {path!r}, a directory.")
+    if not p.is_file():
+        return  # the loader says "no such file"
+    try:
+        p.read_bytes().decode("utf-8")
+    except OSError as exc:
+        raise ClientError(f"scenario {path!r} must be readable. Found: {exc.strerror or exc}.") from None
+    except UnicodeDecodeError as exc:
+        raise ClientError(f"scenario {path!r} must be UTF-8 text (TOML). Found byte 0x{exc.object[exc.start]:02x} "
+                          f"at offset {exc.start}.") from None
+
+
+def _rounds_done(run_dir: Path) -> tuple[int, dict | None]:
+    """Rounds already in ``run_dir``'s checkpoint (0 when new) and the checkpoint; creates nothing."""
+    from coordinator import CoordinatorError, RunDirectory
+    from coordinator.rundir import CHECKPOINT
+
+    for p in (run_dir, *run_dir.parents):
+        if p.exists():
+            if not p.is_dir():
+                raise CoordinatorError(f"--run-dir must be a directory. Found a file at {p}; pick another --run-dir.")
+            break
+    if not (run_dir / CHECKPOINT).exists():
+        return 0, None
+    ckpt = RunDirectory(run_dir).load_checkpoint()
+    return (int(ckpt["round"]), ckpt) if ckpt else (0, None)
+
+
 def _simulate(args: argparse.Namespace) -> int:
+    from coordinator.rundir import is_simulated, time_axis
+
     from .runner import run_scenario
     from .scenario import load_scenario, parse_override
 
@@ -26,6 +62,8 @@ def _simulate(args: argparse.Namespace) -> int:
         overrides["run.num-rounds"] = args.rounds
     if args.engine:
         overrides["simulation.engine"] = args.engine
+    for p in args.scenario or []:
+        _check_scenario_file(p)
     scenarios = [load_scenario(p, overrides) for p in (args.scenario or [None])]  # all checked before any runs
     stamp = time.strftime('%Y%m%d-%H%M%S')
     if not args.verbose:
@@ -41,10 +79,25 @@ def _simulate(args: argparse.Namespace) -> int:
         names = [s.sim.name if [t.sim.name for t in scenarios].count(s.sim.name) == 1 else f"{i}-{s.sim.name}"
                  for i, s in enumerate(scenarios)]
         runs = [(scn, parent / name) for scn, name in zip(scenarios, names, strict=True)]
+    resumed = [_rounds_done(run_dir) for _, run_dir in runs]  # a file in the way or a bad checkpoint: before any run
     results = []
-    for scn, run_dir in runs:
+    for (scn, run_dir), (done, ckpt) in zip(runs, resumed, strict=True):
+        wanted = scn.run.server.num_rounds
+        if ckpt is not None and done >= wanted:
+            # Nothing to train: say so (exit 0, the run directory is left as it was) instead of announcing rounds.
+            print(f"fedshield simulate: {run_dir} already holds {done} rounds (>= the {wanted} requested); nothing "
+                  f"trained, its results are unchanged. Give --rounds N with N > {done} to train more.", file=sys.stderr)
+            history = ckpt.get("history") or []
+            acc = history[-1].get("test_accuracy") if history else None
+            summary = {"final_test_accuracy": float("nan") if acc is None else acc, "rounds": done,
+                       "run_dir": str(run_dir.resolve())}
+            results.append((run_dir, summary, 0.0))
+            print(f"final test accuracy {summary['final_test_accuracy']:.4f} after {done} rounds (none trained now); "
+                  f"results in {summary['run_dir']}")
+            continue
+        resume = f" (resuming after round {done})" if done else ""
         print(f"fedshield simulate: scenario {scn.sim.name!r}, engine {scn.sim.engine}, "
-              f"{scn.sim.num_supernodes} clients, {scn.run.server.num_rounds} rounds -> {run_dir}", file=sys.stderr)
+              f"{scn.sim.num_supernodes} clients, {wanted} rounds{resume} -> {run_dir}", file=sys.stderr)
         start = time.monotonic()
         summary = run_scenario(scn, run_dir, show_progress=not args.quiet)
         wall = time.monotonic() - start
@@ -53,15 +106,16 @@ def _simulate(args: argparse.Namespace) -> int:
               f"wall time {wall:.1f} s; results in {summary['run_dir']}")
     if len(runs) > 1:
         from coordinator import RunDirectory
-        from coordinator.rundir import TIME_PLOT, time_axis
+        from coordinator.rundir import TIME_PLOT
 
         histories = {d.name: (RunDirectory(d).load_checkpoint() or {}).get("history", []) for d, _, _ in results}
         parent = results[0][0].parent
         RunDirectory(parent).plot_accuracy_vs_time(histories, "accuracy over time")
         for d, summary, wall in results:
             rows = histories[d.name]
+            label = "simulated on the virtual engine" if is_simulated(rows) else "rounds' wall time summed"
             print(f"  {d.name:<28} accuracy {summary['final_test_accuracy']:.4f}  time {time_axis(rows)[-1] if rows else 0:.1f} s "
-                  f"(simulated on the virtual engine)  wall {wall:.1f} s")
+                  f"({label})  wall {wall:.1f} s")
         print(f"comparison plot: {parent / TIME_PLOT}")
     return 0
 
@@ -175,6 +229,16 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except (ClientError, CoordinatorError, AggregationError, PrivacyError) as exc:
         print(f"fedshield: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a file-system problem no handler turned into a clearer line
+        where = f"{exc.filename}: " if exc.filename else ""
+        if exc.filename2:
+            where = f"{exc.filename} -> {exc.filename2}: "
+        print(f"fedshield: error: {where}{exc.strerror or exc}.", file=sys.stderr)
+        return 2
+    except UnicodeDecodeError as exc:  # a file that should be text is not UTF-8
+        print(f"fedshield: error: a file must be UTF-8 text. Found byte 0x{exc.object[exc.start]:02x} at offset "
+              f"{exc.start} ({exc.reason}).", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("fedshield: interrupted", file=sys.stderr)

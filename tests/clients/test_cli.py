@@ -1,0 +1,74 @@
+"""``fedshield data export`` (clients.cli.export_partitions): checked before anything is created."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from clients import ClientError
+from clients.cli import export_partitions
+from simulations.cli import main
+
+
+@pytest.mark.parametrize("n", [0, -2])
+def test_export_refuses_no_partitions_and_creates_nothing(tmp_path, n):
+    with pytest.raises(ClientError, match=f"--num-partitions must be >= 1. Found {n}."):
+        export_partitions("digits", n, str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_too_many_partitions_leaves_no_empty_directory(tmp_path):
+    with pytest.raises(ClientError, match="num-partitions must be"):
+        export_partitions("digits", 5000, str(tmp_path / "deep" / "out"))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_export_into_a_file_or_under_one(tmp_path):
+    f = tmp_path / "coordinator.toml"
+    f.write_text("[run]\n")
+    with pytest.raises(ClientError, match="--out must be a directory. Found a file at .*coordinator.toml"):
+        export_partitions("digits", 3, str(f))
+    with pytest.raises(ClientError, match="--out .*sub must be a writable directory. Found: Not a directory"):
+        export_partitions("digits", 3, str(f / "sub"))
+    assert f.read_text() == "[run]\n" and sorted(p.name for p in tmp_path.iterdir()) == ["coordinator.toml"]
+
+
+def test_export_writes_every_partition(tmp_path):
+    paths = export_partitions("digits", 3, str(tmp_path / "a" / "b"), partitioning="iid")
+    assert [p.name for p in paths] == ["client-0.npz", "client-1.npz", "client-2.npz"]
+    sizes = [len(np.load(p)["y"]) for p in paths]
+    assert min(sizes) > 0 and max(sizes) - min(sizes) <= 1
+
+
+def test_a_failed_write_removes_what_it_made(tmp_path, monkeypatch):
+    import clients.cli as cli
+
+    calls = []
+
+    def flaky_save(path, data):
+        calls.append(path)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device", str(path))
+        np.savez(path, x=data.x, y=data.y)
+
+    monkeypatch.setattr(cli, "save_npz", flaky_save)
+    with pytest.raises(ClientError, match="No space left on device"):
+        export_partitions("digits", 3, str(tmp_path / "new" / "out"), partitioning="iid")
+    assert len(calls) == 2 and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("args", [["--num-partitions", "0"], ["--num-partitions", "-2"], ["--num-partitions", "5000"]])
+def test_cli_bad_partition_count_is_one_line_exit_2_and_no_directory(tmp_path, capsys, args):
+    out = tmp_path / "d"
+    assert main(["data", "export", *args, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("fedshield: error: ") and "num-partitions" in err[0]
+    assert not out.exists()
+
+
+def test_cli_export_onto_a_file_is_one_line(tmp_path, capsys):
+    f = tmp_path / "coordinator.toml"
+    f.write_text("x")
+    assert main(["data", "export", "--num-partitions", "3", "--out", str(f)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"fedshield: error: --out must be a directory. Found a file at {f}."]

@@ -1,0 +1,53 @@
+"""RunDirectory on a file system that is not as expected: one CoordinatorError naming the path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from coordinator import CoordinatorError, RunDirectory
+from coordinator.rundir import CHECKPOINT, is_simulated, time_axis, time_label
+
+
+def test_checkpoint_round_trip(tmp_path):
+    rd = RunDirectory(tmp_path / "run")
+    assert rd.load_checkpoint() is None
+    rd.save_checkpoint({"round": 2, "weights": torch.ones(3), "history": [{"round": 1}, {"round": 2}]})
+    state = rd.load_checkpoint()
+    assert state["round"] == 2 and torch.equal(state["weights"], torch.ones(3))
+
+
+@pytest.mark.parametrize("content", [b"junk\n", b"", b"\x80\x02}q\x00.", b"PK\x03\x04garbage"])
+def test_corrupt_checkpoint_is_one_clear_error(tmp_path, content):
+    (tmp_path / CHECKPOINT).write_bytes(content)
+    with pytest.raises(CoordinatorError, match=r"checkpoint\.pt is not a fedshield checkpoint \(.*\); move it away "
+                                               r"or pick another --run-dir\.") as info:
+        RunDirectory(tmp_path).load_checkpoint()
+    assert str(tmp_path / CHECKPOINT) in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_torch_file_that_is_not_a_checkpoint(tmp_path):
+    torch.save(torch.zeros(2), tmp_path / CHECKPOINT)
+    with pytest.raises(CoordinatorError, match="is not a fedshield checkpoint .no round number"):
+        RunDirectory(tmp_path).load_checkpoint()
+
+
+def test_run_directory_that_is_a_file(tmp_path):
+    f = tmp_path / "afile"
+    f.write_text("x")
+    with pytest.raises(CoordinatorError, match="run directory must be a directory. Found a file at .*afile"):
+        RunDirectory(f)
+    with pytest.raises(CoordinatorError, match="run directory .*sub must be creatable. Found: Not a directory"):
+        RunDirectory(f / "sub")
+
+
+WALL = [{"round": 1, "round_time_s": 1.5}, {"round": 2, "round_time_s": 2.0}]
+SIMULATED = [{"round": 1, "round_time_s": 3.0, "sim_time_s": 3.0}, {"round": 2, "round_time_s": 4.0, "sim_time_s": 7.0}]
+
+
+def test_time_label_says_what_the_time_axis_measures():
+    assert time_axis(WALL) == [1.5, 3.5] and time_axis(SIMULATED) == [3.0, 7.0]
+    assert not is_simulated(WALL) and is_simulated(SIMULATED) and not is_simulated([])
+    assert time_label([WALL]) == "rounds' wall time summed"
+    assert time_label([SIMULATED, SIMULATED]) == "simulated on the virtual engine"
+    assert "simulated" in time_label([WALL, SIMULATED]) and "wall time" in time_label([WALL, SIMULATED])

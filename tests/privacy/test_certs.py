@@ -1,0 +1,71 @@
+"""``init_certificates`` / ``new_node_key`` on bad input: one PrivacyError (one CLI line), nothing half-made."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+
+import pytest
+from cryptography import x509
+
+from privacy import PrivacyError, init_certificates, new_node_key
+from privacy.transport import check_san
+from simulations.cli import main
+
+
+@pytest.mark.parametrize("name", ["not a valid name!!", "-bad.com", "bad-.com", "a_b.example", "a..b", "", "x" * 64 + ".com",
+                                  "é.example", "*", "a.*.example"])
+def test_san_rejects_names_that_are_neither_dns_nor_ip(tmp_path, name):
+    with pytest.raises(PrivacyError, match="--san must be a DNS name .* or an IP address"):
+        init_certificates(tmp_path / "c", extra_names=(name,))
+    assert not (tmp_path / "c").exists()  # checked before anything is created
+
+
+@pytest.mark.parametrize("name", ["node.example.org", "host-1", "*.example.com", "10.1.2.3", "::1", "fe80::1", "XN--BCHER-KVA.example"])
+def test_san_accepts_dns_names_and_ips(name):
+    assert check_san(name) == name
+
+
+def test_accepted_sans_land_in_the_certificate(tmp_path):
+    paths = init_certificates(tmp_path, extra_names=("*.example.com", "::1"))
+    san = x509.load_pem_x509_certificate(paths.server_cert.read_bytes()).extensions.get_extension_for_class(
+        x509.SubjectAlternativeName).value
+    assert "*.example.com" in san.get_values_for_type(x509.DNSName)
+    assert ipaddress.ip_address("::1") in san.get_values_for_type(x509.IPAddress)
+
+
+def test_certificate_directory_that_is_a_file(tmp_path):
+    f = tmp_path / "afile"
+    f.write_text("x")
+    with pytest.raises(PrivacyError, match="must be a directory. Found a file at .*afile"):
+        init_certificates(f)
+    with pytest.raises(PrivacyError, match="must be creatable. Found: Not a directory"):
+        init_certificates(f / "sub")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux /proc (a directory nobody can create in)")
+def test_node_key_parent_that_cannot_be_made(tmp_path):
+    f = tmp_path / "afile"
+    f.write_text("x")
+    with pytest.raises(PrivacyError, match="key directory must be a directory. Found a file at .*afile"):
+        new_node_key(f / "k")
+    with pytest.raises(PrivacyError, match="key directory .*nope must be creatable. Found: No such file or directory"):
+        new_node_key("/proc/nope/x")
+
+
+def _one_error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("fedshield: error: "), err
+    return err[0]
+
+
+def test_cli_certs_and_keys_file_system_errors_are_one_line(tmp_path, capsys):
+    f = tmp_path / "default.toml"
+    f.write_text("[run]\n")
+    assert main(["certs", "init", str(f)]) == 2
+    assert "must be a directory" in _one_error_line(capsys)
+    assert main(["keys", "new", str(f / "x")]) == 2
+    assert "key directory must be a directory" in _one_error_line(capsys)
+    assert main(["certs", "init", str(tmp_path / "c"), "--san", "not a valid name!!"]) == 2
+    assert "'not a valid name!!'" in _one_error_line(capsys)
+    assert not (tmp_path / "c").exists()

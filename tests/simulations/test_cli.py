@@ -1,0 +1,175 @@
+"""``fedshield simulate`` (simulations.cli.main) on bad files and odd run directories: one line, exit 2; resume
+and comparison output that says what happened."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from rich.console import Console
+
+from coordinator import RunDirectory
+from coordinator.progress import RoundProgress, format_row
+from coordinator.rundir import CHECKPOINT, SUMMARY
+from simulations import cli
+from simulations.cli import main
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "scenarios"
+SMALL = ["--set", "simulation.num-supernodes=4", "--set", "run.min-nodes=4"]
+
+
+def _one_error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("fedshield: error: "), err
+    return err[0]
+
+
+def _row(rnd: int, sim_time: float | None = None) -> dict:
+    row = {"round": rnd, "test_accuracy": 0.5 + rnd / 100, "test_loss": 1.0, "accepted": 4, "selected": 4, "rejected": 0,
+           "bytes_down": 123456, "bytes_up": 123456, "round_time_s": 2.0}
+    if sim_time is not None:
+        row["sim_time_s"] = sim_time
+    return row
+
+
+def _fake_run(path: Path, rounds: int, simulated: bool = False) -> None:
+    """A run directory whose checkpoint holds ``rounds`` finished rounds (nothing else of a real run)."""
+    rows = [_row(r, 10.0 * r if simulated else None) for r in range(1, rounds + 1)]
+    RunDirectory(path).save_checkpoint({"round": rounds, "version": rounds, "weights": torch.zeros(1), "history": rows})
+
+
+# ----------------------------------------------------------------------------- file-system problems
+
+
+def test_run_dir_that_is_a_file(tmp_path, capsys):
+    f = tmp_path / "afile"
+    f.write_text("")
+    assert main(["simulate", "--engine", "inprocess", "--rounds", "1", "--run-dir", str(f), "--quiet"]) == 2
+    assert f"Found a file at {f}" in _one_error_line(capsys)
+    assert main(["simulate", "--rounds", "1", "--run-dir", str(f / "sub"), "--quiet"]) == 2
+    assert f"Found a file at {f}" in _one_error_line(capsys)
+    assert main(["simulate", str(EXAMPLES / "default.toml"), str(EXAMPLES / "synthetic-iid.toml"), "--rounds", "1",
+                 "--run-dir", str(f), "--quiet"]) == 2  # a comparison's parent
+    assert f"Found a file at {f}" in _one_error_line(capsys)
+    assert f.read_text() == ""
+
+
+def test_corrupt_checkpoint_in_run_dir(tmp_path, capsys):
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / CHECKPOINT).write_text("junk\n")
+    assert main(["simulate", "--engine", "inprocess", "--rounds", "1", "--run-dir", str(d), "--quiet"]) == 2
+    line = _one_error_line(capsys)
+    assert f"{d / CHECKPOINT} is not a fedshield checkpoint" in line and "move it away or pick another --run-dir" in line
+    assert sorted(p.name for p in d.iterdir()) == [CHECKPOINT]  # nothing ran
+
+
+def test_scenario_that_is_not_utf8(tmp_path, capsys):
+    p = tmp_path / "binary.toml"
+    p.write_bytes(b"\xff\xfe[run]\n")
+    assert main(["simulate", str(p)]) == 2
+    assert "must be UTF-8 text (TOML). Found byte 0xff at offset 0" in _one_error_line(capsys)
+
+
+def test_scenario_that_is_a_directory(tmp_path, capsys):
+    d = tmp_path / "adir.toml"
+    d.mkdir()
+    assert main(["simulate", str(d)]) == 2
+    line = _one_error_line(capsys)
+    assert "a directory" in line and "no such file" not in line
+    assert main(["simulate", str(tmp_path / "nope.toml")]) == 2
+    assert "no such file" in _one_error_line(capsys)
+
+
+def test_any_other_os_error_is_one_line(monkeypatch, capsys):
+    def boom(args):
+        raise PermissionError(13, "Permission denied", "/somewhere/ca.key")
+
+    monkeypatch.setattr(cli, "_certs_init", boom)
+    assert main(["certs", "init", "x"]) == 2
+    assert _one_error_line(capsys) == "fedshield: error: /somewhere/ca.key: Permission denied."
+
+
+def test_a_text_file_that_is_not_utf8_anywhere_is_one_line(monkeypatch, capsys):
+    import simulations.scenario
+
+    def loader(path, overrides):
+        b"\xc3(".decode("utf-8")
+
+    monkeypatch.setattr(simulations.scenario, "load_scenario", loader)
+    assert main(["simulate", "--quiet"]) == 2
+    assert "must be UTF-8 text. Found byte 0xc3 at offset 0" in _one_error_line(capsys)
+
+
+# ----------------------------------------------------------------------------- resume and comparison
+
+
+@pytest.mark.parametrize("requested", [2, 3])
+def test_resume_with_no_rounds_left_says_so_and_trains_nothing(tmp_path, capsys, requested):
+    d = tmp_path / "q1"
+    _fake_run(d, 3)
+    before = (d / CHECKPOINT).read_bytes()
+    assert main(["simulate", "--engine", "inprocess", "--rounds", str(requested), "--run-dir", str(d)]) == 0
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1, err
+    assert f"already holds 3 rounds (>= the {requested} requested); nothing trained" in err[0]
+    assert "--rounds N with N > 3" in err[0]
+    assert "after 3 rounds (none trained now)" in captured.out
+    assert (d / CHECKPOINT).read_bytes() == before and sorted(p.name for p in d.iterdir()) == [CHECKPOINT]
+
+
+def test_comparison_labels_time_by_what_it_measures(tmp_path, capsys):
+    parent = tmp_path / "cmp"
+    _fake_run(parent / "default", 2, simulated=False)
+    _fake_run(parent / "synthetic-iid", 2, simulated=True)
+    assert main(["simulate", str(EXAMPLES / "default.toml"), str(EXAMPLES / "synthetic-iid.toml"), "--rounds", "2",
+                 "--run-dir", str(parent), "--quiet"]) == 0
+    out = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.startswith("  ")}
+    assert "time 4.0 s (rounds' wall time summed)" in out["default"]
+    assert "virtual" not in out["default"]
+    assert "time 20.0 s (simulated on the virtual engine)" in out["synthetic-iid"]
+
+
+# ----------------------------------------------------------------------------- progress lines
+
+
+def test_round_lines_do_not_wrap_when_not_a_terminal():
+    buf = io.StringIO()
+    console = Console(file=buf, width=80)  # a file: not a terminal, rich's default width
+    row = _row(12, sim_time=1.0) | {"epsilon": 1.234}
+    line = format_row(row, 100)
+    assert len(line) > 80
+    with RoundProgress(100, "t", console=console) as prog:
+        prog.update(row)
+    assert line in buf.getvalue().splitlines()
+
+
+def test_round_lines_do_not_wrap_on_redirected_stderr(capsys):
+    row = _row(3)
+    with RoundProgress(3, "default (inprocess)") as prog:  # its own Console on sys.stderr, captured: not a TTY
+        prog.update(row)
+    assert format_row(row, 3) in capsys.readouterr().err.splitlines()
+
+
+def test_simulate_to_a_pipe_then_resume_with_fewer_rounds(tmp_path):
+    """The real command twice, output piped: whole round lines; then a rerun asking fewer rounds trains nothing."""
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "simulations.cli", "simulate", "--engine", "inprocess", *SMALL,
+                               "--run-dir", "q", *args], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+
+    first = run("--rounds", "2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    rounds = [line for line in first.stderr.splitlines() if line.startswith("round ")]
+    assert [line.split()[1] for line in rounds] == ["1/2", "2/2"]
+    assert all(line.endswith(" s") and " up " in line for line in rounds), rounds
+    summary = (tmp_path / "q" / SUMMARY).read_text()
+    again = run("--rounds", "1", "--quiet")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "already holds 2 rounds (>= the 1 requested); nothing trained" in again.stderr
+    assert "after 2 rounds" in again.stdout
+    assert (tmp_path / "q" / SUMMARY).read_text() == summary
