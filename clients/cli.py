@@ -9,6 +9,7 @@ are translated from Flower's exit codes.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import re
@@ -166,28 +167,49 @@ _REFUSALS = {
 }
 
 
-def _watch(proc: subprocess.Popen) -> tuple[int | None, int | None]:
-    """Echo the SuperNode's log; return (Flower exit code, SuperLink refusal code) seen in it.
+_SENT = re.compile(r"Sent successfully")
+# Flower's SuperNode can end with Python's "Exception ignored in: <module 'threading'...>" and a
+# traceback of its own SystemExit(0): noise, not a failure; it is not echoed.
+_IGNORED_START, _IGNORED_END = "Exception ignored in: <module 'threading'", "SystemExit:"
+
+
+@dataclasses.dataclass
+class Watched:
+    """What the SuperNode's log said: Flower's exit code, a SuperLink refusal code, messages answered."""
+
+    exit_code: int | None = None
+    refusal: int | None = None
+    served: int = 0
+
+
+def _watch(proc: subprocess.Popen) -> Watched:
+    """Echo the SuperNode's log (less Flower's shutdown noise); return what it said.
 
     A SuperNode that gave up may hang on its helper threads: once a fatal line is
     seen, the process group gets a few seconds to exit and is then stopped.
     """
-    exit_code = refusal = None
+    seen = Watched()
     assert proc.stdout is not None
-    stopping = False
+    stopping = skipping = False
     for line in proc.stdout:
-        sys.stderr.write(line)
+        if line.startswith(_IGNORED_START):
+            skipping = True
+        if not skipping:
+            sys.stderr.write(line)
+        elif line.startswith(_IGNORED_END):
+            skipping = False
+        seen.served += bool(_SENT.search(line))
         m = _FATAL.search(line)
         if m:
-            exit_code = int(m.group(1)) if m.group(1) else (exit_code or 305)
-            refusal = int(m.group(2)) if m.group(2) else refusal
+            seen.exit_code = int(m.group(1)) if m.group(1) else (seen.exit_code or 305)
+            seen.refusal = int(m.group(2)) if m.group(2) else seen.refusal
             if not stopping:
                 stopping = True
                 timer = threading.Timer(5.0, _stop_group, (proc,))
                 timer.daemon = True
                 timer.start()
     proc.wait()
-    return exit_code, refusal
+    return seen
 
 
 def _stop_group(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
@@ -219,10 +241,17 @@ def start_agent(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, forward)
     try:
-        flwr_code, refusal = _watch(proc)
+        seen = _watch(proc)
     finally:
         _stop_group(proc)
+    flwr_code, refusal = seen.exit_code, seen.refusal
     if flwr_code is None and proc.returncode in (0, -signal.SIGTERM, -signal.SIGINT):
+        return 0
+    if flwr_code == 305 and refusal is None and seen.served:
+        # Connected, answered the coordinator, then lost it: a coordinator stops its SuperLink when its
+        # run ends, so this is how an agent's part in a finished run ends (or the coordinator stopped).
+        print(f"fedshield agent: the coordinator went away after this node answered {seen.served} messages (its "
+              "run ended, or it was stopped); agent stopped.", file=sys.stderr)
         return 0
     if refusal in _REFUSALS:
         reason = _REFUSALS[refusal]

@@ -80,6 +80,17 @@ CODEC_PARAMS = {
     "qsgd": {"bits": "qsgd_bits", "chunk": "qsgd_chunk"},
     "sign": {"error_feedback": "error_feedback"},
 }
+
+
+def _codec_error(codec: str, message: str) -> str:
+    """A codec's "<codec> <param> must ..." message, naming the config key instead (``qsgd-bits must ...``)."""
+    for param, attr in CODEC_PARAMS[codec].items():
+        lead = f"{codec} {param} must "
+        if message.startswith(lead):
+            return f"{attr.replace('_', '-')} must {message[len(lead):]}"
+    return f"codec settings must be valid (codec {codec!r}): {message}"
+
+
 AGGREGATOR_PARAMS = {
     "mean": {}, "norm-bounded-mean": {"clip": "clip_norm"}, "median": {}, "trimmed-mean": {"beta": "trim_beta"},
     "krum": {"f": "krum_f"}, "multi-krum": {"f": "krum_f", "m": "krum_m"},
@@ -118,7 +129,7 @@ class AggregationSettings:
             try:
                 self.make_codec(name)
             except AggregationError as exc:
-                raise ConfigError(f"codec settings must be valid: {exc}") from None
+                raise ConfigError(_codec_error(name, str(exc))) from None
         # The rules' own parameters, likewise for every rule (the aggregators check them again, and
         # those that depend on the number of clients, when a round creates them).
         check(math.isfinite(self.clip_norm) and self.clip_norm > 0, "clip-norm", "be finite and > 0", self.clip_norm)
@@ -167,6 +178,7 @@ class AsyncSettings:
 
 
 DP_MODES = ("none", "central", "local", "distributed")
+COUNT_BUDGET_SHARE = 0.1  # clip-count-noise = 0 (auto): the noised count takes this share of a round's budget
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,7 +194,7 @@ class PrivacySettings:
     adaptive_clipping: bool = False
     clip_target_quantile: float = 0.5
     clip_learning_rate: float = 0.2
-    clip_count_noise: float = 0.0
+    clip_count_noise: float = 0.0  # 0: auto, see count_noise_std()
     local_noise_multiplier: float = 1.0
     local_max_grad_norm: float = 1.0
 
@@ -200,15 +212,39 @@ class PrivacySettings:
         if self.dp == "distributed":
             check(not self.adaptive_clipping, "adaptive-clipping", "be false under distributed DP (the coordinator "
                   "never sees an update's norm)", self.adaptive_clipping)
+        if self.adaptive_clipping:
+            check(self.dp == "central", "adaptive-clipping", "be false unless dp = 'central' (it adapts the "
+                  "coordinator's dp-clip; under other dp modes it would be ignored)", self.adaptive_clipping)
         check(0 < self.clip_target_quantile < 1, "clip-target-quantile", "be in (0, 1)", self.clip_target_quantile)
         check(self.clip_learning_rate > 0, "clip-learning-rate", "be > 0", self.clip_learning_rate)
-        if self.adaptive_clipping and self.dp == "central" and self.dp_noise_multiplier > 0:
-            check(2 * self.clip_count_noise > self.dp_noise_multiplier, "clip-count-noise",
-                  f"be > dp-noise-multiplier/2 = {self.dp_noise_multiplier / 2:g} (the count's noise is paid from the "
-                  "same budget)", self.clip_count_noise)
+        check(self.clip_count_noise >= 0, "clip-count-noise",
+              "be >= 0 (0: auto, sqrt(10)/2 x the noise multiplier)", self.clip_count_noise)
+        if self.adaptive_clipping and self.dp_noise_multiplier > 0:
+            self.check_count_noise(self.dp_noise_multiplier, f"dp-noise-multiplier/2 = {self.dp_noise_multiplier / 2:g}")
         check(self.local_noise_multiplier > 0, "local-noise-multiplier", "be > 0 (no noise: no privacy)",
               self.local_noise_multiplier)
         check(self.local_max_grad_norm > 0, "local-max-grad-norm", "be > 0", self.local_max_grad_norm)
+
+    def count_noise_std(self, z: float) -> float:
+        """The adaptive clip's count noise std (sigma_b, in counts) for the round noise multiplier ``z``.
+
+        ``clip-count-noise`` when set; when 0 (unset), ``z / (2 sqrt(COUNT_BUDGET_SHARE))`` = sqrt(10)/2 z
+        ~= 1.58 z: the noised count then takes 1/10 of each round's privacy budget and the update sum's
+        noise multiplier grows from z to z / sqrt(0.9) ~= 1.054 z (Andrew et al. 2021, Thm 1:
+        z_sum = (z^-2 - (2 sigma_b)^-2)^-1/2). The paper's sigma_b = m/20 for m clients a round needs
+        m > 10 z to be valid at all; this default is valid for every m and z.
+        """
+        if self.clip_count_noise > 0:
+            return self.clip_count_noise
+        return z / (2.0 * math.sqrt(COUNT_BUDGET_SHARE))
+
+    def check_count_noise(self, z: float, bound: str) -> None:
+        """An explicit clip-count-noise must exceed z/2 (else the count alone spends the round's budget);
+        ``bound`` says what z/2 is, in the user's keys."""
+        if self.adaptive_clipping and self.clip_count_noise > 0:
+            check(2 * self.clip_count_noise > z, "clip-count-noise",
+                  f"be > {bound} (the noised count is paid from the same budget; 0 picks a valid value)",
+                  self.clip_count_noise)
 
     def local_record(self) -> dict[str, Any]:
         return {"noise-multiplier": self.local_noise_multiplier, "max-grad-norm": self.local_max_grad_norm,
@@ -324,6 +360,40 @@ class RunConfig:
         if self.privacy.dp == "central":
             check(self.aggregation.aggregator == "mean", "aggregator",
                   "be 'mean' under central DP (each update is clipped to dp-clip and weighted 1)", self.aggregation.aggregator)
+        if self.privacy.dp in ("central", "distributed") and self.privacy.dp_noise_multiplier == 0:
+            # Calibrated from target-epsilon: do it now (as the run will), so that an unreachable target or a
+            # clip-count-noise too small for the calibrated multiplier is reported before anything starts.
+            z = self.calibrated_noise_multiplier()
+            self.privacy.check_count_noise(z, f"z/2 = {z / 2:.4g}, where z = {z:.4g} is the noise multiplier calibrated "
+                                              f"for target-epsilon = {self.privacy.target_epsilon:g} over num-rounds = "
+                                              f"{self.server.num_rounds}")
+
+    def dp_sampling_rate(self) -> float:
+        """The sampling rate central / distributed DP is accounted (and calibrated) at, as the workflows do:
+        ``fraction-train`` for synchronous central DP; 1 under FedBuff (each release is a q = 1 event) and
+        under distributed DP (the coordinator, the party it protects against, picks the sample)."""
+        if self.privacy.dp == "distributed" or self.asynchrony.workflow == "fedbuff":
+            return 1.0
+        return self.server.fraction_train
+
+    def calibrated_noise_multiplier(self) -> float:
+        """The noise multiplier calibrated for ``target-epsilon`` over ``num-rounds`` at ``dp_sampling_rate()``
+        (what the run's DP policy computes when ``dp-noise-multiplier = 0``); a ConfigError if unreachable."""
+        from privacy import PrivacyError, calibrate_noise_multiplier
+        from privacy.accountant import _Z_RANGE
+
+        p, rounds, q = self.privacy, self.server.num_rounds, self.dp_sampling_rate()
+        try:
+            return calibrate_noise_multiplier(p.target_epsilon, p.dp_delta, q, rounds)
+        except PrivacyError as exc:
+            where = f"over num-rounds = {rounds} at sampling rate {q:g} with dp-delta = {p.dp_delta:g}"
+            if "reachable" in str(exc):
+                rule = (f"be reachable with a noise multiplier <= {_Z_RANGE[1]:g} {where} (raise it, or run fewer "
+                        "rounds)")
+            else:
+                rule = (f"be small enough to need a noise multiplier >= {_Z_RANGE[0]:g} {where} (a looser target "
+                        "protects no one)")
+            raise ConfigError(f"target-epsilon must {rule}. Found {p.target_epsilon!r}.") from None
 
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, Any], where: str = "run") -> "RunConfig":
@@ -336,7 +406,7 @@ class RunConfig:
         server, task, train, agg, priv, asy, sec = split_mapping(mapping, ServerSettings, TaskSpec, TrainSettings,
                                                                  AggregationSettings, PrivacySettings, AsyncSettings,
                                                                  SecureAggSettings)
-        return cls(
+        parts = dict(
             server=build_config(ServerSettings, server, where),
             task=build_config(TaskSpec, task, where),
             train=build_config(TrainSettings, train, where),
@@ -345,6 +415,10 @@ class RunConfig:
             asynchrony=build_config(AsyncSettings, asy, where),
             secure=build_config(SecureAggSettings, sec, where),
         )
+        try:  # the rules that tie keys of several groups together name their key with the table, like the rest
+            return cls(**parts)
+        except ConfigError as exc:
+            raise ConfigError(f"{where}.{exc}" if where else str(exc)) from None
 
     def to_mapping(self) -> dict[str, Any]:
         return {**to_mapping(self.server), **to_mapping(self.task), **to_mapping(self.train), **to_mapping(self.aggregation),

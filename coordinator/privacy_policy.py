@@ -45,10 +45,16 @@ class CentralDp:
             log(INFO, "[fedshield] central DP: noise multiplier %.4f calibrated for epsilon %.3g over %d rounds at q=%.3g",
                 self.z, cfg.target_epsilon, num_rounds, expected_rate)
         self.clip = cfg.dp_clip
+        # adaptive clipping: clip-count-noise, or when 0 (unset) a value derived from z (PrivacySettings.count_noise_std)
+        self.count_noise_std = cfg.count_noise_std(self.z)
         self.adaptive = (AdaptiveClipping(cfg.dp_clip, cfg.clip_target_quantile, cfg.clip_learning_rate,
-                                          count_noise_std=cfg.clip_count_noise, secure=cfg.dp_secure_noise,
+                                          count_noise_std=self.count_noise_std, secure=cfg.dp_secure_noise,
                                           generator=None if cfg.dp_secure_noise else torch.Generator().manual_seed(seed + 7))
                          if cfg.adaptive_clipping else None)
+        if self.adaptive is not None and cfg.clip_count_noise == 0:
+            log(INFO, "[fedshield] adaptive clipping: clip-count-noise %.4g (auto, from noise multiplier %.4g); the "
+                "update sum's noise multiplier is %.4g", self.count_noise_std, self.z,
+                effective_noise_multiplier(self.z, self.count_noise_std))
         self.seed = seed
 
     # -- per round -----------------------------------------------------------
@@ -66,7 +72,7 @@ class CentralDp:
     def release(self, agg: Any, asked: int, rnd: int) -> torch.Tensor:
         """The noised mean delta: (sum of clipped updates + N(0, (z_sum*C)^2)) / asked."""
         total = agg.result().mul_(agg.total_weight) if agg.count else torch.zeros(agg.numel, device=agg.device)
-        z_sum = effective_noise_multiplier(self.z, self.cfg.clip_count_noise) if self.adaptive else self.z
+        z_sum = effective_noise_multiplier(self.z, self.count_noise_std) if self.adaptive else self.z
         gen = None if self.cfg.dp_secure_noise else torch.Generator().manual_seed(self.seed * 1_000_003 + rnd)
         CentralGaussianMechanism(self.clip, z_sum, secure=self.cfg.dp_secure_noise, generator=gen).noise_sum_(total)
         return total.div_(max(1, asked))

@@ -49,13 +49,13 @@ class ServiceSettings:
     start_timeout: float = 60.0
 
     def __post_init__(self) -> None:
-        check(bool(self.host), "coordinator.host", "be a host name or IP", self.host)
-        check(0 < self.port < 65536, "coordinator.port", "be in [1, 65535]", self.port)
+        check(bool(self.host), "host", "be a host name or IP", self.host)
+        check(0 < self.port < 65536, "port", "be in [1, 65535]", self.port)
         keys = self.enrolled_keys
         check(isinstance(keys, list | tuple) and all(isinstance(k, str) for k in keys),
-              "coordinator.enrolled-keys", "be a list of public key paths", keys)
+              "enrolled-keys", "be a list of public key paths", keys)
         object.__setattr__(self, "enrolled_keys", tuple(keys))
-        check(self.start_timeout > 0, "coordinator.start-timeout", "be > 0 seconds", self.start_timeout)
+        check(self.start_timeout > 0, "start-timeout", "be > 0 seconds", self.start_timeout)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -72,13 +72,23 @@ def _simulate(args: argparse.Namespace) -> int:
         logging.getLogger("flwr").setLevel(logging.WARNING)
     if len(scenarios) == 1:
         scn = scenarios[0]
-        run_dir = Path(args.run_dir) if args.run_dir else Path("runs") / f"{scn.sim.name}-{stamp}"
+        # --run-dir, else the scenario's run-dir (its file or --set run.run-dir=...), else runs/NAME-STAMP
+        run_dir = Path(args.run_dir or scn.run.server.run_dir or Path("runs") / f"{scn.sim.name}-{stamp}")
         runs = [(scn, run_dir)]
     else:  # a comparison: one run directory each under one parent, and one accuracy_vs_time.png over all
         parent = Path(args.run_dir) if args.run_dir else Path("runs") / f"compare-{stamp}"
         names = [s.sim.name if [t.sim.name for t in scenarios].count(s.sim.name) == 1 else f"{i}-{s.sim.name}"
                  for i, s in enumerate(scenarios)]
-        runs = [(scn, parent / name) for scn, name in zip(scenarios, names, strict=True)]
+        # a scenario's own run-dir is used when --run-dir is not given (--set run.run-dir applies to all of them)
+        runs = [(scn, Path(scn.run.server.run_dir) if scn.run.server.run_dir and not args.run_dir else parent / name)
+                for scn, name in zip(scenarios, names, strict=True)]
+        dirs = [d.resolve() for _, d in runs]
+        if len(set(dirs)) < len(dirs):
+            from clients import ConfigError
+
+            dup = next(d for d in dirs if dirs.count(d) > 1)
+            raise ConfigError(f"run.run-dir must differ between the scenarios of a comparison. Found {str(dup)!r} "
+                              "for two of them (--set applies to every scenario).")
     resumed = [_rounds_done(run_dir) for _, run_dir in runs]  # a file in the way or a bad checkpoint: before any run
     results = []
     for (scn, run_dir), (done, ckpt) in zip(runs, resumed, strict=True):
@@ -109,7 +119,6 @@ def _simulate(args: argparse.Namespace) -> int:
         from coordinator.rundir import TIME_PLOT
 
         histories = {d.name: (RunDirectory(d).load_checkpoint() or {}).get("history", []) for d, _, _ in results}
-        parent = results[0][0].parent
         RunDirectory(parent).plot_accuracy_vs_time(histories, "accuracy over time")
         for d, summary, wall in results:
             rows = histories[d.name]
@@ -199,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     cs = co.add_parser("start", help="start a SuperLink (TLS, node auth) and run fedshield's ServerApp on it")
     cs.add_argument("--config", required=True, help="coordinator TOML")
     cs.add_argument("--insecure", action="store_true", help="NO TLS and no node authentication (testing only)")
-    cs.add_argument("--run-dir", help="override [run] run-dir")
+    cs.add_argument("--run-dir", help="override [run] run-dir (relative to the working directory)")
     cs.set_defaults(func=_coordinator_start)
 
     ag = sub.add_parser("agent", help="the client agent").add_subparsers(dest="action", required=True, parser_class=_Parser)

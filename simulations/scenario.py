@@ -4,6 +4,7 @@ for the virtual-clock engine)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 from collections.abc import Mapping
 from importlib import resources
@@ -42,27 +43,50 @@ class SimulationSettings:
 TIER_KEYS = {"name": "tier", "fraction": None, "compute-s-per-example": "compute_s_per_example",
              "uplink-mbps": "uplink_mbps", "downlink-mbps": "downlink_mbps", "latency-s": "latency_s",
              "sigma": "sigma", "availability": "availability", "dropout": "dropout"}
+REQUIRED_TIER_KEYS = ("name", "fraction", "compute-s-per-example", "uplink-mbps", "downlink-mbps")
+# each number's rule, as DeviceProfile checks it (lower bound, open?, upper bound, open?, the rule in words)
+TIER_RULES = {
+    "fraction": (0.0, True, math.inf, False, "a number > 0 (fractions are normalised to sum to 1)"),
+    "compute-s-per-example": (0.0, False, math.inf, False, "a finite number >= 0 (seconds per example per epoch)"),
+    "uplink-mbps": (0.0, True, math.inf, False, "a finite number > 0 (Mbit/s)"),
+    "downlink-mbps": (0.0, True, math.inf, False, "a finite number > 0 (Mbit/s)"),
+    "latency-s": (0.0, False, math.inf, False, "a finite number >= 0 (seconds)"),
+    "sigma": (0.0, False, math.inf, False, "a finite number >= 0"),
+    "availability": (0.0, True, 1.0, False, "a number in (0, 1]"),
+    "dropout": (0.0, False, 1.0, True, "a number in [0, 1)"),
+}
+
+
+def _in_range(x: Any, lo: float, lo_open: bool, hi: float, hi_open: bool) -> bool:
+    return (isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+            and (x > lo if lo_open else x >= lo) and (x < hi if hi_open else x <= hi))
 
 
 def parse_tiers(items: Any, source: str) -> tuple[tuple[float, DeviceProfile], ...]:
-    """``[[tiers]]`` tables -> (fraction, DeviceProfile) pairs for the virtual engine."""
-    check(isinstance(items, list) and items, f"{source}: [[tiers]]", "be a non-empty array of tables", type(items).__name__)
+    """``[[tiers]]`` tables -> (fraction, DeviceProfile) pairs for the virtual engine.
+
+    Every message names the key as the file writes it (``tiers[0]: uplink-mbps must ...``).
+    """
+    check(isinstance(items, list) and bool(items) and all(isinstance(t, Mapping) for t in items),
+          f"{source}: tiers", "be a non-empty array of [[tiers]] tables", type(items).__name__)
     out = []
     for i, t in enumerate(items):
         where = f"{source}: tiers[{i}]"
-        check(isinstance(t, Mapping), where, "be a table", type(t).__name__)
         unknown = sorted(set(t) - set(TIER_KEYS))
-        check(not unknown, f"{where}.{unknown[0] if unknown else ''}", f"be one of {sorted(TIER_KEYS)}", "an unknown key")
-        for key in ("name", "fraction", "compute-s-per-example", "uplink-mbps", "downlink-mbps"):
-            check(key in t, f"{where}.{key}", "be given", None)
-        frac = t["fraction"]
-        check(isinstance(frac, int | float) and not isinstance(frac, bool) and frac > 0, f"{where}.fraction",
-              "be a number > 0 (fractions are normalised to sum to 1)", frac)
-        try:
+        if unknown:
+            raise ConfigError(f"{where}.{unknown[0]} must be one of the tier keys {sorted(TIER_KEYS)}. "
+                              f"Found unknown key {unknown[0]!r}.")
+        for key in REQUIRED_TIER_KEYS:
+            check(key in t, f"{where}: {key}", "be given", None)
+        check(isinstance(t["name"], str) and bool(t["name"]), f"{where}: name", "be a non-empty string", t["name"])
+        for key, (lo, lo_open, hi, hi_open, rule) in TIER_RULES.items():
+            if key in t:
+                check(_in_range(t[key], lo, lo_open, hi, hi_open), f"{where}: {key}", f"be {rule}", t[key])
+        try:  # DeviceProfile checks the same rules again
             profile = DeviceProfile(**{TIER_KEYS[k]: v for k, v in t.items() if TIER_KEYS[k]})
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"{where}: {exc}") from None
-        out.append((float(frac), profile))
+        out.append((float(t["fraction"]), profile))
     return tuple(out)
 
 
@@ -85,6 +109,10 @@ class Scenario:
         if run.server.min_nodes > sim.num_supernodes:
             raise ConfigError(f"run.min-nodes must be <= simulation.num-supernodes={sim.num_supernodes}. Found {run.server.min_nodes}.")
         tiers = parse_tiers(data["tiers"], source) if "tiers" in data else ()
+        if tiers:  # only the virtual engine simulates devices: tiers under another engine would be ignored silently
+            check(sim.engine == "virtual", f"{source}: simulation.engine",
+                  "be 'virtual' when the scenario has [[tiers]] (only the virtual engine simulates device tiers; "
+                  "use --engine virtual, or remove the [[tiers]] tables)", sim.engine)
         return cls(sim=sim, run=run, tiers=tiers)
 
 
@@ -99,8 +127,15 @@ def load_scenario(path: str | Path | None = None, overrides: Mapping[str, Any] |
     else:
         p = Path(path)
         if not p.is_file():
-            raise ConfigError(f"scenario must be an existing TOML file. Found {str(p)!r} (no such file).")
-        text, source = p.read_text(), str(p)
+            what = "a directory" if p.is_dir() else "no such file"
+            raise ConfigError(f"scenario must be an existing TOML file. Found {str(p)!r} ({what}).")
+        try:
+            text, source = p.read_text(encoding="utf-8"), str(p)
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"scenario {str(p)!r} must be UTF-8 text (TOML). Found byte "
+                              f"0x{exc.object[exc.start]:02x} at offset {exc.start}.") from None
+        except OSError as exc:
+            raise ConfigError(f"scenario {str(p)!r} must be readable. Found: {exc.strerror or exc}.") from None
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:

@@ -72,3 +72,45 @@ def test_cli_export_onto_a_file_is_one_line(tmp_path, capsys):
     assert main(["data", "export", "--num-partitions", "3", "--out", str(f)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"fedshield: error: --out must be a directory. Found a file at {f}."]
+
+
+class _FakeSuperNode:
+    """A finished SuperNode process whose log is ``lines``."""
+
+    def __init__(self, lines):
+        self.stdout = iter(lines)
+        self.returncode = 0
+        self.pid = -1
+
+    def wait(self):
+        return 0
+
+
+_SERVED_THEN_GONE = [
+    "INFO :      Receiving: train message (ID: 5de1)\n", "INFO :      Sent successfully\n",
+    "INFO :      Receiving: evaluate message (ID: 77aa)\n", "INFO :      Sent successfully\n",
+    "WARNING :   Giving up reconnection after 4.42 seconds and 4 tries.\n",
+    "ERROR :     [Errno 111] Connection refused\n",
+    "Exception ignored in: <module 'threading' from '/usr/lib/python3.11/threading.py'>\n",
+    "Traceback (most recent call last):\n", '  File "threading.py", line 1590, in _shutdown\n',
+    "SystemExit: 0\n", "INFO:     Finished server process [21880]\n",
+]
+
+
+def test_watch_counts_answered_messages_and_hides_flowers_shutdown_traceback(capsys, monkeypatch):
+    from clients import cli
+
+    monkeypatch.setattr(cli.threading, "Timer", lambda *a, **k: type("T", (), {"start": lambda self: None})())
+    seen = cli._watch(_FakeSuperNode(_SERVED_THEN_GONE))
+    assert (seen.exit_code, seen.refusal, seen.served) == (305, None, 2)
+    err = capsys.readouterr().err
+    assert "Giving up reconnection" in err and "Finished server process" in err
+    assert "Traceback" not in err and "Exception ignored" not in err and "SystemExit" not in err
+
+
+def test_watch_sees_a_refusal_before_anything_was_served(monkeypatch):
+    from clients import cli
+
+    monkeypatch.setattr(cli.threading, "Timer", lambda *a, **k: type("T", (), {"start": lambda self: None})())
+    seen = cli._watch(_FakeSuperNode(["ERROR : Request failed [code: 2004]\n"]))
+    assert (seen.refusal, seen.served) == (2004, 0)

@@ -13,7 +13,6 @@ from clients import ClientError, ConfigError, TaskSpec, TrainInstruction, TrainS
 from clients.protocol import (
     ARRAYS,
     CONFIG,
-    DELTA,
     MESSAGE_TYPE_TRAIN,
     METRICS,
     WEIGHTS,

@@ -83,7 +83,7 @@ def test_central_dp_refuses_settings_without_noise_or_with_robust_rules():
 
     with pytest.raises(ConfigError, match="dp-noise-multiplier must be > 0"):
         RunConfig.from_mapping({"dp": "central"})
-    with pytest.raises(ConfigError, match="aggregator must be 'mean' under central DP"):
+    with pytest.raises(ConfigError, match=r"^run\.aggregator must be 'mean' under central DP"):
         RunConfig.from_mapping({"dp": "central", "dp-noise-multiplier": 1.0, "aggregator": "median"})
 
 
@@ -114,3 +114,70 @@ def test_central_dp_under_fedbuff_accounts_per_release(tmp_path):
     assert [r["epsilon"] for r in wf.history] == pytest.approx(eps, rel=1e-9)
     wf, s = fedbuff("b", **{"target-epsilon": (eps[1] + eps[2]) / 2})
     assert s["status"] == "budget-exhausted" and s["rounds"] == 2 and s["epsilon"] <= eps[1] + 1e-12
+
+
+def test_adaptive_clipping_runs_with_its_default_count_noise(tmp_path):
+    """adaptive-clipping = true with clip-count-noise left unset validates and runs: the count's noise defaults
+    to sqrt(10)/2 z, so the count takes 1/10 of the round's budget and the sum is noised with z / sqrt(0.9)."""
+    from coordinator.privacy_policy import CentralDp
+    from privacy import effective_noise_multiplier
+
+    kw = {"num-rounds": 2, "dp": "central", "dp-noise-multiplier": 1.0, "dp-clip": 1.0, "adaptive-clipping": True}
+    cfg = RunConfig.from_mapping({**BASE, **kw})
+    assert cfg.privacy.clip_count_noise == 0  # unset
+    dp = CentralDp(cfg.privacy, 0.5, 2, 0)
+    assert dp.count_noise_std == pytest.approx(10**0.5 / 2)
+    assert effective_noise_multiplier(1.0, dp.count_noise_std) == pytest.approx(1 / 0.9**0.5)
+    wf, s = run(tmp_path, "adaptive", **kw)
+    assert s["status"] == "completed" and s["rounds"] == 2
+    assert wf.dp.clip != 1.0  # the clip moved toward the quantile
+    ref = RdpAccountant(1e-5)  # the count costs nothing extra in the ledger: it is paid for by z_sum > z
+    for _ in range(2):
+        ref.compose(PrivacyEvent(0.5, 1.0))
+    assert s["epsilon"] == pytest.approx(ref.epsilon(), rel=1e-9)
+
+
+def test_adaptive_clipping_with_a_calibrated_multiplier_is_checked_before_the_run(tmp_path):
+    """dp-noise-multiplier calibrated from target-epsilon: the default count noise follows the calibrated z;
+    an explicit clip-count-noise below z/2 is refused by the config, naming run.clip-count-noise."""
+    from clients import ConfigError
+    from coordinator.privacy_policy import CentralDp
+    from simulations import load_scenario
+
+    kw = {"dp": "central", "adaptive-clipping": True, "target-epsilon": 8.0}
+    cfg = RunConfig.from_mapping(kw)  # the default clip-count-noise: valid whatever z is calibrated to
+    z = cfg.calibrated_noise_multiplier()
+    dp = CentralDp(cfg.privacy, cfg.dp_sampling_rate(), cfg.server.num_rounds, 0)
+    assert dp.z == z and 2 * dp.count_noise_std > z
+    with pytest.raises(ConfigError) as info:
+        RunConfig.from_mapping({**kw, "clip-count-noise": z / 2})
+    msg = str(info.value)
+    assert msg.startswith("run.clip-count-noise must be > z/2") and "target-epsilon = 8" in msg
+    assert "count-noise-std" not in msg and "\n" not in msg
+    with pytest.raises(ConfigError, match=r"^run\.clip-count-noise must be > z/2"):  # the --set path of the CLI
+        load_scenario(None, {f"run.{k}": v for k, v in {**kw, "clip-count-noise": 0.1}.items()})
+    RunConfig.from_mapping({**kw, "clip-count-noise": z})  # explicit and large enough: accepted
+
+
+@pytest.mark.parametrize(("setting", "message"), [
+    ({"dp-noise-multiplier": 1.0, "clip-count-noise": 0.5},
+     "run.clip-count-noise must be > dp-noise-multiplier/2 = 0.5 (the noised count is paid from the same budget; "
+     "0 picks a valid value). Found 0.5."),
+    ({"dp-noise-multiplier": 1.0, "clip-count-noise": -1.0},
+     "run.clip-count-noise must be >= 0 (0: auto, sqrt(10)/2 x the noise multiplier). Found -1.0."),
+    ({"target-epsilon": 1e-4}, "run.target-epsilon must be reachable with a noise multiplier <= 1000 over "
+     "num-rounds = 20 at sampling rate 1 with dp-delta = 1e-05"),
+])
+def test_bad_adaptive_clipping_and_budget_settings_are_refused_up_front(setting, message):
+    from clients import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        RunConfig.from_mapping({"dp": "central", "adaptive-clipping": True, **setting})
+    assert str(info.value).startswith(message)
+
+
+def test_adaptive_clipping_outside_central_dp_is_refused():
+    from clients import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^run\.adaptive-clipping must be false unless dp = 'central'"):
+        RunConfig.from_mapping({"adaptive-clipping": True})

@@ -171,9 +171,11 @@ def test_carrying_late_replies_is_refused_where_a_round_must_hold_only_its_own_c
 
 
 @pytest.mark.parametrize(("setting", "message"), [
-    ({"qsgd-bits": 3}, "qsgd bits must be one of [2, 4, 8]"),
-    ({"qsgd-chunk": 100}, "qsgd chunk must be a power of two"),
-    ({"topk-ratio": 0.0}, "topk ratio must be a number in (0, 1]"),
+    ({"qsgd-bits": 3}, "run.qsgd-bits must be one of [2, 4, 8]. Found 3."),
+    ({"qsgd-chunk": 100}, "run.qsgd-chunk must be a power of two"),
+    ({"topk-ratio": 0.0}, "run.topk-ratio must be a number in (0, 1]. Found 0.0."),
+    ({"topk-value-dtype": "int8"}, "run.topk-value-dtype must be one of ['float16', 'float32']. Found 'int8'."),
+    ({"codec-dtype": "int8"}, "run.codec-dtype must be one of"),
     ({"trim-beta": 0.5}, "run.trim-beta must be in [0, 0.5). Found 0.5."),
     ({"krum-f": -1}, "run.krum-f must be >= 0. Found -1."),
     ({"krum-m": 0}, "run.krum-m must be >= 1. Found 0."),
@@ -186,3 +188,32 @@ def test_settings_of_codecs_and_rules_not_in_use_are_still_checked(setting, mess
     with pytest.raises(ConfigError) as info:
         cfg(**setting)
     assert message in str(info.value)
+
+
+@pytest.mark.parametrize("setting", [
+    {"late-replies": "carry", "dp": "central", "dp-noise-multiplier": 1.0},
+    {"dp": "central", "dp-noise-multiplier": 1.0, "aggregator": "median"},
+    {"secure-aggregation": "secagg+", "codec": "topk"},
+    {"slow-link-mbps": 1.0, "workflow": "fedbuff"},
+    {"dp": "distributed", "dp-noise-multiplier": 1.0},
+])
+def test_rules_over_several_keys_name_their_key_with_the_run_table_once(setting):
+    """A rule tying keys together names its key as the file does (run.KEY), like single-key rules."""
+    from clients._errors import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        RunConfig.from_mapping(setting)
+    msg = str(info.value)
+    key = msg.split(" must ")[0]
+    assert key.startswith("run.") and not key.startswith("run.run.") and key[4:] in setting.keys() | {
+        "secure-aggregation"}, msg
+    assert "\n" not in msg and "_" not in key
+
+
+@pytest.mark.parametrize("setting", [{"trim-beta": 0.5}, {"late-replies": "carry", "dp": "central",
+                                                           "dp-noise-multiplier": 1.0}])
+def test_messages_name_the_table_given_by_the_caller(setting):
+    from clients._errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^tool\.flwr\.app\.config\.[a-z-]+ must "):
+        RunConfig.from_mapping(setting, where="tool.flwr.app.config")

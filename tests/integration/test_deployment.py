@@ -55,6 +55,10 @@ def test_three_node_tls_run_and_unenrolled_key_refused(tmp_path, procs, fedshiel
     summary = json.loads((run_dir / SUMMARY).read_text())
     assert summary["rounds"] == 3 and 0.80 <= summary["final_test_accuracy"] <= 1.0
     assert "run completed" in procs.log("coordinator")
+    for i in range(3):  # the coordinator stops its SuperLink when the run ends: each agent's part ended fine
+        assert procs.wait(f"agent{i}", timeout=120) == 0, procs.log(f"agent{i}")[-2000:]
+        log = procs.log(f"agent{i}")
+        assert "the coordinator went away after this node answered" in log and "Traceback" not in log
 
 
 @pytest.mark.timeout(600)

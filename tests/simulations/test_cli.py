@@ -173,3 +173,27 @@ def test_simulate_to_a_pipe_then_resume_with_fewer_rounds(tmp_path):
     assert "already holds 2 rounds (>= the 1 requested); nothing trained" in again.stderr
     assert "after 2 rounds" in again.stdout
     assert (tmp_path / "q" / SUMMARY).read_text() == summary
+
+
+def test_simulate_uses_the_scenario_s_run_dir_unless_the_flag_is_given(tmp_path, monkeypatch):
+    from simulations import cli
+
+    monkeypatch.chdir(tmp_path)
+    seen = []
+    monkeypatch.setattr("simulations.runner.run_scenario",
+                        lambda scn, run_dir, show_progress=True: seen.append(Path(run_dir)) or
+                        {"final_test_accuracy": 0.5, "rounds": 1, "run_dir": str(run_dir)})
+    base = ["simulate", "--engine", "inprocess", "--rounds", "1", "--quiet"]
+    assert cli.main([*base, "--set", "run.run-dir=from-set"]) == 0
+    assert cli.main([*base, "--set", "run.run-dir=from-set", "--run-dir", "from-flag"]) == 0
+    assert seen == [Path("from-set"), Path("from-flag")]
+
+
+def test_a_comparison_refuses_one_run_dir_for_two_scenarios(tmp_path, monkeypatch, capsys):
+    from simulations import cli
+
+    monkeypatch.chdir(tmp_path)
+    default = Path(cli.__file__).resolve().parents[1] / "examples" / "scenarios" / "default.toml"
+    rc = cli.main(["simulate", str(default), str(default), "--rounds", "1", "--set", "run.run-dir=same"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "run.run-dir must differ between the scenarios of a comparison" in err[0]

@@ -8,7 +8,6 @@ lower and upper bounds.
 from __future__ import annotations
 
 import pytest
-import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message
 
 from aggregation.codecs import create_codec
