@@ -100,7 +100,8 @@ def write_app_dir(app_dir: Path, run: RunConfig) -> Path:
     """A Flower app directory whose pyproject points at the installed fedshield apps."""
     app_dir.mkdir(parents=True, exist_ok=True)
     doc = {
-        "project": {"name": "fedshield-app", "version": "0.1.0", "description": "fedshield coordinator run"},
+        "project": {"name": "fedshield-app", "version": "0.1.0", "description": "fedshield coordinator run",
+                    "license": "Apache-2.0"},
         "tool": {"flwr": {"app": {
             "publisher": "fedshield",
             "components": {"serverapp": "coordinator.server_app:app", "clientapp": "clients.client_app:app"},
