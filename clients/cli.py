@@ -30,8 +30,9 @@ from .tasks import get_task
 _EXIT_REASONS = {
     302: "the node key could not be read as an ECDSA OpenSSH private key",
     303: "node authentication needs TLS: drop --insecure",
-    305: "could not connect to the coordinator: check the address, that it runs, its certificate (--root-cert) and "
-         "that this node's public key is enrolled in the coordinator's config",
+    305: "could not connect to the coordinator: check the address, that it runs, its certificate (--root-cert), "
+         "that this node's public key is enrolled in the coordinator's config, and that both or neither run "
+         "--insecure",
     600: "the coordinator address is not a valid HOST:PORT",
     603: "the root certificate is not a valid PEM certificate",
     604: "a path given to the SuperNode does not exist",
