@@ -285,7 +285,7 @@ def _compile() -> Any:
     def scatter_range(idx_l, vals_l, ws, out, lo, hi):
         """``out[i] += w * v`` for every update's entries whose index ``i`` lies in ``[lo, hi)``
         (indices validated: sorted, in range, no duplicates; found by binary search). Unsigned
-        positions and indices: no negative-index wraparound test per entry (1.6x here)."""
+        positions and indices: no negative-index wraparound test per entry."""
         for c in range(len(idx_l)):
             idx, vals = idx_l[c], vals_l[c]
             w = np.float32(ws[c])

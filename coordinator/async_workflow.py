@@ -128,12 +128,6 @@ class BufferedAsyncWorkflow(SyncWorkflow):
         self._seq = 0
         self._resolved: set[str] = set()
 
-    def dp_sampling_rate(self) -> float:
-        """Central DP is accounted per buffer release with q = 1: no sampling amplification is claimed
-        for asynchronous releases (which clients are in a buffer depends on their speed, not on a
-        random sample)."""
-        return 1.0
-
     def fingerprint(self) -> dict[str, Any]:
         return {**super().fingerprint(), "workflow": "fedbuff"}
 

@@ -369,9 +369,11 @@ class RunConfig:
                                               f"{self.server.num_rounds}")
 
     def dp_sampling_rate(self) -> float:
-        """The sampling rate central / distributed DP is accounted (and calibrated) at, as the workflows do:
-        ``fraction-train`` for synchronous central DP; 1 under FedBuff (each release is a q = 1 event) and
-        under distributed DP (the coordinator, the party it protects against, picks the sample)."""
+        """The sampling rate central / distributed DP is calibrated at (here, when the config is checked,
+        and by the workflows' DP policy): ``fraction-train`` for synchronous central DP; 1 under FedBuff
+        (each release is a q = 1 event: which clients are in a buffer depends on their speed, not on a
+        random sample) and under distributed DP (the coordinator, the party it protects against, picks
+        the sample)."""
         if self.privacy.dp == "distributed" or self.asynchrony.workflow == "fedbuff":
             return 1.0
         return self.server.fraction_train

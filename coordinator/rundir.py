@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from privacy import make_dir
+
 from ._errors import CoordinatorError
 
 CHECKPOINT, METRICS, SUMMARY, MODEL, PLOT, CONFIG = (
@@ -70,13 +72,7 @@ class RunDirectory:
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path).expanduser().resolve()
-        if self.path.exists() and not self.path.is_dir():
-            raise CoordinatorError(f"run directory must be a directory. Found a file at {path}; pick another run-dir.")
-        try:
-            self.path.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise CoordinatorError(f"run directory {path} must be creatable. Found: {exc.strerror or exc}"
-                                   + (f" ({exc.filename})" if exc.filename else "") + ".") from None
+        make_dir(self.path, "run directory", CoordinatorError, hint="; pick another run-dir")
 
     def file(self, name: str) -> Path:
         return self.path / name
@@ -112,9 +108,9 @@ class RunDirectory:
         buf = io.StringIO()
         writer = csv.DictWriter(buf, fieldnames=METRIC_FIELDS, extrasaction="ignore")
         writer.writeheader()
-        for row in rows:
-            writer.writerow({**row, "rejected_by_rule": json.dumps(row.get("rejected_by_rule", {}), sort_keys=True),
-                             **({"secagg_stage_s": json.dumps(row["secagg_stage_s"])} if "secagg_stage_s" in row else {})})
+        for row in rows:  # a mapping-valued column (rejected_by_rule, secagg_stage_s) is one JSON object
+            writer.writerow({k: json.dumps(v, sort_keys=True) if isinstance(v, dict) else v
+                             for k, v in {"rejected_by_rule": {}, **row}.items()})
         _atomic_write(self.file(METRICS), buf.getvalue().encode())
 
     def save_model(self, state_dict: dict[str, torch.Tensor]) -> None:

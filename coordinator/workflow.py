@@ -106,7 +106,7 @@ class SyncWorkflow:
         self.slow_link = (self._codec_plan(cfg.aggregation.make_codec(cfg.aggregation.slow_link_codec))
                           if cfg.aggregation.slow_link_mbps > 0 else None)
         self._slow_nodes: set[int] = set()
-        dp_args = (cfg.privacy, self.dp_sampling_rate(), cfg.server.num_rounds, cfg.server.seed)
+        dp_args = (cfg.privacy, cfg.dp_sampling_rate(), cfg.server.num_rounds, cfg.server.seed)
         self.dp = (CentralDp(*dp_args) if cfg.privacy.dp == "central"
                    else DistributedDp(*dp_args, cfg.secure.secagg_dropout_rate) if cfg.privacy.dp == "distributed"
                    else None)
@@ -135,10 +135,6 @@ class SyncWorkflow:
     def _is_slow_link(self, node: int) -> bool:
         link = self.profiles.link_mbps(node)
         return self.slow_link is not None and link is not None and link < self.cfg.aggregation.slow_link_mbps
-
-    def dp_sampling_rate(self) -> float:
-        """The sampling rate central DP is calibrated for: each round samples ``fraction-train`` of the clients."""
-        return self.cfg.server.fraction_train
 
     # -- state -------------------------------------------------------------
     def fingerprint(self) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from .transport import (
     check_node_private_key,
     check_public_key,
     init_certificates,
+    make_dir,
     new_node_key,
 )
 
@@ -37,6 +38,7 @@ __all__ = [
     "clip_scale",
     "effective_noise_multiplier",
     "init_certificates",
+    "make_dir",
     "new_node_key",
     "quiet_import_opacus",
     "skellam_noise",

@@ -51,15 +51,16 @@ def _os_reason(exc: OSError) -> str:
     return exc.strerror or str(exc)
 
 
-def _make_dir(d: Path, what: str) -> None:
-    """``mkdir -p d`` with one clear PrivacyError instead of an OSError."""
+def make_dir(d: Path, what: str, error: type[Exception] = PrivacyError, hint: str = "") -> None:
+    """``mkdir -p d``, with one clear ``error`` (naming ``what``, then ``hint``) instead of an OSError:
+    a file in the way, or a directory that cannot be made."""
     if d.exists() and not d.is_dir():
-        raise PrivacyError(f"{what} must be a directory. Found a file at {d}.")
+        raise error(f"{what} must be a directory. Found a file at {d}{hint}.")
     try:
         d.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise PrivacyError(f"{what} {d} must be creatable. Found: {_os_reason(exc)}"
-                           + (f" ({exc.filename})" if exc.filename and str(exc.filename) != str(d) else "") + ".") from None
+        raise error(f"{what} {d} must be creatable. Found: {_os_reason(exc)}"
+                    + (f" ({exc.filename})" if exc.filename and str(exc.filename) != str(d) else "") + f"{hint}.") from None
 
 
 def _write(path: Path, data: bytes, private: bool) -> None:
@@ -108,7 +109,7 @@ def init_certificates(directory: str | os.PathLike, extra_names: tuple[str, ...]
     """Create a CA and a server certificate signed by it in ``directory``."""
     d = Path(directory)
     extra_names = tuple(check_san(n) for n in extra_names)  # before anything is created
-    _make_dir(d, "certificate directory")
+    make_dir(d, "certificate directory")
     paths = CertificatePaths.in_dir(d)
     if not force and any(p.exists() for p in (paths.ca_cert, paths.server_cert, paths.server_key, d / CA_KEY)):
         raise PrivacyError(f"certificate directory must not already hold certificates. Found them in {d}; use --force to replace.")
@@ -154,7 +155,7 @@ def new_node_key(path: str | os.PathLike, force: bool = False) -> tuple[Path, Pa
         raise PrivacyError(f"key path must be DIR/NAME. Found {str(priv)!r}.")
     if not force and (priv.exists() or pub.exists()):
         raise PrivacyError(f"key path must not exist yet. Found {priv}; use --force to replace.")
-    _make_dir(priv.parent, "key directory")
+    make_dir(priv.parent, "key directory")
     key = ec.generate_private_key(ec.SECP384R1())
     _write(priv, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
                                    serialization.NoEncryption()), private=True)

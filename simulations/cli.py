@@ -17,24 +17,6 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"fedshield: error: {message}\n")
 
 
-def _check_scenario_file(path: str) -> None:
-    """A scenario path the loader would trip on (a directory, bytes that are not UTF-8) as one clear line."""
-    from clients import ClientError
-
-    p = Path(path)
-    if p.is_dir():
-        raise ClientError(f"scenario must be a TOML file. Found {path!r}, a directory.")
-    if not p.is_file():
-        return  # the loader says "no such file"
-    try:
-        p.read_bytes().decode("utf-8")
-    except OSError as exc:
-        raise ClientError(f"scenario {path!r} must be readable. Found: {exc.strerror or exc}.") from None
-    except UnicodeDecodeError as exc:
-        raise ClientError(f"scenario {path!r} must be UTF-8 text (TOML). Found byte 0x{exc.object[exc.start]:02x} "
-                          f"at offset {exc.start}.") from None
-
-
 def _rounds_done(run_dir: Path) -> tuple[int, dict | None]:
     """Rounds already in ``run_dir``'s checkpoint (0 when new) and the checkpoint; creates nothing."""
     from coordinator import CoordinatorError, RunDirectory
@@ -62,8 +44,6 @@ def _simulate(args: argparse.Namespace) -> int:
         overrides["run.num-rounds"] = args.rounds
     if args.engine:
         overrides["simulation.engine"] = args.engine
-    for p in args.scenario or []:
-        _check_scenario_file(p)
     scenarios = [load_scenario(p, overrides) for p in (args.scenario or [None])]  # all checked before any runs
     stamp = time.strftime('%Y%m%d-%H%M%S')
     if not args.verbose:

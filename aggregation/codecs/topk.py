@@ -34,7 +34,7 @@ _INDEX_BYTES = 4
 _MAX_NUMEL = 2**31 - 1  # indices travel as int32
 
 
-_NP_VALUE_DTYPES = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2")}
+_NP_VALUE_DTYPES = {name: np.dtype(name).newbyteorder("<") for name in _VALUE_DTYPES}  # the wire is little-endian
 _ARRAYS = frozenset({PAYLOAD})
 
 

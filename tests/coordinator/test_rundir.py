@@ -35,10 +35,8 @@ def test_a_torch_file_that_is_not_a_checkpoint(tmp_path):
 def test_run_directory_that_is_a_file(tmp_path):
     f = tmp_path / "afile"
     f.write_text("x")
-    with pytest.raises(CoordinatorError, match="run directory must be a directory. Found a file at .*afile"):
+    with pytest.raises(CoordinatorError, match="run directory must be a directory. Found a file at .*afile; pick another"):
         RunDirectory(f)
-    with pytest.raises(CoordinatorError, match="run directory .*sub must be creatable. Found: Not a directory"):
-        RunDirectory(f / "sub")
 
 
 WALL = [{"round": 1, "round_time_s": 1.5}, {"round": 2, "round_time_s": 2.0}]

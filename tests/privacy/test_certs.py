@@ -8,7 +8,7 @@ import os
 import pytest
 from cryptography import x509
 
-from privacy import PrivacyError, init_certificates, new_node_key
+from privacy import PrivacyError, init_certificates, make_dir, new_node_key
 from privacy.transport import check_san
 from simulations.cli import main
 
@@ -34,13 +34,23 @@ def test_accepted_sans_land_in_the_certificate(tmp_path):
     assert ipaddress.ip_address("::1") in san.get_values_for_type(x509.IPAddress)
 
 
+@pytest.mark.parametrize("error", [PrivacyError, ValueError])
+def test_make_dir_names_a_file_in_the_way_and_a_directory_it_cannot_make(tmp_path, error):
+    f = tmp_path / "afile"
+    f.write_text("x")
+    with pytest.raises(error, match="^thing must be a directory. Found a file at .*afile; hint.$"):
+        make_dir(f, "thing", error, hint="; hint")
+    with pytest.raises(error, match="^thing .*sub must be creatable. Found: Not a directory.$"):
+        make_dir(f / "sub", "thing", error)
+    make_dir(tmp_path / "a" / "b", "thing", error)
+    assert (tmp_path / "a" / "b").is_dir()
+
+
 def test_certificate_directory_that_is_a_file(tmp_path):
     f = tmp_path / "afile"
     f.write_text("x")
-    with pytest.raises(PrivacyError, match="must be a directory. Found a file at .*afile"):
+    with pytest.raises(PrivacyError, match="certificate directory must be a directory. Found a file at .*afile"):
         init_certificates(f)
-    with pytest.raises(PrivacyError, match="must be creatable. Found: Not a directory"):
-        init_certificates(f / "sub")
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux /proc (a directory nobody can create in)")
