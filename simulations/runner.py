@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
+import signal
 import threading
 import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +41,51 @@ def _not_for_our_users(record: logging.LogRecord) -> bool:
     return "`run_simulation` function is deprecated" not in record.getMessage()
 
 
+@contextlib.contextmanager
+def ctrl_c_sets(stop: threading.Event) -> Iterator[Callable[[], bool]]:
+    """Within the block, Ctrl-C (SIGINT) sets ``stop`` at once, whichever thread the kernel hands
+    the signal to; yields whether it came.
+
+    Why: Python runs its SIGINT handler (KeyboardInterrupt) only in the main thread, and a main
+    thread blocked on a lock is woken only if the signal lands on it. Under Flower's engine the
+    main thread waits, without a timeout, for worker threads that run until the ServerApp ends,
+    and the process has dozens of threads (Ray's, gRPC's, the workers): a Ctrl-C landing on one
+    of them was seen only after every round had run (and then lost in Ray's shutdown). The C-level
+    handler still writes the signal's number to Python's wakeup fd from any thread; a watcher
+    thread reads it and sets ``stop``, which the ServerApp's clock checks (``StoppableClock``).
+    Outside the main thread (no signals there) it only yields.
+    """
+    seen = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield seen.is_set
+        return
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    try:
+        old = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    except ValueError:  # not allowed here (e.g. an embedding interpreter): the plain handler only
+        os.close(r)
+        os.close(w)
+        yield seen.is_set
+        return
+
+    def watch() -> None:
+        while data := os.read(r, 64):  # b"" once the write end is closed
+            if signal.SIGINT in data:
+                seen.set()
+                stop.set()
+
+    watcher = threading.Thread(target=watch, name="fedshield-ctrl-c", daemon=True)
+    watcher.start()
+    try:
+        yield seen.is_set
+    finally:
+        signal.set_wakeup_fd(old)
+        os.close(w)
+        watcher.join(timeout=5)
+        os.close(r)
+
+
 def run_flower_engine(scn: Scenario, on_round: RoundCallback | None) -> dict[str, Any]:
     """The ServerApp and ClientApp under ``flwr.simulation.run_simulation``."""
     from flwr.simulation import run_simulation
@@ -51,19 +99,24 @@ def run_flower_engine(scn: Scenario, on_round: RoundCallback | None) -> dict[str
     flwr_logger = logging.getLogger("flwr")
     flwr_logger.addFilter(_not_for_our_users)
     try:
-        with warnings.catch_warnings():
+        with ctrl_c_sets(stop) as interrupted, warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Tip: In future versions of Ray", category=FutureWarning)
-            run_simulation(
-                server_app=make_server_app(scn.run, on_round, result, stop=stop),
-                client_app=client_app,
-                num_supernodes=scn.sim.num_supernodes,
-                backend_config=_backend_config(scn),
-            )
-    except BaseException:
-        # Ctrl-C (or any failure) reaches only this thread: the ServerApp's thread would go on
-        # running rounds with no clients (and the interpreter would wait for it at exit).
-        stop.set()
-        raise
+            try:
+                run_simulation(
+                    server_app=make_server_app(scn.run, on_round, result, stop=stop),
+                    client_app=client_app,
+                    num_supernodes=scn.sim.num_supernodes,
+                    backend_config=_backend_config(scn),
+                )
+            except BaseException:
+                # Ctrl-C (or any failure) reaches only this thread: the ServerApp's thread would go on
+                # running rounds with no clients (and the interpreter would wait for it at exit).
+                stop.set()
+                if interrupted():  # the ServerApp's RunInterrupted, or whatever else the stop caused
+                    raise KeyboardInterrupt from None
+                raise
+            if interrupted():  # the KeyboardInterrupt itself may have been swallowed on the way out
+                raise KeyboardInterrupt
     finally:
         flwr_logger.removeFilter(_not_for_our_users)
     if not result:
