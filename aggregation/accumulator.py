@@ -23,6 +23,11 @@ if TYPE_CHECKING:
     from .codecs import Codec, Parsed
 
 
+# Set by the test suite: a fresh or reset CPU sum then holds NaN instead of whatever the memory
+# held (often zeros), so a path that adds into it without zeroing it first gives a wrong sum.
+POISON_FRESH = False
+
+
 class WeightedAccumulator:
     """Running weighted sum ``sum_i w_i * x_i`` and ``sum_i w_i`` over flat tensors.
 
@@ -41,7 +46,15 @@ class WeightedAccumulator:
         if numel <= 0:
             raise AggregationError(f"numel must be > 0. Found {numel}.")
         self.numel = int(numel)
-        self._sum = torch.zeros(self.numel, device=device, dtype=dtype)
+        # On CPU in float32 (the fused kernels' case) a fresh sum is left unwritten: the first batch's
+        # kernel zeroes each block in the thread that then adds into it, while it is in that core's
+        # cache, instead of a separate pass (and its page faults) on one thread. Every other path
+        # zeroes it first (``_ready``).
+        self._lazy = torch.device(device).type == "cpu" and dtype == torch.float32
+        self._sum = (torch.empty if self._lazy else torch.zeros)(self.numel, device=device, dtype=dtype)
+        self._unzeroed = self._lazy
+        if self._lazy and POISON_FRESH:
+            self._sum.fill_(math.nan)
         self.total_weight = 0.0
         self.count = 0
         self._bound = 0.0  # >= max_i |sum_i|: the sum of weight * L2 norm of what was added (inf: unknown)
@@ -58,7 +71,7 @@ class WeightedAccumulator:
         src = update.to(self._sum.device, non_blocking=True)
         if src.dtype != self._sum.dtype:
             src = src.to(self._sum.dtype)
-        self._sum.add_(src, alpha=weight)
+        self._ready().add_(src, alpha=weight)
         self._bound = math.inf  # not measured (a checked add after this one reads its update twice)
         self.total_weight += float(weight)
         self.count += 1
@@ -69,7 +82,7 @@ class WeightedAccumulator:
         if parsed.numel != self.numel:
             raise AggregationError(f"update must have {self.numel} elements. Found {parsed.numel}.")
         self._check_weight(weight)
-        codec.add_into(parsed, self._sum, float(weight))
+        codec.add_into(parsed, self._ready(), float(weight))
         self._bound += math.inf if norm is None else float(weight) * norm
         self.total_weight += float(weight)
         self.count += 1
@@ -89,6 +102,7 @@ class WeightedAccumulator:
         from .codecs.base import checked_add_two_pass  # lazy: the codecs are not needed to import this module
 
         safe = (_SAFE - self._bound) / weight
+        self._ready()
         try:
             fused = getattr(codec, "add_into_checked", None)  # duck-typed sources may have only norm/add_into
             if fused is None or not safe > 0:
@@ -120,7 +134,12 @@ class WeightedAccumulator:
             self._check_weight(weight)
         weights = [float(w) for w in weights]
         many = getattr(codec, "add_batch_checked", None)
-        results = many(batch, self._sum, weights, max_norm, _SAFE - self._bound) if many is not None and batch else None
+        results = None
+        if many is not None and batch:
+            zero = {"zero": True} if self._unzeroed else {}
+            results = many(batch, self._sum, weights, max_norm, _SAFE - self._bound, **zero)
+            if results is not None:
+                self._unzeroed = False
         if results is None:
             return each_checked(lambda p, w: self.add_parsed_checked(codec, p, w, max_norm), batch, weights)
         for res, weight in zip(results, weights, strict=True):
@@ -135,19 +154,31 @@ class WeightedAccumulator:
         if isinstance(weight, bool) or not (math.isfinite(weight) and weight > 0):
             raise AggregationError(f"weight must be finite and > 0. Found {weight}.")
 
+    def _ready(self) -> torch.Tensor:
+        """The sum, zeroed first if it is still fresh and unwritten."""
+        if self._unzeroed:
+            self._sum.zero_()
+            self._unzeroed = False
+        return self._sum
+
     @property
     def total(self) -> torch.Tensor:
         """The running weighted sum itself (not a copy): read it, do not write to it."""
-        return self._sum
+        return self._ready()
 
     def mean(self) -> torch.Tensor:
         """The weighted mean (a new tensor); raises if nothing was added."""
         if self.count == 0:
             raise AggregationError("mean needs at least one accepted update. Found none.")
-        return self._sum / self.total_weight
+        return self._ready() / self.total_weight
 
     def reset(self) -> None:
-        self._sum.zero_()
+        if self._lazy:
+            self._unzeroed = True  # zeroed by the next add's pass
+            if POISON_FRESH:
+                self._sum.fill_(math.nan)
+        else:
+            self._sum.zero_()
         self.total_weight = 0.0
         self.count = 0
         self._bound = 0.0

@@ -138,7 +138,13 @@ def _compile() -> Any:
                 axpy(xs[e], out, s0, s1, w32[e])
 
     @jit
-    def dense_range(xs, ws, caps, out, block, sub, sq, added, lo, hi):
+    def zero_range(out, lo, hi):
+        lo = np.uint64(lo)
+        for i in range(np.uint64(hi) - lo):
+            out[lo + i] = np.float32(0.0)
+
+    @jit
+    def dense_range(xs, ws, caps, out, block, sub, sq, added, zero, lo, hi):
         """Blocks ``[lo, hi)`` of the sum (``lo`` a multiple of ``block``), each in steps of
         ``sub`` elements. Per block, updates are taken four at a time (one read and write of the
         sum per four), each step's sums of squares fused with the weighted add. An update's step
@@ -147,7 +153,8 @@ def _compile() -> Any:
         once per block) plus every step kept so far, update by update; that update is then only
         measured for the rest of the block (its group adds one update at a time there).
         ``sq[c, b]``: the block's sum of squares (float64 over steps); ``added[c, b]``: how many
-        of its first elements were added."""
+        of its first elements were added. ``zero``: the sum's blocks are set to zero first (a fresh
+        sum is zeroed here, block by block, by the thread that then adds into it: in its cache)."""
         n = len(xs)
         start = np.empty(block, dtype=np.float32)
         w32 = np.empty(n + 4, dtype=np.float32)
@@ -158,6 +165,8 @@ def _compile() -> Any:
         for b0 in range(lo, hi, block):
             b1 = min(hi, b0 + block)
             bi = b0 // block
+            if zero:
+                zero_range(out, b0, b1)
             for i in range(b1 - b0):
                 start[i] = out[b0 + i]
             for c in range(n):
@@ -232,16 +241,19 @@ def _compile() -> Any:
             out[u0 + i] += g * lev[i]
 
     @jit
-    def qsgd_range(codes_l, scales_l, bits, chunk, ws, cap2, out, block, sq, added, lo, hi):
+    def qsgd_range(codes_l, scales_l, bits, chunk, ws, cap2, out, block, sq, added, zero, lo, hi):
         """``dense_range`` for QSGD updates, one chunk (one scale) per step, decoded once into an
         L1 buffer of levels ``2q - M``. Values are ``s (2q - M) / M``; ``sq`` and ``cap2`` are in
         units of ``1 / M^2``. A chunk is added while every chunk of the block so far is within
-        ``cap2[c]`` (the levels are bounded, so nothing is added before its chunk is measured)."""
+        ``cap2[c]`` (the levels are bounded, so nothing is added before its chunk is measured).
+        ``zero``: as ``dense_range``'s."""
         m = (1 << bits) - 1
         lev = np.empty(chunk + 8, dtype=np.float32)
         for b0 in range(lo, hi, block):
             b1 = min(hi, b0 + block)
             bi = b0 // block
+            if zero:
+                zero_range(out, b0, b1)
             for c in range(len(codes_l)):
                 codes, scales = codes_l[c], scales_l[c]
                 f = ws[c] / m
@@ -282,10 +294,13 @@ def _compile() -> Any:
         return bad == 0, acc
 
     @jit
-    def scatter_range(idx_l, vals_l, ws, out, lo, hi):
+    def scatter_range(idx_l, vals_l, ws, out, zero, lo, hi):
         """``out[i] += w * v`` for every update's entries whose index ``i`` lies in ``[lo, hi)``
         (indices validated: sorted, in range, no duplicates; found by binary search). Unsigned
-        positions and indices: no negative-index wraparound test per entry."""
+        positions and indices: no negative-index wraparound test per entry. ``zero``: as
+        ``dense_range``'s (``[lo, hi)`` set to zero first)."""
+        if zero:
+            zero_range(out, lo, hi)
         for c in range(len(idx_l)):
             idx, vals = idx_l[c], vals_l[c]
             w = np.float32(ws[c])

@@ -60,10 +60,9 @@ def dense_kernel_fn(parsed, numel: int):
     ws, caps, out = np.ones(len(parsed)), np.full(len(parsed), np.inf), np.zeros(numel, np.float32)
 
     def run():
-        out[:] = 0
         sq, added = kernels.batch_arrays(len(parsed), numel, kernels.BLOCK)
         kernels.run_ranges(kernels.load().dense_range, numel, kernels.BLOCK, xs, ws, caps, out, kernels.BLOCK,
-                           kernels.SUB, sq, added)
+                           kernels.SUB, sq, added, True)  # zeroes the sum in its pass, as a fresh one is
     return run
 
 
@@ -167,7 +166,7 @@ def sparse_kernel_fn(parsed, numel: int):
     idx = kernels.typed_list([p.host["indices"] for p in parsed])
     vals = kernels.typed_list([p.host["values"] for p in parsed])
     ws, out = np.ones(len(parsed)), np.zeros(numel, np.float32)
-    return lambda: kernels.run_ranges(kernels.load().scatter_range, numel, kernels.BLOCK, idx, vals, ws, out,
+    return lambda: kernels.run_ranges(kernels.load().scatter_range, numel, kernels.BLOCK, idx, vals, ws, out, True,
                                       per_thread=2)
 
 

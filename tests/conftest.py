@@ -18,6 +18,14 @@ settings.load_profile("fedshield")
 
 
 @pytest.fixture(autouse=True, scope="session")
+def _poison_fresh_sums() -> None:
+    """Fresh CPU sums start as NaN: every path must zero one before adding into it."""
+    from aggregation import accumulator
+
+    accumulator.POISON_FRESH = True
+
+
+@pytest.fixture(autouse=True, scope="session")
 def _task_identity() -> None:
     from simulations.inprocess import ensure_task_identity
 

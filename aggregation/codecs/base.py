@@ -100,7 +100,7 @@ class Codec(ABC):
         return checked_add_two_pass(self, parsed, out, weight, max_norm)
 
     def add_batch_checked(self, batch: list[Parsed], out: torch.Tensor, weights: list[float], max_norm: float,
-                          budget: float) -> list[float | UpdateRejected] | None:
+                          budget: float, zero: bool = False) -> list[float | UpdateRejected] | None:
         """``add_into_checked`` for every update of ``batch`` in one pass over ``out``, or None
         where this codec has no batch path for ``out`` (the caller then adds one at a time).
 
@@ -108,6 +108,8 @@ class Codec(ABC):
         part added ahead is subtracted again, leaving rounding as ``add_into_checked`` states).
         ``budget``: how much the magnitude of any element of ``out`` may grow through parts
         added ahead of their decision, all updates together (see WeightedAccumulator).
+        ``zero``: ``out`` holds garbage (a fresh sum, not yet zeroed) and is set to zero within
+        the same pass, before anything is added; where this returns None, ``out`` is untouched.
         """
         return None
 

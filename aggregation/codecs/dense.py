@@ -89,7 +89,7 @@ class DenseCodec(Codec):
         rule = norm_rule(sq, max_norm)
         raise UpdateRejected(rule, math.sqrt(sq) if rule == "norm-too-large" else math.inf, max_norm)
 
-    def add_batch_checked(self, batch, out, weights, max_norm, budget):
+    def add_batch_checked(self, batch, out, weights, max_norm, budget, zero=False):
         """The fused kernel (``aggregation.kernels``): each update read once, the sum kept in cache.
         A step is kept ahead of the decision only if its own norm is within ``max_norm`` and
         within this update's share of ``budget`` (``budget / len(batch) / weight``), so nothing
@@ -102,7 +102,7 @@ class DenseCodec(Codec):
         sq, added = kernels.batch_arrays(len(batch), out.numel(), block)
         kernels.run_ranges(kernels.load().dense_range, out.numel(), block,
                            kernels.typed_list([p.host[VALUES] if p.host else p.tensors[VALUES].numpy() for p in batch]), ws, cap, out.numpy(),
-                           block, kernels.SUB, sq, added)
+                           block, kernels.SUB, sq, added, bool(zero))
 
         def add_range(c: int, lo: int, hi: int, sign: float) -> None:
             out[lo:hi].add_(batch[c].tensors[VALUES][lo:hi], alpha=sign * float(ws[c]))

@@ -230,7 +230,7 @@ class QSGDCodec(Codec):
             _add_rows(out, start, chunk, rows, levels, factors[r0 : r0 + rows])
         return math.sqrt(_sq_from_rows(row_norms, parsed.tensors[SCALES])) * unit[0]
 
-    def add_batch_checked(self, batch, out, weights, max_norm, budget):
+    def add_batch_checked(self, batch, out, weights, max_norm, budget, zero=False):
         """The fused kernel (``aggregation.kernels``): codes decoded once per chunk for both the
         norm and the add, the sum kept in cache; as dense's, a chunk is kept ahead of the decision
         only within ``max_norm`` and this update's share of ``budget`` (its scale bounds it a
@@ -249,7 +249,7 @@ class QSGDCodec(Codec):
         sq, added = kernels.batch_arrays(len(batch), numel, block)
         impl = kernels.load()
         kernels.run_ranges(impl.qsgd_range, numel, block, kernels.typed_list(codes), kernels.typed_list(scales), bits,
-                           chunk, ws, (cap * m) ** 2, out.numpy(), block, sq, added)
+                           chunk, ws, (cap * m) ** 2, out.numpy(), block, sq, added, bool(zero))
 
         def add_range(c: int, lo: int, hi: int, sign: float) -> None:
             impl.qsgd_add(codes[c], scales[c], bits, chunk, sign * float(ws[c]) / m, out.numpy(), lo, hi)

@@ -144,7 +144,7 @@ class TopKCodec(Codec):
         vals = parsed.tensors[VALUES].to(out.device, non_blocking=True).to(out.dtype)
         out.index_add_(0, idx, vals, alpha=weight)
 
-    def add_batch_checked(self, batch, out, weights, max_norm, budget):
+    def add_batch_checked(self, batch, out, weights, max_norm, budget, zero=False):
         """Norms from parse, checked first; the accepted updates scattered in one kernel call."""
         if not batch or not kernels.applies(out):
             return None
@@ -162,7 +162,10 @@ class TopKCodec(Codec):
             ws.append(weight)
         if idx:
             kernels.run_ranges(kernels.load().scatter_range, out.numel(), kernels.BLOCK, kernels.typed_list(idx),
-                               kernels.typed_list(vals), np.asarray(ws, np.float64), out.numpy(), per_thread=2)
+                               kernels.typed_list(vals), np.asarray(ws, np.float64), out.numpy(), bool(zero),
+                               per_thread=2)
+        elif zero:
+            out.zero_()
         return results
 
     def norm(self, parsed: Parsed) -> float:

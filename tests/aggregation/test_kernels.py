@@ -274,3 +274,43 @@ def test_run_ranges_waits_for_every_thread_and_raises_a_failure(monkeypatch):
         kernels.run_ranges(fn, 64, 4)
     # the first range failed; the other thread took every other range before run_ranges returned
     assert first and first[0] + sum(hi - lo for lo, hi in done) == 64
+
+
+@pytest.mark.parametrize("name,params", CODECS)
+@pytest.mark.parametrize("numel", [777, 3 * (1 << 16) + 5])
+@pytest.mark.parametrize("refuse_all", [False, True])
+def test_zero_in_pass_overwrites_a_garbage_sum(name, params, numel, refuse_all):
+    """``zero=True``: ``out`` starts as garbage (NaN here) and ends as the sum of the accepted
+    updates alone, the same bits as adding into a zeroed sum, even when every update is refused."""
+    codec = create_codec(name, **params)
+    gen = torch.Generator().manual_seed(7)
+    batch = [_parse(codec, torch.randn(numel, generator=gen), i) for i in range(5)]
+    weights = [1.0, 2.0, 0.5, 3.0, 1.5]
+    max_norm = 1e-6 if refuse_all else math.inf
+    zeroed, garbage = torch.zeros(numel), torch.full((numel,), math.nan)
+    want = codec.add_batch_checked(batch, zeroed, weights, max_norm, 1e37)
+    got = codec.add_batch_checked(batch, garbage, weights, max_norm, 1e37, zero=True)
+    assert _verdicts(got) == _verdicts(want)
+    assert all(isinstance(r, UpdateRejected) for r in got) == refuse_all
+    assert torch.equal(garbage, zeroed)
+
+
+def test_fresh_and_reset_sums_are_zeroed_by_whichever_path_comes_first():
+    """A fresh CPU sum is left unwritten until its first add (the tests poison it with NaN): the
+    batch kernels zero it in their pass, and every other path (single adds, the torch fallback,
+    ``total``, ``mean``) zeroes it first; ``reset`` leaves it unwritten again."""
+    codec = create_codec("dense")
+    x = torch.arange(10, dtype=torch.float32)
+    p = _parse(codec, x)
+    acc = WeightedAccumulator(10)
+    assert torch.isnan(acc._sum).all()  # the suite's poison (tests/conftest.py): nothing hides a missed zeroing
+    assert torch.equal(acc.total, torch.zeros(10))
+    for add in (lambda a: a.add_parsed_checked_many(codec, [p], [2.0]), lambda a: a.add_parsed_checked(codec, p, 2.0),
+                lambda a: a.add_parsed(codec, p, 2.0), lambda a: a.add(x, 2.0)):
+        acc.reset()
+        assert torch.isnan(acc._sum).all()
+        add(acc)
+        assert torch.equal(acc.total, 2 * x)
+        assert torch.equal(acc.mean(), x)
+    float64 = WeightedAccumulator(10, dtype=torch.float64)  # not the kernels' case: zeroed when made
+    assert torch.equal(float64._sum, torch.zeros(10, dtype=torch.float64))
