@@ -5,11 +5,17 @@ from __future__ import annotations
 import csv
 import json
 import os
+import shutil
 import subprocess
+import tempfile
+import time
+from pathlib import Path
 
 import pytest
 
 from coordinator.rundir import CHECKPOINT, METRICS, MODEL, PLOT, SUMMARY
+
+from .procs import free_port, wait_for
 
 pytestmark = [pytest.mark.integration]
 
@@ -92,7 +98,6 @@ def test_ctrl_c_stops_a_flower_engine_run_at_once_and_saves_no_more_rounds(tmp_p
     woken, and the KeyboardInterrupt raised at the end was lost in Ray's shutdown."""
     import ctypes
     import signal
-    import time
 
     proc = procs.start("simulate", [fedshield_bin, "simulate", "--rounds", "60", "--quiet", "--run-dir", "run"], cwd=tmp_path)
     metrics = tmp_path / "run" / METRICS
@@ -109,3 +114,34 @@ def test_ctrl_c_stops_a_flower_engine_run_at_once_and_saves_no_more_rounds(tmp_p
     time.sleep(2)
     assert len(list(csv.DictReader(open(metrics)))) == rounds_then, "no round is saved after the interrupt"
     assert "fedshield: interrupted" in procs.log("simulate")
+
+
+@pytest.mark.timeout(300)
+def test_simulate_joins_an_existing_ray_cluster(procs, fedshield_bin):
+    """Past one machine: a Ray head started on its own (``ray start --head``, as on a cluster's first
+    machine) and ``fedshield simulate`` with ``ray-address`` pointing at it. The run must join that
+    cluster (its driver's log lands in the head's session directory) rather than start its own.
+    The head's whole process group (GCS, raylet, agents, workers) is stopped when the test ends."""
+    port = free_port()
+    # Not under tmp_path: Ray's unix socket paths (under --temp-dir) must stay below 108 bytes.
+    ray_tmp = Path(tempfile.mkdtemp(prefix="fs-ray-", dir="/tmp"))
+    try:
+        procs.start("ray-head", [str(Path(fedshield_bin).with_name("ray")), "start", "--head", "--block",
+                                 "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=2",
+                                 "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={ray_tmp}"],
+                    cwd=ray_tmp)
+        wait_for(lambda: "Ray runtime started" in procs.log("ray-head") or procs.procs["ray-head"].poll() is not None,
+                 120, "the Ray head")
+        assert procs.procs["ray-head"].poll() is None, procs.log("ray-head")[-3000:]
+        run = ray_tmp / "run"
+        out = _simulate(fedshield_bin, ray_tmp, "--rounds", "2", "--run-dir", str(run),
+                        "--set", f'simulation.ray-address="127.0.0.1:{port}"',
+                        "--set", "simulation.num-supernodes=4", "--set", "run.min-nodes=4", timeout=240)
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert json.loads((run / SUMMARY).read_text())["rounds"] == 2
+        drivers = list(ray_tmp.glob("session_*/logs/python-core-driver-*"))
+        assert drivers, "the simulation's Ray driver did not connect to the cluster started above"
+        assert procs.procs["ray-head"].poll() is None, "the run must leave the cluster it joined running"
+    finally:
+        procs.stop("ray-head")
+        shutil.rmtree(ray_tmp, ignore_errors=True)
