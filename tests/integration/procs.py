@@ -24,10 +24,14 @@ class Procs:
         self.env = {**os.environ, "FLWR_DISABLE_UPDATE_CHECK": "1", "FEDSHIELD_DEVICE": "cpu", **(env or {})}
         self.procs: dict[str, subprocess.Popen] = {}
 
-    def start(self, name: str, cmd: list[str], cwd: Path | None = None, env: dict[str, str] | None = None) -> subprocess.Popen:
+    def start(self, name: str, cmd: list[str], cwd: Path | None = None, env: dict[str, str] | None = None,
+              interruptible: bool = False) -> subprocess.Popen:
+        """``interruptible``: SIGINT at its default in the child (Python's KeyboardInterrupt), even where
+        this test run inherited it ignored (a shell's background job: ``bash .ci/run &``)."""
         log = open(self.log_dir / f"{name}.log", "w")  # noqa: SIM115 - closed when the test ends
+        restore = (lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)) if interruptible else None
         proc = subprocess.Popen(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, env={**self.env, **(env or {})},
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=restore)
         self.procs[name] = proc
         return proc
 
