@@ -36,7 +36,7 @@ def _rounds_done(run_dir: Path) -> tuple[int, dict | None]:
 def _simulate(args: argparse.Namespace) -> int:
     from coordinator.rundir import is_simulated, time_axis
 
-    from .runner import run_scenario
+    from .runner import check_ray_cluster, run_scenario
     from .scenario import load_scenario, parse_override
 
     overrides = dict(parse_override(s) for s in args.set or [])
@@ -70,6 +70,8 @@ def _simulate(args: argparse.Namespace) -> int:
             raise ConfigError(f"run.run-dir must differ between the scenarios of a comparison. Found {str(dup)!r} "
                               "for two of them (--set applies to every scenario).")
     resumed = [_rounds_done(run_dir) for _, run_dir in runs]  # a file in the way or a bad checkpoint: before any run
+    for scn, _ in runs:
+        check_ray_cluster(scn)  # a Ray cluster that does not answer: before any run too
     results = []
     for (scn, run_dir), (done, ckpt) in zip(runs, resumed, strict=True):
         wanted = scn.run.server.num_rounds

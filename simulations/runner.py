@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import os
 import signal
+import socket
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -86,9 +87,50 @@ def ctrl_c_sets(stop: threading.Event) -> Iterator[Callable[[], bool]]:
         os.close(r)
 
 
+def check_ray_address(address: str, timeout: float = 5.0, what: str = "simulation.ray-address") -> None:
+    """One clear error, before any round, when no Ray cluster answers at ``address`` (``host:port``,
+    ``ray://host:port``, or ``auto``: ``RAY_ADDRESS``, else the cluster ``ray start`` left on this
+    machine). Unchecked, Ray retries an unreachable GCS for ever while the ServerApp waits out
+    every round with no clients, or ("auto" with no cluster) fails deep inside Flower's engine."""
+    hostport: str | None = address[len("ray://"):] if address.startswith("ray://") else address
+    if not address.startswith("ray://"):
+        from ray._private.services import get_ray_address_from_environment  # Ray's own reading of it
+
+        try:
+            hostport = get_ray_address_from_environment(address, None)
+        except ConnectionError:
+            raise CoordinatorError(f"{what} {address!r}: no running Ray cluster found on this machine. Start one "
+                                   "with `ray start --head`, or give a cluster's host:port.") from None
+        if hostport in (None, "local"):  # Ray starts one here
+            return
+    host, sep, port = str(hostport).rpartition(":")
+    if not (sep and host and port.isdigit()):
+        raise CoordinatorError(f"{what} must be host:port, ray://host:port or auto. Found {address!r}.")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as exc:
+        reason = exc.strerror or str(exc) or type(exc).__name__
+        raise CoordinatorError(f"{what} {address!r}: no Ray cluster answers at {hostport} ({reason}). "
+                               "Start one there with `ray start --head`, or leave ray-address out to run on a "
+                               "Ray instance of this process's own.") from None
+
+
+def check_ray_cluster(scn: Scenario) -> None:
+    """On Flower's engine, the Ray cluster the run would join (``ray-address``, else ``RAY_ADDRESS``,
+    which ``ray.init()`` follows when given no address) must answer: ``check_ray_address``."""
+    if scn.sim.engine != "flower":
+        return
+    if scn.sim.ray_address:
+        check_ray_address(scn.sim.ray_address)
+    elif os.environ.get("RAY_ADDRESS"):
+        check_ray_address(os.environ["RAY_ADDRESS"], what="RAY_ADDRESS (from the environment)")
+
+
 def run_flower_engine(scn: Scenario, on_round: RoundCallback | None) -> dict[str, Any]:
     """The ServerApp and ClientApp under ``flwr.simulation.run_simulation``."""
     from flwr.simulation import run_simulation
+
+    check_ray_cluster(scn)
 
     from clients.client_app import app as client_app
 

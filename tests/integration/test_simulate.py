@@ -80,7 +80,9 @@ def test_default_scenario_reaches_090(tmp_path, fedshield_bin):
 
 
 def test_bad_input_is_one_line(tmp_path, fedshield_bin):
-    for args in (["nope.toml"], ["--set", "run.lr=-1"], ["--set", "run.bogus=1"], ["--rounds", "0"]):
+    closed = free_port()  # nothing listens there
+    for args in (["nope.toml"], ["--set", "run.lr=-1"], ["--set", "run.bogus=1"], ["--rounds", "0"],
+                 ["--set", f'simulation.ray-address="127.0.0.1:{closed}"']):
         out = _simulate(fedshield_bin, tmp_path, *args, timeout=60)
         assert out.returncode == 2
         lines = out.stderr.strip().splitlines()

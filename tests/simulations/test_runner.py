@@ -1,14 +1,17 @@
-"""simulations.runner.ctrl_c_sets: Ctrl-C stops a Flower-engine run whichever thread it lands on."""
+"""simulations.runner: Ctrl-C stops a Flower-engine run whichever thread it lands on (ctrl_c_sets);
+a Ray address no cluster answers at is one clear error before any round (check_ray_address)."""
 
 from __future__ import annotations
 
 import signal
+import socket
 import threading
 import time
 
 import pytest
 
-from simulations.runner import ctrl_c_sets
+from coordinator import CoordinatorError
+from simulations.runner import check_ray_address, ctrl_c_sets
 
 
 @pytest.fixture
@@ -63,3 +66,37 @@ def test_outside_the_main_thread_it_only_yields():
     t.start()
     t.join()
     assert got == [False]
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # closed again when the block ends: nothing listens there
+
+
+@pytest.mark.parametrize("form", ["{}", "ray://{}"])
+def test_an_unreachable_ray_address_is_one_error_before_any_round(form, monkeypatch):
+    """Ray would retry such a GCS for ever while every round waited with no clients."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    address = form.format(f"127.0.0.1:{_closed_port()}")
+    with pytest.raises(CoordinatorError, match=r"no Ray cluster answers at 127\.0\.0\.1:\d+ \(Connection refused\)") as exc:
+        check_ray_address(address, timeout=2)
+    assert "\n" not in str(exc.value)
+
+
+def test_a_listening_address_passes_and_bad_forms_are_refused(monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen()
+        check_ray_address(f"127.0.0.1:{srv.getsockname()[1]}", timeout=2)
+    check_ray_address("local")  # Ray starts its own: nothing to reach
+    for bad in ("nonsense", "127.0.0.1:port", ":6379"):
+        with pytest.raises(CoordinatorError, match="must be host:port, ray://host:port or auto"):
+            check_ray_address(bad)
+
+
+def test_auto_follows_ray_address_from_the_environment(monkeypatch):
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{_closed_port()}")
+    with pytest.raises(CoordinatorError, match="'auto': no Ray cluster answers at 127.0.0.1"):
+        check_ray_address("auto", timeout=2)
