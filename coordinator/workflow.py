@@ -410,7 +410,11 @@ class SyncWorkflow:
             "rejected_total": sum(self.rejections.values()), "rejected_by_rule": dict(self.rejections),
             "wall_time_s": time.monotonic() - self.wall_start, "num_parameters": self.numel,
             "run_dir": str(self.run_dir.path),
+            "rounds_without_updates": sum(1 for r in self.history if r.get("accepted", 1) == 0),
         }
+        if self.history and summary["rounds_without_updates"] == len(self.history):
+            log(WARNING, "[fedshield] no round received an accepted update: the model is the one the run started "
+                         "from (do the clients reach the coordinator, and are their replies rejected? see the log above)")
         if self.secure is not None:
             summary.update({"secure_aggregation": self.cfg.secure.secure_aggregation,
                             "secagg_failed_rounds": sum(1 for r in self.history if r.get("secagg_failure"))})

@@ -67,6 +67,14 @@ def test_all_bad_leaves_model_unchanged(tmp_path):
     assert wf.version == 0
     assert torch.equal(wf.weights, before)
     assert [r["accepted"] for r in wf.history] == [0, 0]
+    summary = json.loads((tmp_path / SUMMARY).read_text())
+    assert summary["rounds_without_updates"] == 2  # a run that learned nothing says so
+
+
+def test_summary_counts_no_idle_round_when_every_round_learns(tmp_path):
+    wf = SyncWorkflow(cfg(**{"num-rounds": 2}), InProcessGrid(mixed({1001}, stock_flower_bad("nan")), 3), RunDirectory(tmp_path))
+    wf.run()
+    assert json.loads((tmp_path / SUMMARY).read_text())["rounds_without_updates"] == 0
 
 
 def test_resume_continues_from_checkpoint(tmp_path):
