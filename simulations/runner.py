@@ -94,7 +94,11 @@ def check_ray_address(address: str, timeout: float = 5.0, what: str = "simulatio
     every round with no clients, or ("auto" with no cluster) fails deep inside Flower's engine."""
     hostport: str | None = address[len("ray://"):] if address.startswith("ray://") else address
     if not address.startswith("ray://"):
-        from ray._private.services import get_ray_address_from_environment  # Ray's own reading of it
+        try:  # Ray's own reading of it ("auto", RAY_ADDRESS); a private helper, so only where it exists
+            from ray._private.services import get_ray_address_from_environment
+        except ImportError:
+            def get_ray_address_from_environment(addr: str, _temp_dir: None) -> str | None:
+                return None if addr == "auto" else os.environ.get("RAY_ADDRESS") or addr  # "auto": left to Ray
 
         try:
             hostport = get_ray_address_from_environment(address, None)
