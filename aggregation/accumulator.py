@@ -46,18 +46,8 @@ class WeightedAccumulator:
         if numel <= 0:
             raise AggregationError(f"numel must be > 0. Found {numel}.")
         self.numel = int(numel)
-        # On CPU in float32 (the fused kernels' case) a fresh sum is left unwritten: the first batch's
-        # kernel zeroes each block in the thread that then adds into it, while it is in that core's
-        # cache, instead of a separate pass (and its page faults) on one thread. Every other path
-        # zeroes it first (``_ready``).
-        self._lazy = torch.device(device).type == "cpu" and dtype == torch.float32
-        self._sum = (torch.empty if self._lazy else torch.zeros)(self.numel, device=device, dtype=dtype)
-        self._unzeroed = self._lazy
-        if self._lazy and POISON_FRESH:
-            self._sum.fill_(math.nan)
-        self.total_weight = 0.0
-        self.count = 0
-        self._bound = 0.0  # >= max_i |sum_i|: the sum of weight * L2 norm of what was added (inf: unknown)
+        self._sum = torch.empty(self.numel, device=device, dtype=dtype)
+        self.reset()
 
     @property
     def device(self) -> torch.device:
@@ -136,8 +126,7 @@ class WeightedAccumulator:
         many = getattr(codec, "add_batch_checked", None)
         results = None
         if many is not None and batch:
-            zero = {"zero": True} if self._unzeroed else {}
-            results = many(batch, self._sum, weights, max_norm, _SAFE - self._bound, **zero)
+            results = many(batch, self._sum, weights, max_norm, _SAFE - self._bound, zero=self._unzeroed)
             if results is not None:
                 self._unzeroed = False
         if results is None:
@@ -173,15 +162,18 @@ class WeightedAccumulator:
         return self._ready() / self.total_weight
 
     def reset(self) -> None:
-        if self._lazy:
-            self._unzeroed = True  # zeroed by the next add's pass
-            if POISON_FRESH:
-                self._sum.fill_(math.nan)
-        else:
+        """Forget every update. On CPU in float32 (the fused kernels' case) the sum is left unwritten:
+        the next batch's kernel zeroes each block in the thread that then adds into it, while it is
+        in that core's cache, instead of a separate pass (and, when fresh, its page faults) on one
+        thread. Every other path zeroes it first (``_ready``)."""
+        self._unzeroed = self._sum.device.type == "cpu" and self._sum.dtype == torch.float32
+        if not self._unzeroed:
             self._sum.zero_()
+        elif POISON_FRESH:
+            self._sum.fill_(math.nan)
         self.total_weight = 0.0
         self.count = 0
-        self._bound = 0.0
+        self._bound = 0.0  # >= max_i |sum_i|: the sum of weight * L2 norm of what was added (inf: unknown)
 
 
 # What a checked add may bring the sum's largest magnitude to before it has decided: far below

@@ -54,7 +54,7 @@ def export_partitions(task: str, num_partitions: int, out: str, partitioning: st
     spec = build_config(TaskSpec, {"task": task, "partitioning": partitioning, "dirichlet-alpha": alpha, "data-seed": seed})
     t = get_task(spec)
     parts = [t.partition(k, num_partitions) for k in range(num_partitions)]  # raises on a bad split, nothing made yet
-    created = _missing_ancestor(out_dir)
+    created = missing_ancestor(out_dir)
     paths: list[Path] = []
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -69,7 +69,7 @@ def export_partitions(task: str, num_partitions: int, out: str, partitioning: st
     return paths
 
 
-def _missing_ancestor(path: Path) -> Path | None:
+def missing_ancestor(path: Path) -> Path | None:
     """The topmost of ``path`` and its parents that does not exist yet (what ``mkdir -p`` would create)."""
     top = None
     for p in (path, *path.parents):

@@ -19,14 +19,14 @@ class _Parser(argparse.ArgumentParser):
 
 def _rounds_done(run_dir: Path) -> tuple[int, dict | None]:
     """Rounds already in ``run_dir``'s checkpoint (0 when new) and the checkpoint; creates nothing."""
+    from clients.cli import missing_ancestor
     from coordinator import CoordinatorError, RunDirectory
     from coordinator.rundir import CHECKPOINT
 
-    for p in (run_dir, *run_dir.parents):
-        if p.exists():
-            if not p.is_dir():
-                raise CoordinatorError(f"--run-dir must be a directory. Found a file at {p}; pick another --run-dir.")
-            break
+    top = missing_ancestor(run_dir)
+    existing = run_dir if top is None else top.parent  # what mkdir -p would build on
+    if not existing.is_dir():
+        raise CoordinatorError(f"--run-dir must be a directory. Found a file at {existing}; pick another --run-dir.")
     if not (run_dir / CHECKPOINT).exists():
         return 0, None
     ckpt = RunDirectory(run_dir).load_checkpoint()
@@ -34,7 +34,7 @@ def _rounds_done(run_dir: Path) -> tuple[int, dict | None]:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from coordinator.rundir import is_simulated, time_axis
+    from coordinator.rundir import time_axis, time_label
 
     from .runner import check_ray_cluster, run_scenario
     from .scenario import load_scenario, parse_override
@@ -104,9 +104,8 @@ def _simulate(args: argparse.Namespace) -> int:
         RunDirectory(parent).plot_accuracy_vs_time(histories, "accuracy over time")
         for d, summary, wall in results:
             rows = histories[d.name]
-            label = "simulated on the virtual engine" if is_simulated(rows) else "rounds' wall time summed"
             print(f"  {d.name:<28} accuracy {summary['final_test_accuracy']:.4f}  time {time_axis(rows)[-1] if rows else 0:.1f} s "
-                  f"({label})  wall {wall:.1f} s")
+                  f"({time_label([rows])})  wall {wall:.1f} s")
         print(f"comparison plot: {parent / TIME_PLOT}")
     return 0
 

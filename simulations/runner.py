@@ -54,17 +54,14 @@ def ctrl_c_sets(stop: threading.Event) -> Iterator[Callable[[], bool]]:
     of them was seen only after every round had run (and then lost in Ray's shutdown). The C-level
     handler still writes the signal's number to Python's wakeup fd from any thread; a watcher
     thread reads it and sets ``stop``, which the ServerApp's clock checks (``StoppableClock``).
-    Outside the main thread (no signals there) it only yields.
+    Outside the main thread it only yields.
     """
     seen = threading.Event()
-    if threading.current_thread() is not threading.main_thread():
-        yield seen.is_set
-        return
     r, w = os.pipe()
     os.set_blocking(w, False)
     try:
         old = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
-    except ValueError:  # not allowed here (e.g. an embedding interpreter): the plain handler only
+    except ValueError:  # not the main thread (no signals there), or not allowed here: the plain handler only
         os.close(r)
         os.close(w)
         yield seen.is_set
@@ -92,13 +89,10 @@ def check_ray_address(address: str, timeout: float = 5.0, what: str = "simulatio
     ``ray://host:port``, or ``auto``: ``RAY_ADDRESS``, else the cluster ``ray start`` left on this
     machine). Unchecked, Ray retries an unreachable GCS for ever while the ServerApp waits out
     every round with no clients, or ("auto" with no cluster) fails deep inside Flower's engine."""
-    hostport: str | None = address[len("ray://"):] if address.startswith("ray://") else address
-    if not address.startswith("ray://"):
-        try:  # Ray's own reading of it ("auto", RAY_ADDRESS); a private helper, so only where it exists
-            from ray._private.services import get_ray_address_from_environment
-        except ImportError:
-            def get_ray_address_from_environment(addr: str, _temp_dir: None) -> str | None:
-                return None if addr == "auto" else os.environ.get("RAY_ADDRESS") or addr  # "auto": left to Ray
+    if address.startswith("ray://"):
+        hostport: str | None = address[len("ray://"):]
+    else:
+        from ray._private.services import get_ray_address_from_environment  # Ray's own reading ("auto", RAY_ADDRESS)
 
         try:
             hostport = get_ray_address_from_environment(address, None)

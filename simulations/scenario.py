@@ -14,7 +14,7 @@ from typing import Any
 from clients.config import ConfigError, build_config, check
 from coordinator.config import RunConfig
 
-from .virtual import DeviceProfile
+from .virtual import PROFILE_RULES, DeviceProfile, rule_holds
 
 ENGINES = ("flower", "inprocess", "virtual")
 
@@ -44,22 +44,9 @@ TIER_KEYS = {"name": "tier", "fraction": None, "compute-s-per-example": "compute
              "uplink-mbps": "uplink_mbps", "downlink-mbps": "downlink_mbps", "latency-s": "latency_s",
              "sigma": "sigma", "availability": "availability", "dropout": "dropout"}
 REQUIRED_TIER_KEYS = ("name", "fraction", "compute-s-per-example", "uplink-mbps", "downlink-mbps")
-# each number's rule, as DeviceProfile checks it (lower bound, open?, upper bound, open?, the rule in words)
-TIER_RULES = {
-    "fraction": (0.0, True, math.inf, False, "a number > 0 (fractions are normalised to sum to 1)"),
-    "compute-s-per-example": (0.0, False, math.inf, False, "a finite number >= 0 (seconds per example per epoch)"),
-    "uplink-mbps": (0.0, True, math.inf, False, "a finite number > 0 (Mbit/s)"),
-    "downlink-mbps": (0.0, True, math.inf, False, "a finite number > 0 (Mbit/s)"),
-    "latency-s": (0.0, False, math.inf, False, "a finite number >= 0 (seconds)"),
-    "sigma": (0.0, False, math.inf, False, "a finite number >= 0"),
-    "availability": (0.0, True, 1.0, False, "a number in (0, 1]"),
-    "dropout": (0.0, False, 1.0, True, "a number in [0, 1)"),
-}
-
-
-def _in_range(x: Any, lo: float, lo_open: bool, hi: float, hi_open: bool) -> bool:
-    return (isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
-            and (x > lo if lo_open else x >= lo) and (x < hi if hi_open else x <= hi))
+# fraction is the scenario's own number; the others are DeviceProfile's, under its rules
+TIER_RULES = {"fraction": (0.0, True, math.inf, False, "a number > 0 (fractions are normalised to sum to 1)"),
+              **{key: PROFILE_RULES[attr] for key, attr in TIER_KEYS.items() if attr in PROFILE_RULES}}
 
 
 def parse_tiers(items: Any, source: str) -> tuple[tuple[float, DeviceProfile], ...]:
@@ -79,14 +66,10 @@ def parse_tiers(items: Any, source: str) -> tuple[tuple[float, DeviceProfile], .
         for key in REQUIRED_TIER_KEYS:
             check(key in t, f"{where}: {key}", "be given", None)
         check(isinstance(t["name"], str) and bool(t["name"]), f"{where}: name", "be a non-empty string", t["name"])
-        for key, (lo, lo_open, hi, hi_open, rule) in TIER_RULES.items():
+        for key, rule in TIER_RULES.items():
             if key in t:
-                check(_in_range(t[key], lo, lo_open, hi, hi_open), f"{where}: {key}", f"be {rule}", t[key])
-        try:  # DeviceProfile checks the same rules again
-            profile = DeviceProfile(**{TIER_KEYS[k]: v for k, v in t.items() if TIER_KEYS[k]})
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"{where}: {exc}") from None
-        out.append((float(t["fraction"]), profile))
+                check(rule_holds(t[key], rule), f"{where}: {key}", f"be {rule[-1]}", t[key])
+        out.append((float(t["fraction"]), DeviceProfile(**{TIER_KEYS[k]: v for k, v in t.items() if TIER_KEYS[k]})))
     return tuple(out)
 
 

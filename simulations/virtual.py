@@ -92,6 +92,26 @@ class VirtualClock:
 
 
 # -- device profiles ------------------------------------------------------------
+# Each number of a DeviceProfile: (lower bound, open?, upper bound, open?, the rule in words). The
+# scenario loader checks [[tiers]] tables against the same rules, naming the keys as the file writes them.
+PROFILE_RULES: dict[str, tuple[float, bool, float, bool, str]] = {
+    "compute_s_per_example": (0.0, False, math.inf, False, "a finite number >= 0 (seconds per example per epoch)"),
+    "uplink_mbps": (0.0, True, math.inf, False, "a finite number > 0 (Mbit/s)"),
+    "downlink_mbps": (0.0, True, math.inf, False, "a finite number > 0 (Mbit/s)"),
+    "latency_s": (0.0, False, math.inf, False, "a finite number >= 0 (seconds)"),
+    "sigma": (0.0, False, math.inf, False, "a finite number >= 0"),
+    "availability": (0.0, True, 1.0, False, "a number in (0, 1]"),
+    "dropout": (0.0, False, 1.0, True, "a number in [0, 1)"),
+}
+
+
+def rule_holds(x: Any, rule: tuple[float, bool, float, bool, str]) -> bool:
+    """Whether ``x`` is a finite real (not a bool) within one of PROFILE_RULES' bounds."""
+    lo, lo_open, hi, hi_open, _ = rule
+    return (isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+            and (x > lo if lo_open else x >= lo) and (x < hi if hi_open else x <= hi))
+
+
 @dataclass(frozen=True)
 class DeviceProfile:
     """How fast, how well connected and how reliable one kind of device is.
@@ -114,22 +134,9 @@ class DeviceProfile:
     dropout: float = 0.0
 
     def __post_init__(self) -> None:
-        def ok(x: Any, lo: float, hi: float = math.inf, lo_open: bool = False, hi_open: bool = False) -> bool:
-            return (isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
-                    and (x > lo if lo_open else x >= lo) and (x < hi if hi_open else x <= hi))
-
-        checks = [
-            ("compute_s_per_example", ok(self.compute_s_per_example, 0), ">= 0"),
-            ("uplink_mbps", ok(self.uplink_mbps, 0, lo_open=True), "> 0"),
-            ("downlink_mbps", ok(self.downlink_mbps, 0, lo_open=True), "> 0"),
-            ("latency_s", ok(self.latency_s, 0), ">= 0"),
-            ("sigma", ok(self.sigma, 0), ">= 0"),
-            ("availability", ok(self.availability, 0, 1, lo_open=True), "in (0, 1]"),
-            ("dropout", ok(self.dropout, 0, 1, hi_open=True), "in [0, 1)"),
-        ]
-        for name, good, rule in checks:
-            if not good:
-                raise ValueError(f"DeviceProfile {self.tier!r}: {name} must be finite and {rule}. Found {getattr(self, name)!r}.")
+        for name, rule in PROFILE_RULES.items():
+            if not rule_holds(getattr(self, name), rule):
+                raise ValueError(f"DeviceProfile {self.tier!r}: {name} must be {rule[-1]}. Found {getattr(self, name)!r}.")
         if not isinstance(self.tier, str) or not self.tier:
             raise ValueError(f"DeviceProfile tier must be a non-empty name. Found {self.tier!r}.")
 
