@@ -18,7 +18,12 @@ carry content["secagg"] ConfigRecord {stage, round, ...}, plus per stage:
 "secagg-keys" {node: public keys} (share-keys), "secagg-shares" {node: ciphertext}
 (share-keys reply, masked-input), the train records above (masked-input), and
 in the masked-input reply content["arrays"] {"masked": uint ring vector} with
-content["metrics"]. See privacy/secagg/protocol.py and clients/secure.py.
+content["metrics"]. Pipelined rounds (``secagg-pipeline``) let the next round's first
+two stages ride on this round's last two: a message may also carry
+content["secagg-next"] {stage: setup|share-keys, round: next, ...} with
+"secagg-next-keys" (share-keys), and its reply "secagg-next" {stage, round}
+with "secagg-next-keys" (setup) or "secagg-next-shares" (share-keys).
+See privacy/secagg/protocol.py and clients/secure.py.
 
 A reply without a "codec" record whose arrays are exactly {"delta": float32} is
 read as dense float32: the plain format any Flower ClientApp can send.
@@ -43,6 +48,7 @@ WEIGHTS, DELTA = "weights", "delta"
 MESSAGE_TYPE_TRAIN = "train"
 MESSAGE_TYPE_SECAGG = "train.secagg"
 SECAGG, SECAGG_KEYS, SECAGG_SHARES, MASKED = "secagg", "secagg-keys", "secagg-shares", "masked"
+NEXT, NEXT_KEYS, NEXT_SHARES = "secagg-next", "secagg-next-keys", "secagg-next-shares"  # a piggybacked stage
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,11 @@
 """The client's side of a SecAgg+ round, one Flower message per stage.
 
 Between stages the client's secrets (its two private keys, its self-mask seed,
-the shares it holds) live in the node's ``Context.state``, which Flower keeps
-on the device for the run; they are never logged or sent anywhere else, and
-they are deleted when the round's unmask stage is answered.
+the shares it holds) live in the node's ``Context.state``, one record per round
+(``state_name``; a pipelined run holds the next round's beside this one's), which
+Flower keeps on the device for the run; they are never logged or sent anywhere
+else, and they are deleted when the round's unmask stage is answered (or when a
+later round's message shows the round was abandoned).
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from privacy.secagg.protocol import PublicKeys, SecAggClient, SecAggParams
 
 from ._errors import ClientError
 from .profile import PROFILE_KEYS
-from .protocol import ARRAYS, CONFIG, MASKED, METRICS, SECAGG, SECAGG_KEYS, SECAGG_SHARES, node_map
+from .protocol import (ARRAYS, CONFIG, MASKED, METRICS, NEXT, NEXT_KEYS, NEXT_SHARES, SECAGG, SECAGG_KEYS,
+                       SECAGG_SHARES, node_map)
 
 STATE = "fedshield.secagg"
 RESIDUAL = "fedshield.secagg-residual"
@@ -29,12 +32,12 @@ LAST_INPUT = "fedshield.secagg-last-input"  # the last round this node sent a ma
 _PLAN = ("numel", "sparse-ratio", "subset-seed", "weighting", "max-weight")
 
 
-def _reply(msg: Message, stage: str, rnd: int, **records) -> Message:
-    content = RecordDict({SECAGG: ConfigRecord({"stage": stage, "round": rnd}), **records})
-    return Message(content, reply_to=msg)
+def state_name(rnd: int) -> str:
+    """Where round ``rnd``'s secrets live in ``Context.state`` (two rounds at most: one pipelined ahead)."""
+    return f"{STATE}:{rnd}"
 
 
-def _masked_input(msg: Message, context: Context, client: SecAggClient, plan: dict) -> Message:
+def _masked_input(msg: Message, context: Context, client: SecAggClient, plan: dict) -> dict:
     from .client_app import local_update
 
     config = msg.content.config_records.get(CONFIG)
@@ -76,70 +79,108 @@ def _masked_input(msg: Message, context: Context, client: SecAggClient, plan: di
     public = {"base-version", *PROFILE_KEYS} | ({"num-examples"} if plan["weighting"] == "num-examples" and "dp-mu"
                                                 not in plan else set())
     out = {k: v for k, v in metrics.items() if k in public}
-    return _reply(msg, "masked-input", client.params.round, **{ARRAYS: ArrayRecord({MASKED: Array(masked)}),
-                                                             METRICS: MetricRecord(out)})
+    return {ARRAYS: ArrayRecord({MASKED: Array(masked)}), METRICS: MetricRecord(out)}
+
+
+def _save(context: Context, client: SecAggClient, plan: dict) -> None:
+    context.state.config_records[state_name(client.params.round)] = ConfigRecord(
+        {**client.to_fields(), **{f"plan.{k}": v for k, v in plan.items()}})
+
+
+def _setup(rec: ConfigRecord, context: Context, me: int) -> dict[str, ConfigRecord]:
+    params = SecAggParams.from_fields(dict(rec))
+    plan = {k: rec.get(k) for k in _PLAN}
+    if "dp-mu" in rec:  # distributed DP: clip, then add this client's share of Skellam noise
+        dp = {"dp-clip": rec.get("dp-clip"), "dp-mu": rec.get("dp-mu")}
+        if not all(isinstance(v, float) and math.isfinite(v) and v > 0 for v in dp.values()):
+            raise ClientError("secagg setup's dp-clip and dp-mu must be finite numbers > 0.")
+        plan.update(dp)
+    if (not isinstance(plan["numel"], int) or not isinstance(plan["subset-seed"], bytes)
+            or plan["weighting"] not in ("uniform", "num-examples")
+            or not isinstance(plan["max-weight"], int) or plan["max-weight"] < 1):
+        raise ClientError("secagg setup must carry numel, subset-seed, weighting and max-weight.")
+    subset = shared_subset(plan["subset-seed"], plan["numel"], float(plan["sparse-ratio"]))
+    if input_length(plan["numel"], subset) != params.dim:
+        raise ClientError(f"secagg vector length {params.dim} does not match the model and sparse ratio.")
+    done = context.state.config_records.get(LAST_INPUT, {}).get("round", -1)
+    # A second instance of a round it already sent input for is refused (and masked-input checks that it
+    # trains for the round set up). This stops replays of one round; differencing sums across rounds
+    # with different survivors remains possible for any SecAgg (the threat model is a semi-honest server).
+    if params.round <= done:
+        raise ClientError(f"secagg setup for round {params.round} refused: this node already sent its masked "
+                          f"input for round {done}.")
+    client, keys = SecAggClient.setup(me, params)  # fresh keys: a round set up again forgets the old ones
+    _save(context, client, plan)
+    return {SECAGG_KEYS: ConfigRecord({str(me): keys.to_bytes()})}
+
+
+def _answer(msg: Message, context: Context, rec: ConfigRecord, keys: ConfigRecord | None) -> dict[str, ConfigRecord]:
+    """One stage of one round (``rec``: its header); returns the reply's records under their plain names."""
+    stage, rnd, me = str(rec["stage"]), int(rec["round"]), int(context.node_id)
+    if stage == "setup":
+        return _setup(rec, context, me)
+    saved = context.state.config_records.get(state_name(rnd))
+    if saved is None:
+        raise ClientError(f"secagg {stage!r} message for round {rnd} arrived but this node has not set that round up.")
+    client = SecAggClient.from_fields(dict(saved))
+    plan = {k[5:]: v for k, v in saved.items() if k.startswith("plan.")}
+    if rnd != client.params.round:
+        raise ClientError(f"secagg message is for round {rnd}; the state saved for it is round {client.params.round}.")
+    if stage == "share-keys":
+        pub = {v: PublicKeys.from_bytes(v, b) for v, b in node_map(keys, SECAGG_KEYS).items()}
+        out = {SECAGG_SHARES: ConfigRecord({str(v): ct for v, ct in client.share_keys(pub).items()})}
+    elif stage == "masked-input":
+        out = _masked_input(msg, context, client, plan)
+        context.state.config_records[LAST_INPUT] = ConfigRecord({"round": client.params.round})
+    elif stage == "unmask":
+        surv, drop = rec.get("survivors"), rec.get("dropped")
+        if not isinstance(surv, list) or not isinstance(drop, list):
+            raise ClientError("secagg unmask must list survivors and dropped nodes.")
+        out = {SECAGG_SHARES: ConfigRecord(client.unmask([int(v) for v in surv], [int(v) for v in drop]))}
+    else:
+        raise ClientError(f"secagg stage must be one of setup, share-keys, masked-input, unmask. Found {stage[:20]!r}.")
+    if client.stage == "done":
+        context.state.config_records.pop(state_name(rnd), None)  # the round's secrets are no longer needed
+    else:
+        _save(context, client, plan)
+    return out
+
+
+def _header(rec: ConfigRecord | None, name: str) -> tuple[str, int]:
+    if rec is None or not isinstance(rec.get("stage"), str) or not isinstance(rec.get("round"), int):
+        raise ClientError(f"secagg message must carry a '{name}' record with stage and round.")
+    return str(rec["stage"]), int(rec["round"])
 
 
 def run_secagg_stage(msg: Message, context: Context) -> Message:
-    """Answer one stage; a message out of order, for another round or malformed raises (an error reply)."""
-    rec = msg.content.config_records.get(SECAGG)
-    if rec is None or not isinstance(rec.get("stage"), str) or not isinstance(rec.get("round"), int):
-        raise ClientError(f"secagg message must carry a '{SECAGG}' record with stage and round.")
-    stage, rnd = str(rec["stage"]), int(rec["round"])
-    me = int(context.node_id)
+    """Answer one stage (and a piggybacked stage of the next round, if the message carries one).
+
+    A message out of order, for another round or malformed raises (an error reply). A piggybacked
+    stage that is refused is logged and left out of the reply: the coordinator then runs the next
+    round without this node, and this round's answer still goes back.
+    """
+    records = msg.content.config_records
+    stage, rnd = _header(records.get(SECAGG), SECAGG)
+    for name in [k for k in context.state.config_records if k.startswith(STATE + ":")]:
+        if int(name.rsplit(":", 1)[1]) < rnd:  # a round abandoned before its unmask stage: forget its secrets
+            context.state.config_records.pop(name)
     try:
-        if stage == "setup":
-            params = SecAggParams.from_fields(dict(rec))
-            plan = {k: rec.get(k) for k in _PLAN}
-            if "dp-mu" in rec:  # distributed DP: clip, then add this client's share of Skellam noise
-                dp = {"dp-clip": rec.get("dp-clip"), "dp-mu": rec.get("dp-mu")}
-                if not all(isinstance(v, float) and math.isfinite(v) and v > 0 for v in dp.values()):
-                    raise ClientError("secagg setup's dp-clip and dp-mu must be finite numbers > 0.")
-                plan.update(dp)
-            if (not isinstance(plan["numel"], int) or not isinstance(plan["subset-seed"], bytes)
-                    or plan["weighting"] not in ("uniform", "num-examples")
-                    or not isinstance(plan["max-weight"], int) or plan["max-weight"] < 1):
-                raise ClientError("secagg setup must carry numel, subset-seed, weighting and max-weight.")
-            subset = shared_subset(plan["subset-seed"], plan["numel"], float(plan["sparse-ratio"]))
-            if input_length(plan["numel"], subset) != params.dim:
-                raise ClientError(f"secagg vector length {params.dim} does not match the model and sparse ratio.")
-            done = context.state.config_records.get(LAST_INPUT, {}).get("round", -1)
-            # A second instance of a round it already sent input for is refused (and masked-input checks that it
-            # trains for the round set up). This stops replays of one round; differencing sums across rounds
-            # with different survivors remains possible for any SecAgg (the threat model is a semi-honest server).
-            if params.round <= done:
-                raise ClientError(f"secagg setup for round {params.round} refused: this node already sent its masked "
-                                  f"input for round {done}.")
-            client, keys = SecAggClient.setup(me, params)
-            context.state.config_records[STATE] = ConfigRecord({**client.to_fields(), **{f"plan.{k}": v for k, v in plan.items()}})
-            return _reply(msg, stage, rnd, **{SECAGG_KEYS: ConfigRecord({str(me): keys.to_bytes()})})
-        saved = context.state.config_records.get(STATE)
-        if saved is None:
-            raise ClientError(f"secagg {stage!r} message arrived but this node has no round in progress.")
-        client = SecAggClient.from_fields(dict(saved))
-        plan = {k[5:]: v for k, v in saved.items() if k.startswith("plan.")}
-        if rnd != client.params.round:
-            raise ClientError(f"secagg message is for round {rnd}; this node is in round {client.params.round}.")
-        if stage == "share-keys":
-            keys = {v: PublicKeys.from_bytes(v, b) for v, b in node_map(msg.content.config_records.get(SECAGG_KEYS),
-                                                                          SECAGG_KEYS).items()}
-            cts = client.share_keys(keys)
-            reply = _reply(msg, stage, rnd, **{SECAGG_SHARES: ConfigRecord({str(v): ct for v, ct in cts.items()})})
-        elif stage == "masked-input":
-            reply = _masked_input(msg, context, client, plan)
-            context.state.config_records[LAST_INPUT] = ConfigRecord({"round": client.params.round})
-        elif stage == "unmask":
-            surv, drop = rec.get("survivors"), rec.get("dropped")
-            if not isinstance(surv, list) or not isinstance(drop, list):
-                raise ClientError("secagg unmask must list survivors and dropped nodes.")
-            shares = client.unmask([int(v) for v in surv], [int(v) for v in drop])
-            reply = _reply(msg, stage, rnd, **{SECAGG_SHARES: ConfigRecord(shares)})
-        else:
-            raise ClientError(f"secagg stage must be one of setup, share-keys, masked-input, unmask. Found {stage[:20]!r}.")
+        out = _answer(msg, context, records[SECAGG], records.get(SECAGG_KEYS))
     except PrivacyError as exc:
         raise ClientError(f"secagg {stage}: {exc}") from None
-    if client.stage == "done":
-        context.state.config_records.pop(STATE, None)  # the round's secrets are no longer needed
-    else:
-        context.state.config_records[STATE] = ConfigRecord({**client.to_fields(), **{f"plan.{k}": v for k, v in plan.items()}})
-    return reply
+    content = RecordDict({SECAGG: ConfigRecord({"stage": stage, "round": rnd}), **out})
+    if NEXT in records:
+        try:
+            stage2, rnd2 = _header(records[NEXT], NEXT)
+            if rnd2 != rnd + 1 or stage2 not in ("setup", "share-keys") or stage not in ("masked-input", "unmask"):
+                raise ClientError(f"a piggybacked secagg stage must be round {rnd + 1}'s setup or share-keys, sent "
+                                  f"with round {rnd}'s masked-input or unmask. Found {stage2[:20]!r} of round {rnd2} "
+                                  f"with {stage!r}.")
+            out2 = _answer(msg, context, records[NEXT], records.get(NEXT_KEYS))
+            content[NEXT] = ConfigRecord({"stage": stage2, "round": rnd2})
+            for name, rec in out2.items():
+                content[NEXT_KEYS if name == SECAGG_KEYS else NEXT_SHARES] = rec
+        except (ClientError, PrivacyError) as exc:
+            log(WARNING, "[fedshield] secagg: the next round's stage sent with round %d's %s was refused: %s", rnd,
+                stage, exc)
+    return Message(content, reply_to=msg)

@@ -1,5 +1,14 @@
 """A synchronous round under SecAgg+: four stages of Flower messages on the workflow's Grid.
 
+With ``secagg-pipeline`` (the default) the next round's first two stages ride on
+this round's last two: round r+1's setup goes out with round r's masked-input
+messages and its share-keys with round r's unmask messages (nodes picked for
+round r+1 that are not in round r's stage get them as messages of their own,
+sent at the same time). Round r+1 then starts at masked-input, so a round after
+the first is two round trips, like a plain round's one plus the unmasking.
+Each round keeps its own fresh keys, session id and graph; only the message
+carrying them is shared. Round r+1's nodes are picked when round r starts.
+
 The coordinator here only relays public keys and ciphertexts, sums masked
 vectors in the ring, and unmasks the sum; it never holds one client's update.
 Every reply is checked (the same envelope rules as plain rounds, then the
@@ -15,6 +24,7 @@ from __future__ import annotations
 import os
 import time
 from collections import Counter
+from dataclasses import dataclass, field
 from collections.abc import Callable
 from logging import INFO, WARNING
 from typing import TYPE_CHECKING, Any
@@ -30,6 +40,9 @@ from clients.protocol import (
     MASKED,
     MESSAGE_TYPE_SECAGG,
     METRICS,
+    NEXT,
+    NEXT_KEYS,
+    NEXT_SHARES,
     SECAGG,
     SECAGG_KEYS,
     SECAGG_SHARES,
@@ -59,29 +72,76 @@ from .validation import RejectedReply, check_base_version, check_envelope, check
 if TYPE_CHECKING:
     from .workflow import SyncWorkflow
 
-Handler = Callable[[int, Message], None]
+Handler = Callable[[int, Message, "_Ask"], None]
+
+
+def _new_stats() -> dict[str, Any]:
+    return {"replies": 0, "bytes_up": 0, "bytes_down": 0, "rejected_by_rule": Counter(), "server_s": {}, "stage_s": {}}
+
+
+@dataclass
+class _Ask:
+    """One stage of one round, as asked of one node inside a message (alone, or riding on another round's)."""
+
+    rnd: int
+    stage: str
+    handle: Handler
+    stats: dict[str, Any]  # the counters of the round this stage belongs to
+    rides: bool = False  # piggybacked: its header and records travel under the NEXT names
+
+    def record(self, reply: Message, name: str) -> Any:
+        if self.rides:
+            name = {SECAGG: NEXT, SECAGG_KEYS: NEXT_KEYS, SECAGG_SHARES: NEXT_SHARES}[name]
+        return reply.content.config_records.get(name)
+
+
+@dataclass
+class _Round:
+    """One round's public parameters and server state, made before its first message."""
+
+    rnd: int
+    selected: list[int]
+    params: SecAggParams
+    server: SecAggServer
+    subset_seed: bytes
+    dp_plan: dict[str, float]
+    stats: dict[str, Any] = field(default_factory=_new_stats)
+    pipelined: bool = False  # its setup and share-keys rode on the previous round's messages
+
+
+class _NotThisRound(Exception):
+    """A piggybacked stage the node left out of its reply (it refused it, and logged why): no answer, no fault."""
 
 
 class SecureRound:
-    """Runs the four SecAgg+ stages of one round for a :class:`SyncWorkflow`."""
+    """Runs the SecAgg+ stages of each round for a :class:`SyncWorkflow` (and, pipelined, the next round's first two)."""
 
     def __init__(self, wf: "SyncWorkflow") -> None:
         self.wf = wf
         self.settings = wf.cfg.secure
+        self.ahead: _Round | None = None  # the next round, already set up during this one
+
+    def planned(self, rnd: int) -> list[int] | None:
+        """The nodes round ``rnd`` was set up for during the previous round (None: it was not)."""
+        return list(self.ahead.selected) if self.ahead is not None and self.ahead.rnd == rnd else None
 
     # -- transport ---------------------------------------------------------------------------
-    def _exchange(self, rnd: int, stage: str, contents: dict[int, RecordDict], timeout: float, handle: Handler,
-                  stats: dict[str, Any]) -> None:
-        """Send one stage's messages; hand each valid reply to ``handle`` (which records what it accepts)."""
+    def _exchange(self, rnd: int, stage: str, contents: dict[int, RecordDict], timeout: float,
+                  asks: dict[int, list[_Ask]], stats: dict[str, Any]) -> None:
+        """Send one stage's messages; hand each reply's part for each ask to its handler.
+
+        ``asks[node]`` lists what the node's message asks: its first entry names the round the
+        message belongs to; a second one rides on it (the next round's stage). A handler records
+        what it accepts; a rejected part is counted in its own round's ``stats``.
+        """
         grid, clock = self.wf.grid, self.wf.clock
         started = clock.now()
-        msgs = [Message(content, dst_node_id=node, message_type=MESSAGE_TYPE_SECAGG, group_id=str(rnd),
+        msgs = [Message(content, dst_node_id=node, message_type=MESSAGE_TYPE_SECAGG, group_id=str(asks[node][0].rnd),
                         ttl=timeout + 60.0) for node, content in contents.items()]
         ids = list(grid.push_messages(msgs))
         sent = {mid: m.metadata.dst_node_id for mid, m in zip(ids, msgs, strict=False)}
         stats["bytes_down"] += sum(message_nbytes(m) for m in msgs[:len(ids)])
-        rejected: Counter[str] = stats["rejected_by_rule"]
-        accepted: set[int] = set()
+        accepted: Counter[tuple[int, str]] = Counter()
         pending = dict.fromkeys(sent)
         deadline = clock.now() + timeout
         while pending:
@@ -92,23 +152,18 @@ class SecureRound:
                 node = sent[mid]
                 stats["replies"] += 1
                 try:
-                    self._check_envelope(reply, node, rnd, stage)
-                    t0 = time.perf_counter()
-                    handle(node, reply)
-                    stats["server_s"][stage] = stats["server_s"].get(stage, 0.0) + time.perf_counter() - t0
-                except (SecAggRejected, RejectedReply) as rej:
-                    rejected[rej.rule] += 1
-                    log(WARNING, "[fedshield] round %d secagg %s: rejected node %d (%s): %s", rnd, stage, node,
-                        rej.rule, rej.detail)
+                    check_envelope(reply, node, asks[node][0].rnd)
+                except RejectedReply as rej:
+                    for ask in asks[node]:
+                        self._reject(ask, node, rej.rule, rej.detail)
                     continue
-                except (PrivacyError, ValueError, TypeError, KeyError, OverflowError) as exc:
-                    # Anything else a reply's content provokes is that node's fault, never the run's end.
-                    rejected["malformed"] += 1
-                    log(WARNING, "[fedshield] round %d secagg %s: rejected node %d (malformed): %s", rnd, stage, node,
-                        type(exc).__name__)
-                    continue
-                accepted.add(node)
-                stats["bytes_up"] += message_nbytes(reply)
+                took = False
+                for ask in asks[node]:
+                    if self._answer(ask, node, reply):
+                        accepted[ask.rnd, ask.stage] += 1
+                        took = True
+                if took:
+                    stats["bytes_up"] += message_nbytes(reply)
             if pending and clock.now() >= deadline:
                 log(WARNING, "[fedshield] round %d secagg %s: %d of %d nodes did not answer within %.1f s",
                     rnd, stage, len(pending), len(sent), timeout)
@@ -116,22 +171,42 @@ class SecureRound:
             if pending:
                 clock.sleep(self.wf.cfg.server.poll_interval)
         stats["stage_s"][stage] = round(clock.now() - started, 4)
-        log(INFO, "[fedshield] round %d secagg %s: %d of %d nodes in %.2f s", rnd, stage, len(accepted), len(contents),
-            stats["stage_s"][stage])
+        asked = Counter((a.rnd, a.stage) for node_asks in asks.values() for a in node_asks)
+        for (r, s), n in sorted(asked.items()):
+            log(INFO, "[fedshield] round %d secagg %s: %d of %d nodes in %.2f s%s", r, s, accepted[r, s], n,
+                stats["stage_s"][stage], "" if (r, s) == (rnd, stage) else f" (with round {rnd}'s {stage})")
+
+    def _answer(self, ask: _Ask, node: int, reply: Message) -> bool:
+        """Check and hand over one ask's part of a reply; False if it was rejected or left out."""
+        try:
+            rec = ask.record(reply, SECAGG)
+            if ask.rides and rec is None:
+                raise _NotThisRound
+            if rec is None or rec.get("round") != ask.rnd:
+                raise SecAggRejected(node, "wrong-round", f"reply's {SECAGG} record must belong to round {ask.rnd}")
+            if rec.get("stage") != ask.stage:
+                raise SecAggRejected(node, "wrong-stage", f"reply must answer stage {ask.stage!r}; found "
+                                                          f"{str(rec.get('stage'))[:20]!r} (replayed or out of order)")
+            t0 = time.perf_counter()
+            ask.handle(node, reply, ask)
+            ask.stats["server_s"][ask.stage] = ask.stats["server_s"].get(ask.stage, 0.0) + time.perf_counter() - t0
+            return True
+        except _NotThisRound:
+            return False
+        except (SecAggRejected, RejectedReply) as rej:
+            self._reject(ask, node, rej.rule, rej.detail)
+        except (PrivacyError, ValueError, TypeError, KeyError, OverflowError) as exc:
+            # Anything else a reply's content provokes is that node's fault, never the run's end.
+            self._reject(ask, node, "malformed", type(exc).__name__)
+        return False
 
     @staticmethod
-    def _check_envelope(reply: Message, node: int, rnd: int, stage: str) -> None:
-        check_envelope(reply, node, rnd)
-        rec = reply.content.config_records.get(SECAGG)
-        if rec is None or rec.get("round") != rnd:
-            raise SecAggRejected(node, "wrong-round", f"reply's {SECAGG} record must belong to round {rnd}")
-        if rec.get("stage") != stage:
-            raise SecAggRejected(node, "wrong-stage", f"reply must answer stage {stage!r}; found "
-                                                      f"{str(rec.get('stage'))[:20]!r} (replayed or out of order)")
+    def _reject(ask: _Ask, node: int, rule: str, detail: str) -> None:
+        ask.stats["rejected_by_rule"][rule] += 1
+        log(WARNING, "[fedshield] round %d secagg %s: rejected node %d (%s): %s", ask.rnd, ask.stage, node, rule, detail)
 
     @staticmethod
-    def _node_map(reply: Message, name: str, node: int) -> dict[int, bytes]:
-        rec = reply.content.config_records.get(name)
+    def _node_map(rec: Any, name: str, node: int) -> dict[int, bytes]:
         if rec is None:
             raise SecAggRejected(node, "missing-record", f"reply must hold a '{name}' record")
         try:
@@ -139,56 +214,102 @@ class SecureRound:
         except ClientError as exc:
             raise SecAggRejected(node, "bad-share", str(exc)) from None
 
+    # -- one round's stages ------------------------------------------------------------------
+    def _prepare(self, rnd: int, selected: list[int]) -> _Round:
+        """Parameters for ``selected``; raises (ConfigError, PrivacyError, CoordinatorError) if they cannot work."""
+        wf, st = self.wf, self.settings
+        subset_seed = os.urandom(SEED_BYTES)
+        subset = shared_subset(subset_seed, wf.numel, st.secagg_sparse_ratio)
+        k, t = st.graph(len(selected))
+        params = SecAggParams.create(rnd, selected, degree=k, threshold=t, bits=st.secagg_bits, clip=st.secagg_clip,
+                                     dim=input_length(wf.numel, subset))
+        dp_plan: dict[str, float] = {}
+        if isinstance(wf.dp, DistributedDp):  # each client clips and adds its share of the noise
+            wf.dp.check_headroom(st.secagg_clip, len(selected))
+            clip, mu = wf.dp.client_noise(len(selected), params.step, params.dim - 1)
+            dp_plan = {"dp-clip": clip, "dp-mu": mu}
+        return _Round(rnd, list(selected), params, SecAggServer(params, wf.device), subset_seed, dp_plan)
+
+    def _setup_record(self, r: _Round) -> ConfigRecord:
+        st = self.settings
+        return ConfigRecord({"stage": "setup", **r.params.to_fields(), "numel": self.wf.numel,
+                             "sparse-ratio": st.secagg_sparse_ratio, "subset-seed": r.subset_seed,
+                             "weighting": st.secagg_weighting, "max-weight": st.secagg_max_weight, **r.dp_plan})
+
+    def _setup_ask(self, r: _Round, rides: bool = False) -> _Ask:
+        def on_keys(node: int, reply: Message, ask: _Ask) -> None:
+            keys = self._node_map(ask.record(reply, SECAGG_KEYS), SECAGG_KEYS, node)
+            if set(keys) != {node}:
+                raise SecAggRejected(node, "unknown-sender", "a node may advertise only its own keys")
+            r.server.on_keys(node, PublicKeys.from_bytes(node, keys[node]))
+        return _Ask(r.rnd, "setup", on_keys, r.stats, rides)
+
+    def _share_ask(self, r: _Round, rides: bool = False) -> _Ask:
+        def on_shares(node: int, reply: Message, ask: _Ask) -> None:
+            r.server.on_shares(node, self._node_map(ask.record(reply, SECAGG_SHARES), SECAGG_SHARES, node))
+        return _Ask(r.rnd, "share-keys", on_shares, r.stats, rides)
+
+    @staticmethod
+    def _keys_record(keys: dict[int, PublicKeys]) -> ConfigRecord:
+        return ConfigRecord({str(v): pk.to_bytes() for v, pk in keys.items()})
+
+    def _ride(self, nxt: _Round, contents: dict[int, RecordDict], asks: dict[int, list[_Ask]],
+              header: dict[int, ConfigRecord], keys: dict[int, ConfigRecord] | None, make: Callable[..., _Ask]) -> None:
+        """Put the next round's stage into this stage's messages; nodes without one get a message of their own."""
+        for node, rec in header.items():
+            if node in contents:
+                contents[node][NEXT] = rec
+                if keys is not None:
+                    contents[node][NEXT_KEYS] = keys[node]
+                asks[node].append(make(nxt, rides=True))
+            else:
+                contents[node] = RecordDict({SECAGG: rec, **({SECAGG_KEYS: keys[node]} if keys is not None else {})})
+                asks[node] = [make(nxt)]
+
     # -- the round ---------------------------------------------------------------------------
-    def run(self, rnd: int, selected: list[int]) -> tuple[torch.Tensor | None, dict[str, Any]]:
-        """Run the stages; return the weighted mean update (None if the round failed) and the round's row."""
+    def run(self, rnd: int, selected: list[int], upcoming: list[int] | None = None
+            ) -> tuple[torch.Tensor | None, dict[str, Any]]:
+        """Run the round's stages; return the weighted mean update (None if the round failed) and its row.
+
+        ``upcoming``: the nodes picked for round ``rnd + 1``, set up during this round (pipelining).
+        """
         wf, st = self.wf, self.settings
         numel = wf.numel
-        stats: dict[str, Any] = {"replies": 0, "bytes_up": 0, "bytes_down": 0, "rejected_by_rule": Counter(),
-                                 "server_s": {}, "stage_s": {}}
-        subset_seed = os.urandom(SEED_BYTES)
-        subset = shared_subset(subset_seed, numel, st.secagg_sparse_ratio)
+        cur = self.ahead if self.ahead is not None and self.ahead.rnd == rnd and self.ahead.selected == selected else None
+        self.ahead = None
+        if cur is None:
+            try:  # parameters that cannot work for this many nodes fail the round, not the run
+                cur = self._prepare(rnd, selected)
+            except (ConfigError, PrivacyError, CoordinatorError) as exc:
+                log(WARNING, "[fedshield] round %d: secure aggregation cannot run with %d nodes: %s; the global model "
+                    "is unchanged", rnd, len(selected), exc)
+                return None, {"replies": 0, "accepted": 0, "rejected": 0, "late": len(selected), "rejected_by_rule": {},
+                              "bytes_up": 0, "bytes_down": 0, "train_loss": float("nan"), "secagg_survivors": 0,
+                              "secagg_dropped": 0, "secagg_failure": str(exc)}
+        nxt = None
+        if upcoming:
+            try:
+                nxt = self._prepare(rnd + 1, upcoming)
+            except (ConfigError, PrivacyError, CoordinatorError) as exc:
+                log(INFO, "[fedshield] round %d will be set up on its own: %s", rnd + 1, exc)
+        params, server, stats = cur.params, cur.server, cur.stats
+        subset = shared_subset(cur.subset_seed, numel, st.secagg_sparse_ratio)
         dp = wf.dp if isinstance(wf.dp, DistributedDp) else None
-        dp_plan: dict[str, float] = {}
-        try:  # parameters that cannot work for this many nodes fail the round, not the run
-            k, t = st.graph(len(selected))
-            params = SecAggParams.create(rnd, selected, degree=k, threshold=t, bits=st.secagg_bits,
-                                         clip=st.secagg_clip, dim=input_length(numel, subset))
-            if dp is not None:  # each client clips and adds its share of the noise
-                dp.check_headroom(st.secagg_clip, len(selected))
-                clip, mu = dp.client_noise(len(selected), params.step, params.dim - 1)
-                dp_plan = {"dp-clip": clip, "dp-mu": mu}
-        except (ConfigError, PrivacyError, CoordinatorError) as exc:
-            log(WARNING, "[fedshield] round %d: secure aggregation cannot run with %d nodes: %s; the global model is "
-                "unchanged", rnd, len(selected), exc)
-            return None, {"replies": 0, "accepted": 0, "rejected": 0, "late": len(selected), "rejected_by_rule": {},
-                          "bytes_up": 0, "bytes_down": 0, "train_loss": float("nan"), "secagg_survivors": 0,
-                          "secagg_dropped": 0, "secagg_failure": str(exc)}
-        server = SecAggServer(params, wf.device)
         weights: dict[int, float] = {}  # what each survivor's weight must be (public: uniform, or its example count)
         update = None
         reason = ""
         timeout = st.secagg_stage_timeout
         by_examples = st.secagg_weighting == "num-examples" and dp is None
         try:
-            setup = ConfigRecord({"stage": "setup", **params.to_fields(), "numel": numel, "sparse-ratio": st.secagg_sparse_ratio,
-                                  "subset-seed": subset_seed, "weighting": st.secagg_weighting,
-                                  "max-weight": st.secagg_max_weight, **dp_plan})
-
-            def on_keys(node: int, reply: Message) -> None:
-                keys = self._node_map(reply, SECAGG_KEYS, node)
-                if set(keys) != {node}:
-                    raise SecAggRejected(node, "unknown-sender", "a node may advertise only its own keys")
-                server.on_keys(node, PublicKeys.from_bytes(node, keys[node]))
-
-            self._exchange(rnd, "setup", {n: RecordDict({SECAGG: setup}) for n in selected}, timeout, on_keys, stats)
-
-            requests = server.share_keys_requests()
-            self._exchange(rnd, "share-keys", {
-                n: RecordDict({SECAGG: ConfigRecord({"stage": "share-keys", "round": rnd}),
-                               SECAGG_KEYS: ConfigRecord({str(v): pk.to_bytes() for v, pk in keys.items()})})
-                for n, keys in requests.items()}, timeout,
-                lambda node, reply: server.on_shares(node, self._node_map(reply, SECAGG_SHARES, node)), stats)
+            if not cur.pipelined:  # stages 1 and 2 on their own
+                setup = self._setup_record(cur)
+                self._exchange(rnd, "setup", {n: RecordDict({SECAGG: setup}) for n in selected}, timeout,
+                               {n: [self._setup_ask(cur)] for n in selected}, stats)
+                requests = server.share_keys_requests()
+                self._exchange(rnd, "share-keys", {
+                    n: RecordDict({SECAGG: ConfigRecord({"stage": "share-keys", "round": rnd}),
+                                   SECAGG_KEYS: self._keys_record(keys)}) for n, keys in requests.items()},
+                    timeout, {n: [self._share_ask(cur)] for n in requests}, stats)
 
             requests3 = server.masked_input_requests()
             instr = TrainInstruction(round=rnd, version=wf.version, seed=wf.cfg.server.seed, task=wf.cfg.task,
@@ -196,7 +317,7 @@ class SecureRound:
             train = {ARRAYS: ArrayRecord({WEIGHTS: tensor_to_array(wf.weights)}), CONFIG: instr.to_record()}
             max_bytes = params.dim * ring_dtype(params.bits).itemsize + 1024
 
-            def on_masked(node: int, reply: Message) -> None:
+            def on_masked(node: int, reply: Message, ask: _Ask) -> None:
                 arrays = reply.content.array_records.get(ARRAYS)
                 metrics = reply.content.metric_records.get(METRICS)
                 if arrays is None or MASKED not in arrays or metrics is None:
@@ -217,21 +338,41 @@ class SecureRound:
                 server.add_masked(node, vector)
                 weights[node] = weight
 
-            self._exchange(rnd, "masked-input", {
-                n: RecordDict({SECAGG: ConfigRecord({"stage": "masked-input", "round": rnd}),
-                               SECAGG_SHARES: ConfigRecord({str(u): ct for u, ct in cts.items()}), **train})
-                for n, cts in requests3.items()}, wf.cfg.server.round_timeout, on_masked, stats)
+            contents = {n: RecordDict({SECAGG: ConfigRecord({"stage": "masked-input", "round": rnd}),
+                                       SECAGG_SHARES: ConfigRecord({str(u): ct for u, ct in cts.items()}), **train})
+                        for n, cts in requests3.items()}
+            asks = {n: [_Ask(rnd, "masked-input", on_masked, stats)] for n in contents}
+            if nxt is not None:  # round rnd + 1's setup rides on this stage
+                setup = self._setup_record(nxt)
+                self._ride(nxt, contents, asks, dict.fromkeys(nxt.selected, setup), None, self._setup_ask)
+            self._exchange(rnd, "masked-input", contents, wf.cfg.server.round_timeout, asks, stats)
 
             if dp is not None and len(server.survivors) < dp.min_survivors(len(selected)):
                 raise SecAggAborted(f"distributed DP needs >= {dp.min_survivors(len(selected))} survivors for its noise "
                                     f"(secagg-dropout-rate={st.secagg_dropout_rate:g}); only {len(server.survivors)} "
                                     "sent masked inputs, so nothing is unmasked or released")
             requests4 = server.unmask_requests()
-            self._exchange(rnd, "unmask", {
-                n: RecordDict({SECAGG: ConfigRecord({"stage": "unmask", "round": rnd, "survivors": surv, "dropped": drop})})
-                for n, (surv, drop) in requests4.items()}, timeout,
-                lambda node, reply: server.on_unmask(node, {k: v for k, v in (reply.content.config_records.get(SECAGG_SHARES)
-                                                                               or {}).items()}), stats)
+
+            def on_unmask(node: int, reply: Message, ask: _Ask) -> None:
+                server.on_unmask(node, dict(ask.record(reply, SECAGG_SHARES) or {}))
+
+            contents = {n: RecordDict({SECAGG: ConfigRecord({"stage": "unmask", "round": rnd, "survivors": surv,
+                                                             "dropped": drop})})
+                        for n, (surv, drop) in requests4.items()}
+            asks = {n: [_Ask(rnd, "unmask", on_unmask, stats)] for n in contents}
+            if nxt is not None:  # and its share-keys on this one
+                try:
+                    share = nxt.server.share_keys_requests()
+                except SecAggAborted as exc:
+                    log(INFO, "[fedshield] round %d will be set up on its own: %s", rnd + 1, exc)
+                    nxt = None
+                else:
+                    header = ConfigRecord({"stage": "share-keys", "round": rnd + 1})
+                    self._ride(nxt, contents, asks, dict.fromkeys(share, header),
+                               {n: self._keys_record(keys) for n, keys in share.items()}, self._share_ask)
+            self._exchange(rnd, "unmask", contents, timeout, asks, stats)
+            if nxt is not None:
+                nxt.pipelined, self.ahead = True, nxt
             t0 = time.perf_counter()
             result = server.finish()
             weighted, weight = decode_sum(result)
@@ -270,6 +411,7 @@ class SecureRound:
             "secagg_dropped": len(dropped),
             "secagg_server_s": round(sum(stats["server_s"].values()), 4),
             "secagg_stage_s": dict(stats["stage_s"]),  # each stage's time, from sending to its last reply
+            "secagg_pipelined": cur.pipelined,  # its setup and share-keys rode on the previous round's messages
         }
         if reason:
             row["secagg_failure"] = reason

@@ -345,13 +345,18 @@ class SyncWorkflow:
         nodes = self._wait_for_nodes()
         busy = {e.sent[m] for m, e in self._late.items()}  # still training for an earlier round
         idle = [n for n in nodes if n not in busy]
-        selected = self.select(idle if len(idle) >= self.cfg.server.min_nodes else nodes, rnd)
+        planned = self.secure.planned(rnd) if self.secure is not None else None
+        if planned is not None and set(planned) <= set(nodes):
+            selected = planned  # picked, and set up, during the previous round (secagg-pipeline)
+        else:
+            selected = self.select(idle if len(idle) >= self.cfg.server.min_nodes else nodes, rnd)
         self._rate = len(selected) / len(nodes)
         if self.dp is not None:
             self.dp.check_budget(self._rate)  # before anything is sent
         row: dict[str, Any] = {"round": rnd, "nodes_online": len(nodes), "selected": len(selected)}
         if self.secure is not None:
-            update, secure_row = self.secure.run(rnd, selected)
+            pipeline = self.cfg.secure.secagg_pipeline and rnd < self.cfg.server.num_rounds
+            update, secure_row = self.secure.run(rnd, selected, self.select(nodes, rnd + 1) if pipeline else None)
             row.update(secure_row)
             if update is not None:
                 self.weights = self.optimizer.step(self.weights, update)

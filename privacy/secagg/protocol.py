@@ -21,6 +21,11 @@ Grid; tests call the methods directly):
                     dropped. client -> server: self-mask shares of survivors and
                     key shares of dropped neighbours, never both for one node.
 
+The state machines do not care which message carries a stage: fedshield's
+coordinator pipelines rounds (``secagg-pipeline``), sending round r+1's setup
+with round r's masked-input and its share-keys with round r's unmask, each
+round with its own fresh keys, session id and graph (coordinator/secure.py).
+
 The server learns the ring sum of the survivors' vectors and nothing about one
 vector, unless it holds ``t`` shares of both secrets of one client, which
 ``t > k / 2`` and the clients' refusal to reveal both prevent. Any client may

@@ -17,7 +17,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordD
 
 from clients._errors import ConfigError
 from clients.client_app import app
-from clients.protocol import ARRAYS, MASKED, SECAGG, SECAGG_KEYS, SECAGG_SHARES
+from clients.protocol import ARRAYS, MASKED, NEXT, NEXT_KEYS, SECAGG, SECAGG_KEYS, SECAGG_SHARES
 from clients.secure import STATE, run_secagg_stage
 from coordinator import RunConfig, RunDirectory, SyncWorkflow
 from coordinator.rundir import METRICS, SUMMARY
@@ -222,8 +222,9 @@ def test_no_key_material_or_masks_reach_the_logs_or_run_dir(tmp_path, caplog, ca
 
     def recording(msg: Message, ctx: Context) -> Message:
         reply = app(msg, ctx)
-        state = ctx.state.config_records.get(STATE)
-        if state is not None:
+        for name, state in ctx.state.config_records.items():  # this round's and a pipelined next round's
+            if not name.startswith(STATE + ":"):
+                continue
             secrets.extend(state[k] for k in ("c-sk", "s-sk", "self-seed"))
             saved = SecAggClient.from_fields(dict(state))
             secrets.extend(b for pair in saved.held.values() for b in pair)
@@ -383,3 +384,132 @@ def test_only_public_metrics_travel_in_the_clear(tmp_path):
     seen.clear()
     run(tmp_path, InProcessGrid(spy, N), "b", **DDP)
     assert seen and all(m <= {"base-version"} | {k for k in m if k.startswith("profile-")} for m in seen)
+
+
+# -- pipelining: round r + 1's setup and share-keys ride on round r's masked-input and unmask ------------------------
+SECURE = {"secure-aggregation": "secagg+"}
+
+
+def round_of(msg: Message) -> int:
+    return int(msg.metadata.group_id)
+
+
+class RoundDroppingGrid(InProcessGrid):
+    """``victim`` vanishes at ``stage`` of round ``rnd``: it gets that message, never answers, and is gone for good."""
+
+    def __init__(self, client, num_nodes: int, victim: int, rnd: int, stage: str) -> None:
+        super().__init__(client, num_nodes)
+        self.victim, self.at, self.gone = victim, (rnd, stage), False
+
+    def push_messages(self, messages):
+        messages = list(messages)
+        ids = list(super().push_messages(messages))
+        for mid, msg in zip(ids, messages):
+            if msg.metadata.dst_node_id == self.victim and (self.gone or (round_of(msg), stage_of(msg)) == self.at):
+                self.gone = True
+                self._replies.pop(mid, None)
+        return ids
+
+
+def plain_by_round(tmp_path, cohorts: dict[int, list[int]], **kw) -> torch.Tensor:
+    ref = SyncWorkflow(cfg(**kw), InProcessGrid(app, N), RunDirectory(tmp_path / "ref"))
+    ref.select = lambda online, rnd: cohorts[rnd]
+    ref.run()
+    return ref.weights
+
+
+ALL = list(range(1001, 1001 + N))
+
+
+def test_pipelined_rounds_take_two_stages_and_equal_the_plain_mean(tmp_path):
+    grid = InProcessGrid(app, N)
+    wf = run(tmp_path, grid, **SECURE, **{"num-rounds": 3})
+    first, *later = wf.history
+    assert list(first["secagg_stage_s"]) == ["setup", "share-keys", "masked-input", "unmask"]
+    assert not first["secagg_pipelined"]
+    for row in later:  # set up during the previous round: two round trips, like a plain round plus the unmasking
+        assert row["secagg_pipelined"] and list(row["secagg_stage_s"]) == ["masked-input", "unmask"], row
+        assert row["secagg_survivors"] == N and row["rejected"] == 0 and row["replies"] == 2 * N
+    assert first["replies"] == 4 * N
+    ref = plain_by_round(tmp_path, dict.fromkeys((1, 2, 3), ALL), **{"num-rounds": 3})
+    torch.testing.assert_close(wf.weights, ref, rtol=0, atol=1e-6)
+    assert wf.version == 3
+    # every round's secrets were used once and deleted: nothing is left on the nodes
+    assert not [k for ctx in grid.contexts.values() for k in ctx.state.config_records if k.startswith(STATE + ":")]
+    off = run(tmp_path, InProcessGrid(app, N), name="off", **SECURE, **{"num-rounds": 3, "secagg-pipeline": False})
+    assert [list(r["secagg_stage_s"]) for r in off.history] == [["setup", "share-keys", "masked-input", "unmask"]] * 3
+    torch.testing.assert_close(off.weights, ref, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("rnd,stage,cohorts,dropped", [
+    # gone while round 1's masked-input (with round 2's setup) is out: dropped in round 1, never set up for 2
+    (1, "masked-input", {1: "-", 2: "-", 3: "-"}, {1: 1, 2: 0, 3: 0}),
+    # gone at round 1's unmask (with round 2's share-keys): round 1 has its input, round 2 never got its shares
+    (1, "unmask", {1: "all", 2: "-", 3: "-"}, {1: 0, 2: 0, 3: 0}),
+    # gone at round 2's masked-input after sharing round 2's keys in round 1: round 2 recovers its masks
+    (2, "masked-input", {1: "all", 2: "-", 3: "-"}, {1: 0, 2: 1, 3: 0}),
+])
+def test_a_node_vanishing_in_a_pipelined_stage_leaves_each_rounds_survivors_mean(tmp_path, rnd, stage, cohorts,
+                                                                                 dropped):
+    victim = 1003
+    wf = run(tmp_path, RoundDroppingGrid(app, N, victim, rnd, stage), **SECURE, **{"num-rounds": 3})
+    nodes = {r: ALL if c == "all" else [n for n in ALL if n != victim] for r, c in cohorts.items()}
+    for row in wf.history:
+        r = row["round"]
+        assert row["secagg_survivors"] == len(nodes[r]) and row["secagg_dropped"] == dropped[r], row
+        assert row["secagg_pipelined"] == (r > 1) and "secagg_failure" not in row
+    ref = plain_by_round(tmp_path, nodes, **{"num-rounds": 3})
+    torch.testing.assert_close(wf.weights, ref, rtol=0, atol=1e-6)
+
+
+def test_partial_participation_sets_up_nodes_outside_this_round_with_messages_of_their_own(tmp_path):
+    kw = {"num-rounds": 4, "fraction-train": 0.5}  # 3 of 6 nodes a round, picked by the seeded uniform policy
+    grid = InProcessGrid(app, N)
+    wf = run(tmp_path, grid, **SECURE, **kw)
+    cohorts = {r: wf.select(ALL, r) for r in range(1, 5)}
+    assert len({tuple(c) for c in cohorts.values()}) > 1, "the test needs cohorts that change"
+    assert all(row["secagg_survivors"] == 3 and row["rejected"] == 0 for row in wf.history)
+    assert [row["secagg_pipelined"] for row in wf.history] == [False, True, True, True]
+    ref = plain_by_round(tmp_path, cohorts, **kw)
+    torch.testing.assert_close(wf.weights, ref, rtol=0, atol=1e-6)
+    assert not [k for ctx in grid.contexts.values() for k in ctx.state.config_records if k.startswith(STATE + ":")]
+
+
+def _mutating(node: int, rnd: int, stage: str, mutate):
+    """The real client app, except that ``node``'s message (before) and reply (after) at ``stage`` of ``rnd``."""
+    def client(msg: Message, ctx: Context) -> Message:
+        hit = ctx.node_id == node and (round_of(msg), stage_of(msg)) == (rnd, stage)
+        if hit:
+            msg = mutate(msg, None)
+        reply = app(msg, ctx)
+        return mutate(None, reply) if hit else reply
+    return client
+
+
+def _bad_next_key(msg, reply):
+    if reply is not None:  # a low-order point as the next round's key: it would break every neighbour's agreement
+        keys = reply.content.config_records[NEXT_KEYS]["1002"]
+        reply.content.config_records[NEXT_KEYS] = ConfigRecord({"1002": bytes(32) + keys[32:]})
+    return msg if reply is None else reply
+
+
+def _next_for_a_later_round(msg, reply):
+    if msg is not None:  # the node must refuse to set up any round but the next one, and still answer this one
+        msg.content.config_records[NEXT]["round"] = 5
+    return msg if reply is None else reply
+
+
+@pytest.mark.parametrize("mutate,rule", [(_bad_next_key, "bad-keys"), (_next_for_a_later_round, None)])
+def test_a_bad_piggybacked_stage_costs_the_node_the_next_round_only(tmp_path, caplog, mutate, rule):
+    with caplog.at_level(logging.WARNING):
+        wf = run(tmp_path, InProcessGrid(_mutating(1002, 1, "masked-input", mutate), N), **SECURE,
+                 **{"num-rounds": 3})
+    first, second, third = wf.history
+    assert first["secagg_survivors"] == N and first["rejected"] == 0
+    assert second["secagg_survivors"] == N - 1  # never set up for round 2
+    assert second["rejected_by_rule"] == ({rule: 1} if rule else {})
+    assert third["secagg_survivors"] == N  # set up for round 3 by a message of its own, during round 2
+    if rule is None:
+        assert "the next round's stage sent with round 1's masked-input was refused" in caplog.text
+    nodes = {1: ALL, 2: [n for n in ALL if n != 1002], 3: ALL}
+    torch.testing.assert_close(wf.weights, plain_by_round(tmp_path, nodes, **{"num-rounds": 3}), rtol=0, atol=1e-6)
