@@ -153,9 +153,8 @@ class SecureRound:
                 stats["replies"] += 1
                 try:
                     check_envelope(reply, node, asks[node][0].rnd)
-                except RejectedReply as rej:
-                    for ask in asks[node]:
-                        self._reject(ask, node, rej.rule, rej.detail)
+                except RejectedReply as rej:  # counted once, in the message's round; a stage riding on it is unanswered
+                    self._reject(asks[node][0], node, rej.rule, rej.detail)
                     continue
                 took = False
                 for ask in asks[node]:

@@ -345,12 +345,12 @@ class SyncWorkflow:
         nodes = self._wait_for_nodes()
         busy = {e.sent[m] for m, e in self._late.items()}  # still training for an earlier round
         idle = [n for n in nodes if n not in busy]
-        planned = self.secure.planned(rnd) if self.secure is not None else None
-        if planned is not None and set(planned) <= set(nodes):
-            selected = planned  # picked, and set up, during the previous round (secagg-pipeline)
-        else:
+        # Under secagg-pipeline the round's nodes were picked, and set up, during the previous round;
+        # one gone offline since is a dropout the protocol recovers from (it is not asked again).
+        selected = self.secure.planned(rnd) if self.secure is not None else None
+        if selected is None:
             selected = self.select(idle if len(idle) >= self.cfg.server.min_nodes else nodes, rnd)
-        self._rate = len(selected) / len(nodes)
+        self._rate = min(1.0, len(selected) / len(nodes))
         if self.dp is not None:
             self.dp.check_budget(self._rate)  # before anything is sent
         row: dict[str, Any] = {"round": rnd, "nodes_online": len(nodes), "selected": len(selected)}

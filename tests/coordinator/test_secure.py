@@ -395,11 +395,15 @@ def round_of(msg: Message) -> int:
 
 
 class RoundDroppingGrid(InProcessGrid):
-    """``victim`` vanishes at ``stage`` of round ``rnd``: it gets that message, never answers, and is gone for good."""
+    """``victim`` vanishes at ``stage`` of round ``rnd``: it gets that message, never answers, and is gone for good
+    (also from the online nodes, as a dead SuperNode leaves the SuperLink's list)."""
 
     def __init__(self, client, num_nodes: int, victim: int, rnd: int, stage: str) -> None:
         super().__init__(client, num_nodes)
         self.victim, self.at, self.gone = victim, (rnd, stage), False
+
+    def get_node_ids(self):
+        return [n for n in super().get_node_ids() if not (self.gone and n == self.victim)]
 
     def push_messages(self, messages):
         messages = list(messages)

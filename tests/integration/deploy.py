@@ -10,7 +10,8 @@ from coordinator.rundir import METRICS
 from .procs import free_port, wait_for
 
 
-def setup_deployment(tmp_path, fedshield_bin, num_rounds: int, keys: int = 4, nodes: int = 3, extra: str = ""):
+def setup_deployment(tmp_path, fedshield_bin, num_rounds: int, keys: int = 4, nodes: int = 3, extra: str = "",
+                     min_nodes: int | None = None):
     run = lambda *a: subprocess.run([fedshield_bin, *a], cwd=tmp_path, check=True, capture_output=True, text=True)  # noqa: E731
     run("certs", "init", "certs")
     for i in range(keys):
@@ -26,7 +27,7 @@ enrolled-keys = [{", ".join(f'"keys/client-{i}.pub"' for i in range(nodes))}]
 [run]
 run-dir = "runs/deploy"
 num-rounds = {num_rounds}
-min-nodes = {nodes}
+min-nodes = {min_nodes or nodes}
 wait-nodes-timeout = 120.0
 round-timeout = 120.0
 {extra}""")

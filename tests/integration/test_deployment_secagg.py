@@ -3,6 +3,9 @@
 The killed node's pairwise masks are already in its neighbours' inputs; the
 coordinator rebuilds its mask key from the survivors' shares, and the global
 model must equal the initial model plus the survivors' plain weighted mean.
+A second round, set up during the first (pipelined: its setup rode on round
+1's masked-input messages, its share-keys on round 1's unmask), runs with the
+four survivors and must add their plain weighted mean again.
 """
 
 from __future__ import annotations
@@ -25,8 +28,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 NODES = 5
 
 
-def _expected_weights(tmp_path, survivors: list[int]) -> torch.Tensor:
-    """Initial model + the survivors' weighted mean update, computed here in the test process."""
+def _expected_weights(tmp_path, survivors: list[int], rounds: int) -> torch.Tensor:
+    """Initial model + each round's survivors' weighted mean update, computed here in the test process."""
     from clients.client_app import local_update
     from clients.config import TaskSpec, TrainSettings
     from clients.protocol import ARRAYS, CONFIG, WEIGHTS, TrainInstruction
@@ -34,23 +37,25 @@ def _expected_weights(tmp_path, survivors: list[int]) -> torch.Tensor:
     from aggregation import tensor_to_array
     from flwr.app import ArrayRecord
 
-    w0 = get_task(TaskSpec()).init_weights(0)
-    instr = TrainInstruction(round=1, version=0, seed=0, task=TaskSpec(), train=TrainSettings())
-    msg = Message(RecordDict({ARRAYS: ArrayRecord({WEIGHTS: tensor_to_array(w0)}), CONFIG: instr.to_record()}),
-                  dst_node_id=1, message_type="train")
-    total, weight = torch.zeros_like(w0, dtype=torch.float64), 0
-    for i in survivors:
-        ctx = Context(run_id=1, node_id=1, node_config={"data-path": str((tmp_path / "data" / f"client-{i}.npz").resolve())},
-                      state=RecordDict(), run_config={})
-        delta, metrics, _ = local_update(msg, ctx)
-        total += delta.double() * metrics["num-examples"]
-        weight += metrics["num-examples"]
-    return w0 + (total / weight).float()
+    w = get_task(TaskSpec()).init_weights(0)
+    for rnd in range(1, rounds + 1):
+        instr = TrainInstruction(round=rnd, version=rnd - 1, seed=0, task=TaskSpec(), train=TrainSettings())
+        msg = Message(RecordDict({ARRAYS: ArrayRecord({WEIGHTS: tensor_to_array(w)}), CONFIG: instr.to_record()}),
+                      dst_node_id=1, message_type="train")
+        total, weight = torch.zeros_like(w, dtype=torch.float64), 0
+        for i in survivors:
+            path = str((tmp_path / "data" / f"client-{i}.npz").resolve())
+            ctx = Context(run_id=1, node_id=1, node_config={"data-path": path}, state=RecordDict(), run_config={})
+            delta, metrics, _ = local_update(msg, ctx)
+            total += delta.double() * metrics["num-examples"]
+            weight += metrics["num-examples"]
+        w = w + (total / weight).float()
+    return w
 
 
 @pytest.mark.timeout(420)
 def test_secagg_round_survives_a_supernode_killed_after_sharing_keys(tmp_path, procs, fedshield_bin):
-    port = setup_deployment(tmp_path, fedshield_bin, num_rounds=1, keys=NODES, nodes=NODES, extra="\n".join([
+    port = setup_deployment(tmp_path, fedshield_bin, num_rounds=2, keys=NODES, nodes=NODES, min_nodes=NODES - 1, extra="\n".join([
         'secure-aggregation = "secagg+"', "secagg-clip = 10.0", "secagg-stage-timeout = 60.0", ""]))
     start_coordinator(procs, tmp_path, fedshield_bin, "coordinator")
     for i in range(NODES):
@@ -68,13 +73,17 @@ def test_secagg_round_survives_a_supernode_killed_after_sharing_keys(tmp_path, p
     assert f"secagg share-keys: {NODES} of {NODES} nodes in" in log
     assert f"secagg masked-input: {NODES - 1} of {NODES} nodes in" in log
     run_dir = tmp_path / "runs" / "deploy"
-    row = metrics_rows(run_dir)[0]
+    row, row2 = metrics_rows(run_dir)
     assert int(row["secagg_survivors"]) == NODES - 1 and int(row["secagg_dropped"]) == 1, row
     assert not row["secagg_failure"]
+    assert f"round 2 secagg setup: {NODES - 1} of {NODES} nodes in" in log  # the victim died with it
+    assert int(row2["secagg_survivors"]) == NODES - 1 and int(row2["secagg_dropped"]) == 0, row2
+    assert row2["secagg_pipelined"] == "True" and not row2["secagg_failure"], row2
     summary = json.loads((run_dir / SUMMARY).read_text())
     assert summary["secure_aggregation"] == "secagg+" and summary["secagg_failed_rounds"] == 0
     state = torch.load(run_dir / MODEL, weights_only=True)
     got = torch.cat([v.reshape(-1) for v in state.values()])
-    want = _expected_weights(tmp_path, list(range(NODES - 1)))
+    want = _expected_weights(tmp_path, list(range(NODES - 1)), rounds=2)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
-    print(f"\nSecAgg+ deployment, one round with {NODES} nodes and one killed: {float(row['round_time_s']):.1f} s")
+    print(f"\nSecAgg+ deployment, {NODES} nodes, one killed: round 1 (four stages) {float(row['round_time_s']):.1f} s, "
+          f"round 2 (pipelined: two) {float(row2['round_time_s']):.1f} s")
