@@ -322,6 +322,17 @@ class SecureAggSettings:
         return k, t
 
 
+def min_survivors(selected: int, dropout_rate: float) -> int:
+    """The fewest survivors a distributed-DP round of ``selected`` nodes releases a sum with."""
+    return max(1, math.ceil(selected * (1 - dropout_rate) - 1e-9))
+
+
+def secagg_clip_needed(dp_clip: float, z: float, survivors: int) -> float:
+    """The ring's clip range that keeps ``survivors`` clients' clipped, Skellam-noised sum from wrapping
+    around: s (secagg-clip - C) >= 8 z C per coordinate (8 standard deviations of the summed noise)."""
+    return dp_clip * (1 + 8 * z / survivors)
+
+
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     """Everything a run needs: server settings, the task, the clients' training."""
@@ -363,13 +374,20 @@ class RunConfig:
         if self.privacy.dp == "central":
             check(self.aggregation.aggregator == "mean", "aggregator",
                   "be 'mean' under central DP (each update is clipped to dp-clip and weighted 1)", self.aggregation.aggregator)
-        if self.privacy.dp in ("central", "distributed") and self.privacy.dp_noise_multiplier == 0:
+        z = self.privacy.dp_noise_multiplier
+        if self.privacy.dp in ("central", "distributed") and z == 0:
             # Calibrated from target-epsilon: do it now (as the run will), so that an unreachable target or a
             # clip-count-noise too small for the calibrated multiplier is reported before anything starts.
             z = self.calibrated_noise_multiplier()
             self.privacy.check_count_noise(z, f"z/2 = {z / 2:.4g}, where z = {z:.4g} is the noise multiplier calibrated "
                                               f"for target-epsilon = {self.privacy.target_epsilon:g} over num-rounds = "
                                               f"{self.server.num_rounds}")
+        if self.privacy.dp == "distributed":  # the fewest nodes a round selects (min-nodes) need the most room
+            s = min_survivors(self.server.min_nodes, self.secure.secagg_dropout_rate)
+            need = secagg_clip_needed(self.privacy.dp_clip, z, s)
+            check(self.secure.secagg_clip >= need, "secagg-clip", f"be >= dp-clip * (1 + 8 z / s) = {need:.4g} so that "
+                  f"the noised sum of s = {s} survivors (min-nodes = {self.server.min_nodes} less secagg-dropout-rate) "
+                  "cannot wrap around the ring", self.secure.secagg_clip)
 
     def dp_sampling_rate(self) -> float:
         """The sampling rate central / distributed DP is calibrated at (here, when the config is checked,

@@ -28,7 +28,7 @@ from privacy import (
 )
 
 from ._errors import CoordinatorError
-from .config import PrivacySettings
+from .config import PrivacySettings, min_survivors, secagg_clip_needed
 
 
 class CentralDp:
@@ -129,7 +129,7 @@ class DistributedDp(CentralDp):
         return PrivacyEvent(sampling_rate=1.0, noise_multiplier=self.z)
 
     def min_survivors(self, selected: int) -> int:
-        return max(1, math.ceil(selected * (1 - self.dropout_rate) - 1e-9))
+        return min_survivors(selected, self.dropout_rate)
 
     def client_noise(self, selected: int, step: float, numel: int) -> tuple[float, float]:
         """(clip each client applies before quantizing, Skellam mu per coordinate) for ``selected`` clients.
@@ -146,8 +146,9 @@ class DistributedDp(CentralDp):
 
     def check_headroom(self, secagg_clip: float, selected: int) -> None:
         """The noised sum must stay inside the ring, per coordinate: s * (secagg-clip - C) >= 8 z C for the fewest
-        survivors s a round may release with."""
-        need = self.clip * (1 + 8 * self.z / self.min_survivors(selected))
+        survivors s a round may release with. The config already checked this at min-nodes, the fewest any
+        round selects; this guards each round's own count."""
+        need = secagg_clip_needed(self.clip, self.z, self.min_survivors(selected))
         if secagg_clip < need:
             raise CoordinatorError(f"secagg-clip must be >= dp-clip * (1 + 8 z / s) = {need:.4g} so that the noised sum "
                                    f"of s = {self.min_survivors(selected)} survivors cannot wrap around the ring. "

@@ -110,8 +110,6 @@ class SyncWorkflow:
         self.dp = (CentralDp(*dp_args) if cfg.privacy.dp == "central"
                    else DistributedDp(*dp_args, cfg.secure.secagg_dropout_rate) if cfg.privacy.dp == "distributed"
                    else None)
-        if isinstance(self.dp, DistributedDp):  # the fewest nodes a round may have must leave the noise room
-            self.dp.check_headroom(cfg.secure.secagg_clip, cfg.server.min_nodes)
         self.status = "completed"
         self.weights = self.task.init_weights(cfg.server.seed).to(self.device)
         self.round, self.version = 0, 0

@@ -315,10 +315,12 @@ def test_distributed_dp_settings_are_checked():
         cfg(**{**DDP, "secagg-weighting": "num-examples"})
     with pytest.raises(ConfigError, match="adaptive-clipping must be false"):
         cfg(**{**DDP, "adaptive-clipping": True})
-    from coordinator import CoordinatorError
-
-    with pytest.raises(CoordinatorError, match="secagg-clip must be >= dp-clip"):
-        run(Path(tempfile.mkdtemp()), InProcessGrid(app, N), **{**DDP, "secagg-clip": 0.55})
+    # min-nodes = 3, 20% dropout: s = ceil(2.4) = 3 survivors; dp-clip 0.5 (1 + 8 * 0.8 / 3) = 1.567, before any run
+    with pytest.raises(ConfigError, match=r"secagg-clip must be >= dp-clip \* \(1 \+ 8 z / s\) = 1.567 .* s = 3 "):
+        cfg(**{**DDP, "secagg-clip": 1.56})
+    cfg(**{**DDP, "secagg-clip": 1.57})
+    with pytest.raises(ConfigError, match=r"= 1.14 .* s = 5 "):  # min-nodes = 6: s = ceil(4.8); more nodes, less room
+        cfg(**{**DDP, "secagg-clip": 1.1, "min-nodes": 6})
 
 
 def test_a_client_refuses_a_second_instance_of_a_round_it_already_sent_input_for(tmp_path):
