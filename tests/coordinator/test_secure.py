@@ -7,8 +7,6 @@ import json
 import logging
 import math
 import re
-import tempfile
-from pathlib import Path
 
 import numpy as np
 import pytest
