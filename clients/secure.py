@@ -4,8 +4,10 @@ Between stages the client's secrets (its two private keys, its self-mask seed,
 the shares it holds) live in the node's ``Context.state``, one record per round
 (``state_name``; a pipelined run holds the next round's beside this one's), which
 Flower keeps on the device for the run; they are never logged or sent anywhere
-else, and they are deleted when the round's unmask stage is answered (or when a
-later round's message shows the round was abandoned).
+else, and they are deleted when the round's unmask stage is answered, or when a
+message of a later round arrives (the round was abandoned). A node set up for a
+round it then takes no part in keeps that round's keys until such a message or
+the end of the run.
 """
 
 from __future__ import annotations
@@ -180,7 +182,8 @@ def run_secagg_stage(msg: Message, context: Context) -> Message:
             content[NEXT] = ConfigRecord({"stage": stage2, "round": rnd2})
             for name, rec in out2.items():
                 content[NEXT_KEYS if name == SECAGG_KEYS else NEXT_SHARES] = rec
-        except (ClientError, PrivacyError) as exc:
+        except (ClientError, PrivacyError, ValueError, TypeError, KeyError, OverflowError) as exc:
+            # This round's answer (and the state it saved) stands: whatever the next round's part holds.
             log(WARNING, "[fedshield] secagg: the next round's stage sent with round %d's %s was refused: %s", rnd,
-                stage, exc)
+                stage, exc if isinstance(exc, ClientError | PrivacyError) else type(exc).__name__)
     return Message(content, reply_to=msg)

@@ -143,8 +143,11 @@ class SecureRound:
         stats["bytes_down"] += sum(message_nbytes(m) for m in msgs[:len(ids)])
         accepted: Counter[tuple[int, str]] = Counter()
         pending = dict.fromkeys(sent)
+        # Messages of this stage keep the exchange open; one sent only to set a node up for the next round does
+        # not: a node that has not answered it when this stage is done is left out of the next round.
+        mains = {mid for mid, node in sent.items() if asks[node][0].rnd == rnd}
         deadline = clock.now() + timeout
-        while pending:
+        while pending.keys() & mains:
             for reply in grid.pull_messages(list(pending)):
                 mid = reply.metadata.reply_to_message_id
                 if pending.pop(mid, "gone") == "gone":
@@ -163,12 +166,13 @@ class SecureRound:
                         took = True
                 if took:
                     stats["bytes_up"] += message_nbytes(reply)
-            if pending and clock.now() >= deadline:
-                log(WARNING, "[fedshield] round %d secagg %s: %d of %d nodes did not answer within %.1f s",
-                    rnd, stage, len(pending), len(sent), timeout)
+            if not pending.keys() & mains:
                 break
-            if pending:
-                clock.sleep(self.wf.cfg.server.poll_interval)
+            if clock.now() >= deadline:
+                log(WARNING, "[fedshield] round %d secagg %s: %d of %d nodes did not answer within %.1f s",
+                    rnd, stage, len(pending.keys() & mains), len(mains), timeout)
+                break
+            clock.sleep(self.wf.cfg.server.poll_interval)
         stats["stage_s"][stage] = round(clock.now() - started, 4)
         asked = Counter((a.rnd, a.stage) for node_asks in asks.values() for a in node_asks)
         for (r, s), n in sorted(asked.items()):
@@ -198,6 +202,12 @@ class SecureRound:
             # Anything else a reply's content provokes is that node's fault, never the run's end.
             self._reject(ask, node, "malformed", type(exc).__name__)
         return False
+
+    def _drop(self, nxt: _Round, stats: dict[str, Any], why: str) -> None:
+        """Give up setting the next round up during this one (it will run all four stages); its rejections so
+        far are counted in this round's row, whose messages carried them."""
+        log(INFO, "[fedshield] round %d will be set up on its own: %s", nxt.rnd, why)
+        stats["rejected_by_rule"].update(nxt.stats["rejected_by_rule"])
 
     @staticmethod
     def _reject(ask: _Ask, node: int, rule: str, detail: str) -> None:
@@ -363,15 +373,24 @@ class SecureRound:
                 try:
                     share = nxt.server.share_keys_requests()
                 except SecAggAborted as exc:
-                    log(INFO, "[fedshield] round %d will be set up on its own: %s", rnd + 1, exc)
+                    self._drop(nxt, stats, str(exc))
                     nxt = None
                 else:
                     header = ConfigRecord({"stage": "share-keys", "round": rnd + 1})
                     self._ride(nxt, contents, asks, dict.fromkeys(share, header),
                                {n: self._keys_record(keys) for n, keys in share.items()}, self._share_ask)
             self._exchange(rnd, "unmask", contents, timeout, asks, stats)
-            if nxt is not None:
-                nxt.pipelined, self.ahead = True, nxt
+            if nxt is not None:  # committed only if enough nodes shared keys for its masked-input stage to run
+                try:
+                    ready = nxt.server.sharers_ready()
+                    if dp is not None and ready < dp.min_survivors(len(nxt.selected)):
+                        raise SecAggAborted(f"only {ready} nodes shared keys; distributed DP needs >= "
+                                            f"{dp.min_survivors(len(nxt.selected))} survivors")
+                except SecAggAborted as exc:
+                    self._drop(nxt, stats, str(exc))
+                else:
+                    nxt.pipelined, self.ahead = True, nxt
+                nxt = None
             t0 = time.perf_counter()
             result = server.finish()
             weighted, weight = decode_sum(result)
@@ -397,6 +416,8 @@ class SecureRound:
                 update[subset.to(wf.device)] = mean
             survivors, dropped = result.survivors, result.dropped
         except SecAggAborted as exc:
+            if nxt is not None:  # this round ended before the next one's share-keys could ride on its unmask
+                self._drop(nxt, stats, "this round failed before its unmask stage")
             reason = str(exc)
             log(WARNING, "[fedshield] round %d: secure aggregation failed: %s; the global model is unchanged", rnd, reason)
             survivors, dropped = tuple(sorted(server.survivors)), ()

@@ -344,13 +344,13 @@ class SyncWorkflow:
         busy = {e.sent[m] for m, e in self._late.items()}  # still training for an earlier round
         idle = [n for n in nodes if n not in busy]
         # Under secagg-pipeline the round's nodes were picked, and set up, during the previous round;
-        # one gone offline since is a dropout the protocol recovers from (it is not asked again).
+        # one gone offline since is a dropout the protocol recovers from.
         selected = self.secure.planned(rnd) if self.secure is not None else None
         if selected is None:
             selected = self.select(idle if len(idle) >= self.cfg.server.min_nodes else nodes, rnd)
         self._rate = min(1.0, len(selected) / len(nodes))
         if self.dp is not None:
-            self.dp.check_budget(self._rate)  # before anything is sent
+            self.dp.check_budget(self._rate)  # before any update is asked for (a pipelined setup releases nothing)
         row: dict[str, Any] = {"round": rnd, "nodes_online": len(nodes), "selected": len(selected)}
         if self.secure is not None:
             pipeline = self.cfg.secure.secagg_pipeline and rnd < self.cfg.server.num_rounds

@@ -470,6 +470,10 @@ class SecAggServer:
             raise SecAggRejected(node, "bad-share", f"each ciphertext must be bytes of at most {max_bytes}")
         self.ciphertexts[node] = dict(cts)
 
+    def sharers_ready(self) -> int:
+        """How many nodes a masked-input stage would ask now; SecAggAborted if too few shared keys (nothing changes)."""
+        return len(self._stable(set(self.ciphertexts), "shared keys"))
+
     def masked_input_requests(self) -> dict[int, dict[int, bytes]]:
         """Stage 3 messages: each node gets the ciphertexts its live neighbours addressed to it."""
         live = self._stable(set(self.ciphertexts), "shared keys")

@@ -395,22 +395,25 @@ def round_of(msg: Message) -> int:
 
 
 class RoundDroppingGrid(InProcessGrid):
-    """``victim`` vanishes at ``stage`` of round ``rnd``: it gets that message, never answers, and is gone for good
-    (also from the online nodes, as a dead SuperNode leaves the SuperLink's list)."""
+    """``victims`` vanish at ``stage`` of round ``rnd`` (the message's round and its main stage): each gets that
+    message, never answers, and is gone for good (also from the online nodes, as a dead SuperNode leaves the
+    SuperLink's list)."""
 
-    def __init__(self, client, num_nodes: int, victim: int, rnd: int, stage: str) -> None:
+    def __init__(self, client, num_nodes: int, victims: int | set[int], rnd: int, stage: str) -> None:
         super().__init__(client, num_nodes)
-        self.victim, self.at, self.gone = victim, (rnd, stage), False
+        self.victims = {victims} if isinstance(victims, int) else set(victims)
+        self.at, self.gone = (rnd, stage), set()
 
     def get_node_ids(self):
-        return [n for n in super().get_node_ids() if not (self.gone and n == self.victim)]
+        return [n for n in super().get_node_ids() if n not in self.gone]
 
     def push_messages(self, messages):
         messages = list(messages)
         ids = list(super().push_messages(messages))
         for mid, msg in zip(ids, messages):
-            if msg.metadata.dst_node_id == self.victim and (self.gone or (round_of(msg), stage_of(msg)) == self.at):
-                self.gone = True
+            node = msg.metadata.dst_node_id
+            if node in self.gone or (node in self.victims and (round_of(msg), stage_of(msg)) == self.at):
+                self.gone.add(node)
                 self._replies.pop(mid, None)
         return ids
 
@@ -503,7 +506,14 @@ def _next_for_a_later_round(msg, reply):
     return msg if reply is None else reply
 
 
-@pytest.mark.parametrize("mutate,rule", [(_bad_next_key, "bad-keys"), (_next_for_a_later_round, None)])
+def _next_setup_without_a_field(msg, reply):
+    if msg is not None:  # a malformed setup (float(None) inside): refused, and this round's answer still goes back
+        del msg.content.config_records[NEXT]["sparse-ratio"]
+    return msg if reply is None else reply
+
+
+@pytest.mark.parametrize("mutate,rule", [(_bad_next_key, "bad-keys"), (_next_for_a_later_round, None),
+                                         (_next_setup_without_a_field, None)])
 def test_a_bad_piggybacked_stage_costs_the_node_the_next_round_only(tmp_path, caplog, mutate, rule):
     with caplog.at_level(logging.WARNING):
         wf = run(tmp_path, InProcessGrid(_mutating(1002, 1, "masked-input", mutate), N), **SECURE,
@@ -517,3 +527,26 @@ def test_a_bad_piggybacked_stage_costs_the_node_the_next_round_only(tmp_path, ca
         assert "the next round's stage sent with round 1's masked-input was refused" in caplog.text
     nodes = {1: ALL, 2: [n for n in ALL if n != 1002], 3: ALL}
     torch.testing.assert_close(wf.weights, plain_by_round(tmp_path, nodes, **{"num-rounds": 3}), rtol=0, atol=1e-6)
+
+
+def test_a_round_failing_at_unmask_does_not_leave_the_next_one_half_set_up(tmp_path):
+    # Half the nodes vanish at round 1's unmask, which also carries round 2's share-keys: round 1 cannot rebuild
+    # its self seeds, and round 2 has too few sharers, so round 2 is set up again, on its own, with the nodes left.
+    wf = run(tmp_path, RoundDroppingGrid(app, N, {1001, 1002, 1003}, 1, "unmask"), **SECURE, **{"num-rounds": 2})
+    first, second = wf.history
+    assert "secagg_failure" in first and first["accepted"] == 0
+    assert not second["secagg_pipelined"] and list(second["secagg_stage_s"]) == ["setup", "share-keys",
+                                                                                 "masked-input", "unmask"]
+    assert second["secagg_survivors"] == 3 and "secagg_failure" not in second, second
+    assert wf.version == 1
+
+
+def test_a_node_set_up_on_its_own_that_never_answers_does_not_hold_this_round_open(tmp_path):
+    kw = {"num-rounds": 2, "fraction-train": 0.5, "round-timeout": 600.0}
+    probe = SyncWorkflow(cfg(**SECURE, **kw), InProcessGrid(app, N), RunDirectory(tmp_path / "probe"))
+    outsider = sorted(set(probe.select(ALL, 2)) - set(probe.select(ALL, 1)))[0]
+    # it gets round 2's setup as a message of its own during round 1's masked-input stage, and dies with it
+    wf = run(tmp_path, RoundDroppingGrid(app, N, outsider, 2, "setup"), **SECURE, **kw)
+    first, second = wf.history
+    assert first["secagg_survivors"] == 3 and first["secagg_stage_s"]["masked-input"] < 60.0, first
+    assert "secagg_failure" not in second and second["secagg_survivors"] >= 3
