@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import signal
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from coordinator import CoordinatorError, RunDirectory
+from coordinator.rundir import SUMMARY
 from coordinator.progress import RoundProgress
 from coordinator.server_app import make_server_app, make_workflow
 from coordinator.workflow import RoundCallback
@@ -183,10 +185,14 @@ def run_virtual_engine(scn: Scenario, on_round: RoundCallback | None) -> dict[st
 
 
 def run_scenario(scn: Scenario, run_dir: str | Path, show_progress: bool = True) -> dict[str, Any]:
-    """Run ``scn`` writing into ``run_dir`` (resuming if it holds a checkpoint)."""
+    """Run ``scn`` writing into ``run_dir`` (resuming if it holds a checkpoint); a run directory that already
+    holds ``num-rounds`` rounds and its summary is returned as it is, without starting an engine."""
     scn = dataclasses.replace(scn, run=scn.run.replace(run_dir=str(Path(run_dir).resolve())))
     start = RunDirectory(run_dir).load_checkpoint()
     done = int(start["round"]) if start else 0
+    summary = Path(run_dir) / SUMMARY
+    if done >= scn.run.server.num_rounds and summary.is_file():  # finished: nothing to train, no engine to start
+        return json.loads(summary.read_text())
     from clients.tasks import get_task
 
     get_task(scn.run.task).partition(0, scn.sim.num_supernodes)  # can the data be split this way? (one clear error)

@@ -1,8 +1,10 @@
 """simulations.runner: Ctrl-C stops a Flower-engine run whichever thread it lands on (ctrl_c_sets);
-a Ray address no cluster answers at is one clear error before any round (check_ray_address)."""
+a Ray address no cluster answers at is one clear error before any round (check_ray_address); a
+finished run directory is returned without starting an engine (run_scenario)."""
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import socket
 import threading
@@ -100,3 +102,20 @@ def test_auto_follows_ray_address_from_the_environment(monkeypatch):
     monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{_closed_port()}")
     with pytest.raises(CoordinatorError, match="'auto': no Ray cluster answers at 127.0.0.1"):
         check_ray_address("auto", timeout=2)
+
+
+def test_a_finished_run_directory_is_returned_without_starting_an_engine(tmp_path, monkeypatch):
+    import simulations.runner as runner
+    from coordinator import RunConfig
+    from simulations.scenario import Scenario, SimulationSettings
+
+    scn = Scenario(sim=SimulationSettings(name="t", engine="inprocess", num_supernodes=3),
+                   run=RunConfig.from_mapping({"num-rounds": 1, "min-nodes": 3, "task": "digits", "seed": 0}))
+    first = runner.run_scenario(scn, tmp_path / "run", show_progress=False)
+    started: list[str] = []
+    monkeypatch.setattr(runner, "run_inprocess_engine", lambda *a: started.append("engine") or {})
+    again = runner.run_scenario(scn, tmp_path / "run", show_progress=False)
+    assert started == [] and again["final_test_accuracy"] == first["final_test_accuracy"]
+    more = dataclasses.replace(scn, run=scn.run.replace(num_rounds=2))
+    runner.run_scenario(more, tmp_path / "run", show_progress=False)  # rounds left: the engine runs
+    assert started == ["engine"]
