@@ -82,10 +82,6 @@ def protocol_stage_times(n: int, dim: int, k: int, t: int) -> dict[str, float]:
 
 
 # -- part 2: one round end to end -------------------------------------------------------------------
-def row_graph(row: dict, what: str) -> int:
-    return int(row[f"secagg_{what}"])
-
-
 ENGINE = "inprocess"
 _BACKEND = {"client_resources": {"num_cpus": 1, "num_gpus": 0.0}, "init_args": {"logging_level": logging.WARNING}}
 
@@ -244,15 +240,19 @@ def main() -> None:
     for _ in range(1 if ENGINE == "flower" else 3):
         for name, extra in cases.items():
             runs[name].append(fedshield_round(n, hidden, extra))
-    firsts = {name: sorted((r[0] for r in rs), key=lambda r: r["round_time_s"])[len(rs) // 2] for name, rs in runs.items()}
-    rows = {name: sorted((r[1] for r in rs), key=lambda r: r["round_time_s"])[len(rs) // 2] for name, rs in runs.items()}
+    def median(rs: list[dict]) -> dict:
+        return sorted(rs, key=lambda r: r["round_time_s"])[len(rs) // 2]
+
+    firsts = {name: median([r[0] for r in rs]) for name, rs in runs.items()}
+    rows = {name: median([r[1] for r in rs]) for name, rs in runs.items()}
     plain = rows["plain"]
     rep.add("fedshield plain round", plain["round_time_s"], "s")
     plain_bytes = plain["bytes_up"] + plain["bytes_down"]
     for name in cases:
         if name == "plain":
             continue
-        row, k, t = rows[name], row_graph(rows[name], "degree"), row_graph(rows[name], "threshold")
+        row = rows[name]
+        k, t = row["secagg_degree"], row["secagg_threshold"]
         assert row["secagg_survivors"] == n and row["secagg_pipelined"] == (name in graphs), row
         if name == "complete":
             target, met = "<= 10 s per round", row["round_time_s"] <= 10

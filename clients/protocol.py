@@ -49,6 +49,9 @@ MESSAGE_TYPE_TRAIN = "train"
 MESSAGE_TYPE_SECAGG = "train.secagg"
 SECAGG, SECAGG_KEYS, SECAGG_SHARES, MASKED = "secagg", "secagg-keys", "secagg-shares", "masked"
 NEXT, NEXT_KEYS, NEXT_SHARES = "secagg-next", "secagg-next-keys", "secagg-next-shares"  # a piggybacked stage
+# What reading a malformed message's content raises beyond our own errors (a type, a key or a value it lacks):
+# the sender's fault, refused, never the receiver's end.
+CONTENT_ERRORS = (ValueError, TypeError, KeyError, OverflowError)
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,8 @@ from privacy.secagg.protocol import PublicKeys, SecAggClient, SecAggParams
 
 from ._errors import ClientError
 from .profile import PROFILE_KEYS
-from .protocol import (ARRAYS, CONFIG, MASKED, METRICS, NEXT, NEXT_KEYS, NEXT_SHARES, SECAGG, SECAGG_KEYS,
-                       SECAGG_SHARES, node_map)
+from .protocol import (ARRAYS, CONFIG, CONTENT_ERRORS, MASKED, METRICS, NEXT, NEXT_KEYS, NEXT_SHARES, SECAGG,
+                       SECAGG_KEYS, SECAGG_SHARES, node_map)
 
 STATE = "fedshield.secagg"
 RESIDUAL = "fedshield.secagg-residual"
@@ -182,7 +182,7 @@ def run_secagg_stage(msg: Message, context: Context) -> Message:
             content[NEXT] = ConfigRecord({"stage": stage2, "round": rnd2})
             for name, rec in out2.items():
                 content[NEXT_KEYS if name == SECAGG_KEYS else NEXT_SHARES] = rec
-        except (ClientError, PrivacyError, ValueError, TypeError, KeyError, OverflowError) as exc:
+        except (ClientError, PrivacyError, *CONTENT_ERRORS) as exc:
             # This round's answer (and the state it saved) stands: whatever the next round's part holds.
             log(WARNING, "[fedshield] secagg: the next round's stage sent with round %d's %s was refused: %s", rnd,
                 stage, exc if isinstance(exc, ClientError | PrivacyError) else type(exc).__name__)

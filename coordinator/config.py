@@ -327,12 +327,6 @@ def min_survivors(selected: int, dropout_rate: float) -> int:
     return max(1, math.ceil(selected * (1 - dropout_rate) - 1e-9))
 
 
-def secagg_clip_needed(dp_clip: float, z: float, survivors: int) -> float:
-    """The ring's clip range that keeps ``survivors`` clients' clipped, Skellam-noised sum from wrapping
-    around: s (secagg-clip - C) >= 8 z C per coordinate (8 standard deviations of the summed noise)."""
-    return dp_clip * (1 + 8 * z / survivors)
-
-
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     """Everything a run needs: server settings, the task, the clients' training."""
@@ -382,9 +376,12 @@ class RunConfig:
             self.privacy.check_count_noise(z, f"z/2 = {z / 2:.4g}, where z = {z:.4g} is the noise multiplier calibrated "
                                               f"for target-epsilon = {self.privacy.target_epsilon:g} over num-rounds = "
                                               f"{self.server.num_rounds}")
-        if self.privacy.dp == "distributed":  # the fewest nodes a round selects (min-nodes) need the most room
+        if self.privacy.dp == "distributed":
+            # The clipped, Skellam-noised sum of s survivors must not wrap around the ring: s (secagg-clip - C) >=
+            # 8 z C per coordinate (8 standard deviations of the summed noise). No round selects fewer nodes than
+            # min-nodes, and fewer survivors need more room, so this holds for every round.
             s = min_survivors(self.server.min_nodes, self.secure.secagg_dropout_rate)
-            need = secagg_clip_needed(self.privacy.dp_clip, z, s)
+            need = self.privacy.dp_clip * (1 + 8 * z / s)
             check(self.secure.secagg_clip >= need, "secagg-clip", f"be >= dp-clip * (1 + 8 z / s) = {need:.4g} so that "
                   f"the noised sum of s = {s} survivors (min-nodes = {self.server.min_nodes} less secagg-dropout-rate) "
                   "cannot wrap around the ring", self.secure.secagg_clip)

@@ -28,7 +28,7 @@ from privacy import (
 )
 
 from ._errors import CoordinatorError
-from .config import PrivacySettings, min_survivors, secagg_clip_needed
+from .config import PrivacySettings, min_survivors
 
 
 class CentralDp:
@@ -143,16 +143,6 @@ class DistributedDp(CentralDp):
                                    f"({step * math.sqrt(numel):.3g}); use more secagg-bits or a larger dp-clip.")
         sigma_levels = self.z * self.clip / step
         return clip, sigma_levels**2 / (selected * (1 - self.dropout_rate)) / 2.0
-
-    def check_headroom(self, secagg_clip: float, selected: int) -> None:
-        """The noised sum must stay inside the ring, per coordinate: s * (secagg-clip - C) >= 8 z C for the fewest
-        survivors s a round may release with. The config already checked this at min-nodes, the fewest any
-        round selects; this guards each round's own count."""
-        need = secagg_clip_needed(self.clip, self.z, self.min_survivors(selected))
-        if secagg_clip < need:
-            raise CoordinatorError(f"secagg-clip must be >= dp-clip * (1 + 8 z / s) = {need:.4g} so that the noised sum "
-                                   f"of s = {self.min_survivors(selected)} survivors cannot wrap around the ring. "
-                                   f"Found {secagg_clip:g}.")
 
     def after_secure_round(self, sampling_rate: float, survivors: int, selected: int) -> None:
         z_eff = self.z * math.sqrt(survivors / (selected * (1 - self.dropout_rate)))

@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from collections.abc import Callable
 from logging import INFO, WARNING
 from typing import TYPE_CHECKING, Any
@@ -38,6 +38,7 @@ from clients.protocol import (
     ARRAYS,
     CONFIG,
     MASKED,
+    CONTENT_ERRORS,
     MESSAGE_TYPE_SECAGG,
     METRICS,
     NEXT,
@@ -109,10 +110,6 @@ class _Round:
     pipelined: bool = False  # its setup and share-keys rode on the previous round's messages
 
 
-class _NotThisRound(Exception):
-    """A piggybacked stage the node left out of its reply (it refused it, and logged why): no answer, no fault."""
-
-
 class SecureRound:
     """Runs the SecAgg+ stages of each round for a :class:`SyncWorkflow` (and, pipelined, the next round's first two)."""
 
@@ -181,10 +178,10 @@ class SecureRound:
 
     def _answer(self, ask: _Ask, node: int, reply: Message) -> bool:
         """Check and hand over one ask's part of a reply; False if it was rejected or left out."""
+        rec = ask.record(reply, SECAGG)
+        if ask.rides and rec is None:  # the node refused the piggybacked stage (and logged why): no answer, no fault
+            return False
         try:
-            rec = ask.record(reply, SECAGG)
-            if ask.rides and rec is None:
-                raise _NotThisRound
             if rec is None or rec.get("round") != ask.rnd:
                 raise SecAggRejected(node, "wrong-round", f"reply's {SECAGG} record must belong to round {ask.rnd}")
             if rec.get("stage") != ask.stage:
@@ -194,11 +191,9 @@ class SecureRound:
             ask.handle(node, reply, ask)
             ask.stats["server_s"][ask.stage] = ask.stats["server_s"].get(ask.stage, 0.0) + time.perf_counter() - t0
             return True
-        except _NotThisRound:
-            return False
         except (SecAggRejected, RejectedReply) as rej:
             self._reject(ask, node, rej.rule, rej.detail)
-        except (PrivacyError, ValueError, TypeError, KeyError, OverflowError) as exc:
+        except (PrivacyError, *CONTENT_ERRORS) as exc:
             # Anything else a reply's content provokes is that node's fault, never the run's end.
             self._reject(ask, node, "malformed", type(exc).__name__)
         return False
@@ -233,8 +228,8 @@ class SecureRound:
         params = SecAggParams.create(rnd, selected, degree=k, threshold=t, bits=st.secagg_bits, clip=st.secagg_clip,
                                      dim=input_length(wf.numel, subset))
         dp_plan: dict[str, float] = {}
-        if isinstance(wf.dp, DistributedDp):  # each client clips and adds its share of the noise
-            wf.dp.check_headroom(st.secagg_clip, len(selected))
+        if isinstance(wf.dp, DistributedDp):  # each client clips and adds its share of the noise (the ring's room
+            # for it was checked with the config, at min-nodes: no round selects fewer)
             clip, mu = wf.dp.client_noise(len(selected), params.step, params.dim - 1)
             dp_plan = {"dp-clip": clip, "dp-mu": mu}
         return _Round(rnd, list(selected), params, SecAggServer(params, wf.device), subset_seed, dp_plan)
@@ -245,35 +240,38 @@ class SecureRound:
                              "sparse-ratio": st.secagg_sparse_ratio, "subset-seed": r.subset_seed,
                              "weighting": st.secagg_weighting, "max-weight": st.secagg_max_weight, **r.dp_plan})
 
-    def _setup_ask(self, r: _Round, rides: bool = False) -> _Ask:
+    def _setup_ask(self, r: _Round) -> _Ask:
         def on_keys(node: int, reply: Message, ask: _Ask) -> None:
             keys = self._node_map(ask.record(reply, SECAGG_KEYS), SECAGG_KEYS, node)
             if set(keys) != {node}:
                 raise SecAggRejected(node, "unknown-sender", "a node may advertise only its own keys")
             r.server.on_keys(node, PublicKeys.from_bytes(node, keys[node]))
-        return _Ask(r.rnd, "setup", on_keys, r.stats, rides)
+        return _Ask(r.rnd, "setup", on_keys, r.stats)
 
-    def _share_ask(self, r: _Round, rides: bool = False) -> _Ask:
+    def _share_ask(self, r: _Round) -> _Ask:
         def on_shares(node: int, reply: Message, ask: _Ask) -> None:
             r.server.on_shares(node, self._node_map(ask.record(reply, SECAGG_SHARES), SECAGG_SHARES, node))
-        return _Ask(r.rnd, "share-keys", on_shares, r.stats, rides)
+        return _Ask(r.rnd, "share-keys", on_shares, r.stats)
 
     @staticmethod
     def _keys_record(keys: dict[int, PublicKeys]) -> ConfigRecord:
         return ConfigRecord({str(v): pk.to_bytes() for v, pk in keys.items()})
 
-    def _ride(self, nxt: _Round, contents: dict[int, RecordDict], asks: dict[int, list[_Ask]],
-              header: dict[int, ConfigRecord], keys: dict[int, ConfigRecord] | None, make: Callable[..., _Ask]) -> None:
-        """Put the next round's stage into this stage's messages; nodes without one get a message of their own."""
-        for node, rec in header.items():
+    @staticmethod
+    def _ride(contents: dict[int, RecordDict], asks: dict[int, list[_Ask]], header: ConfigRecord,
+              keys: dict[int, ConfigRecord | None], ask: _Ask) -> None:
+        """Put the next round's stage (``header``, and each node's ``keys`` record if any) into this stage's
+        messages; a node without one gets a message of its own."""
+        riding = replace(ask, rides=True)
+        for node, rec in keys.items():
             if node in contents:
-                contents[node][NEXT] = rec
-                if keys is not None:
-                    contents[node][NEXT_KEYS] = keys[node]
-                asks[node].append(make(nxt, rides=True))
+                contents[node][NEXT] = header
+                if rec is not None:
+                    contents[node][NEXT_KEYS] = rec
+                asks[node].append(riding)
             else:
-                contents[node] = RecordDict({SECAGG: rec, **({SECAGG_KEYS: keys[node]} if keys is not None else {})})
-                asks[node] = [make(nxt)]
+                contents[node] = RecordDict({SECAGG: header, **({SECAGG_KEYS: rec} if rec is not None else {})})
+                asks[node] = [ask]
 
     # -- the round ---------------------------------------------------------------------------
     def run(self, rnd: int, selected: list[int], upcoming: list[int] | None = None
@@ -311,14 +309,14 @@ class SecureRound:
         by_examples = st.secagg_weighting == "num-examples" and dp is None
         try:
             if not cur.pipelined:  # stages 1 and 2 on their own
-                setup = self._setup_record(cur)
+                setup, ask = self._setup_record(cur), self._setup_ask(cur)
                 self._exchange(rnd, "setup", {n: RecordDict({SECAGG: setup}) for n in selected}, timeout,
-                               {n: [self._setup_ask(cur)] for n in selected}, stats)
-                requests = server.share_keys_requests()
+                               {n: [ask] for n in selected}, stats)
+                requests, ask = server.share_keys_requests(), self._share_ask(cur)
                 self._exchange(rnd, "share-keys", {
                     n: RecordDict({SECAGG: ConfigRecord({"stage": "share-keys", "round": rnd}),
                                    SECAGG_KEYS: self._keys_record(keys)}) for n, keys in requests.items()},
-                    timeout, {n: [self._share_ask(cur)] for n in requests}, stats)
+                    timeout, {n: [ask] for n in requests}, stats)
 
             requests3 = server.masked_input_requests()
             instr = TrainInstruction(round=rnd, version=wf.version, seed=wf.cfg.server.seed, task=wf.cfg.task,
@@ -350,10 +348,10 @@ class SecureRound:
             contents = {n: RecordDict({SECAGG: ConfigRecord({"stage": "masked-input", "round": rnd}),
                                        SECAGG_SHARES: ConfigRecord({str(u): ct for u, ct in cts.items()}), **train})
                         for n, cts in requests3.items()}
-            asks = {n: [_Ask(rnd, "masked-input", on_masked, stats)] for n in contents}
+            ask = _Ask(rnd, "masked-input", on_masked, stats)
+            asks = {n: [ask] for n in contents}
             if nxt is not None:  # round rnd + 1's setup rides on this stage
-                setup = self._setup_record(nxt)
-                self._ride(nxt, contents, asks, dict.fromkeys(nxt.selected, setup), None, self._setup_ask)
+                self._ride(contents, asks, self._setup_record(nxt), dict.fromkeys(nxt.selected), self._setup_ask(nxt))
             self._exchange(rnd, "masked-input", contents, wf.cfg.server.round_timeout, asks, stats)
 
             if dp is not None and len(server.survivors) < dp.min_survivors(len(selected)):
@@ -368,7 +366,8 @@ class SecureRound:
             contents = {n: RecordDict({SECAGG: ConfigRecord({"stage": "unmask", "round": rnd, "survivors": surv,
                                                              "dropped": drop})})
                         for n, (surv, drop) in requests4.items()}
-            asks = {n: [_Ask(rnd, "unmask", on_unmask, stats)] for n in contents}
+            ask = _Ask(rnd, "unmask", on_unmask, stats)
+            asks = {n: [ask] for n in contents}
             if nxt is not None:  # and its share-keys on this one
                 try:
                     share = nxt.server.share_keys_requests()
@@ -376,9 +375,8 @@ class SecureRound:
                     self._drop(nxt, stats, str(exc))
                     nxt = None
                 else:
-                    header = ConfigRecord({"stage": "share-keys", "round": rnd + 1})
-                    self._ride(nxt, contents, asks, dict.fromkeys(share, header),
-                               {n: self._keys_record(keys) for n, keys in share.items()}, self._share_ask)
+                    self._ride(contents, asks, ConfigRecord({"stage": "share-keys", "round": rnd + 1}),
+                               {n: self._keys_record(keys) for n, keys in share.items()}, self._share_ask(nxt))
             self._exchange(rnd, "unmask", contents, timeout, asks, stats)
             if nxt is not None:  # committed only if enough nodes shared keys for its masked-input stage to run
                 try:
