@@ -86,11 +86,9 @@ def ctrl_c_sets(stop: threading.Event) -> Iterator[Callable[[], bool]]:
         os.close(r)
 
 
-def check_ray_address(address: str, timeout: float = 5.0, what: str = "simulation.ray-address") -> None:
-    """One clear error, before any round, when no Ray cluster answers at ``address`` (``host:port``,
-    ``ray://host:port``, or ``auto``: ``RAY_ADDRESS``, else the cluster ``ray start`` left on this
-    machine). Unchecked, Ray retries an unreachable GCS for ever while the ServerApp waits out
-    every round with no clients, or ("auto" with no cluster) fails deep inside Flower's engine."""
+def _ray_hostport(address: str, what: str) -> str | None:
+    """The ``host:port`` a Ray address (``host:port``, ``ray://host:port``, or ``auto``: ``RAY_ADDRESS``,
+    else the cluster ``ray start`` left on this machine) points at; None where Ray starts its own."""
     if address.startswith("ray://"):
         hostport: str | None = address[len("ray://"):]
     else:
@@ -102,35 +100,107 @@ def check_ray_address(address: str, timeout: float = 5.0, what: str = "simulatio
             raise CoordinatorError(f"{what} {address!r}: no running Ray cluster found on this machine. Start one "
                                    "with `ray start --head`, or give a cluster's host:port.") from None
         if hostport in (None, "local"):  # Ray starts one here
-            return
+            return None
     host, sep, port = str(hostport).rpartition(":")
     if not (sep and host and port.isdigit()):
         raise CoordinatorError(f"{what} must be host:port, ray://host:port or auto. Found {address!r}.")
+    return str(hostport)
+
+
+def _unreachable(hostport: str, timeout: float) -> str | None:
+    """Why nothing accepts a TCP connection at ``hostport`` within ``timeout`` s; None when something does."""
+    host, _, port = hostport.rpartition(":")
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
     except OSError as exc:
-        reason = exc.strerror or str(exc) or type(exc).__name__
+        return exc.strerror or str(exc) or type(exc).__name__
+    return None
+
+
+def check_ray_address(address: str, timeout: float = 5.0, what: str = "simulation.ray-address") -> str | None:
+    """One clear error, before any round, when no Ray cluster answers at ``address`` (``host:port``,
+    ``ray://host:port``, or ``auto``: ``RAY_ADDRESS``, else the cluster ``ray start`` left on this
+    machine). Unchecked, Ray retries an unreachable GCS for ever while the ServerApp waits out
+    every round with no clients, or ("auto" with no cluster) fails deep inside Flower's engine.
+    Returns the ``host:port`` checked (None where Ray would start its own)."""
+    hostport = _ray_hostport(address, what)
+    if hostport is None:
+        return None
+    reason = _unreachable(hostport, timeout)
+    if reason is not None:
         raise CoordinatorError(f"{what} {address!r}: no Ray cluster answers at {hostport} ({reason}). "
                                "Start one there with `ray start --head`, or leave ray-address out to run on a "
-                               "Ray instance of this process's own.") from None
+                               "Ray instance of this process's own.")
+    return hostport
 
 
-def check_ray_cluster(scn: Scenario) -> None:
+def check_ray_cluster(scn: Scenario) -> str | None:
     """On Flower's engine, the Ray cluster the run would join (``ray-address``, else ``RAY_ADDRESS``,
-    which ``ray.init()`` follows when given no address) must answer: ``check_ray_address``."""
+    which ``ray.init()`` follows when given no address) must answer: ``check_ray_address``. Returns
+    its ``host:port`` (None where the run starts a Ray instance of its own)."""
     if scn.sim.engine != "flower":
-        return
+        return None
     if scn.sim.ray_address:
-        check_ray_address(scn.sim.ray_address)
-    elif os.environ.get("RAY_ADDRESS"):
-        check_ray_address(os.environ["RAY_ADDRESS"], what="RAY_ADDRESS (from the environment)")
+        return check_ray_address(scn.sim.ray_address)
+    if os.environ.get("RAY_ADDRESS"):
+        return check_ray_address(os.environ["RAY_ADDRESS"], what="RAY_ADDRESS (from the environment)")
+    return None
+
+
+class ClusterWatch:
+    """Ends a run on Flower's engine, through ``stop``, when its Ray cluster stops answering.
+
+    Why: when the cluster's head (its GCS) goes away mid-run, every message to a client actor
+    fails, Flower logs a traceback for each, and the ServerApp goes on asking; about a minute later
+    Ray's core ends the whole process from its own thread (exit 1, no summary, no word on what
+    happened or how to resume). The watch probes the GCS port (the cluster's ``host:port``, or
+    once Ray is up the GCS of the instance Flower started) every ``interval`` s; after ``misses``
+    failed probes in a row it records why in ``lost`` and sets ``stop``, and the run ends within
+    one poll interval, with the rounds finished before saved (``run_flower_engine`` then raises one
+    clear error).
+    """
+
+    def __init__(self, stop: threading.Event, hostport: str | None, interval: float = 2.0, misses: int = 3) -> None:
+        self.stop, self.hostport, self.interval, self.misses = stop, hostport, interval, misses
+        self.lost: str | None = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="fedshield-ray-watch", daemon=True)
+
+    def __enter__(self) -> ClusterWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join(timeout=self.interval + 1)
+
+    def _address(self) -> str | None:
+        if self.hostport is not None:
+            return self.hostport
+        try:
+            import ray
+
+            return ray.get_runtime_context().gcs_address if ray.is_initialized() else None
+        except Exception:  # noqa: BLE001 - Ray starting or shutting down: nothing to probe yet (or any more)
+            return None
+
+    def _watch(self) -> None:
+        missed = 0
+        while not self._done.wait(self.interval):
+            address = self._address()
+            reason = _unreachable(address, self.interval) if address else None
+            missed = missed + 1 if reason else 0
+            if missed >= self.misses:
+                self.lost = f"{address} ({reason})"
+                self.stop.set()
+                return
 
 
 def run_flower_engine(scn: Scenario, on_round: RoundCallback | None) -> dict[str, Any]:
     """The ServerApp and ClientApp under ``flwr.simulation.run_simulation``."""
     from flwr.simulation import run_simulation
 
-    check_ray_cluster(scn)
+    hostport = check_ray_cluster(scn)
 
     from clients.client_app import app as client_app
 
@@ -140,8 +210,9 @@ def run_flower_engine(scn: Scenario, on_round: RoundCallback | None) -> dict[str
     stop = threading.Event()
     flwr_logger = logging.getLogger("flwr")
     flwr_logger.addFilter(_not_for_our_users)
+    watch = ClusterWatch(stop, hostport)
     try:
-        with ctrl_c_sets(stop) as interrupted, warnings.catch_warnings():
+        with ctrl_c_sets(stop) as interrupted, warnings.catch_warnings(), watch:
             warnings.filterwarnings("ignore", message="Tip: In future versions of Ray", category=FutureWarning)
             try:
                 run_simulation(
@@ -156,14 +227,29 @@ def run_flower_engine(scn: Scenario, on_round: RoundCallback | None) -> dict[str
                 stop.set()
                 if interrupted():  # the ServerApp's RunInterrupted, or whatever else the stop caused
                     raise KeyboardInterrupt from None
+                if watch.lost:
+                    raise _cluster_lost(watch.lost, scn) from None
                 raise
             if interrupted():  # the KeyboardInterrupt itself may have been swallowed on the way out
                 raise KeyboardInterrupt
     finally:
         flwr_logger.removeFilter(_not_for_our_users)
+    if watch.lost and not result:  # (a run that finished keeps its summary, whatever Ray's shutdown did after)
+        raise _cluster_lost(watch.lost, scn)
     if not result:
         raise CoordinatorError("the simulation must end with a summary. Found none: the ServerApp failed (see the log above).")
     return result
+
+
+def _cluster_lost(where: str, scn: Scenario) -> CoordinatorError:
+    run_dir = scn.run.server.run_dir
+    saved = RunDirectory(run_dir).load_checkpoint() if run_dir else None
+    if not saved:
+        return CoordinatorError(f"the Ray cluster stopped answering at {where} during the run, before any round "
+                                "was saved. Run again once the cluster is back.")
+    return CoordinatorError(f"the Ray cluster stopped answering at {where} during the run; rounds 1-{int(saved['round'])} "
+                            f"are saved in {run_dir}. Once the cluster is back, run again with --run-dir {run_dir}: "
+                            "the run resumes after the last saved round.")
 
 
 def run_inprocess_engine(scn: Scenario, on_round: RoundCallback | None) -> dict[str, Any]:

@@ -6,6 +6,7 @@ import csv
 import json
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from coordinator import RunDirectory
 from coordinator.rundir import CHECKPOINT, METRICS, MODEL, PLOT, SUMMARY
 
 from .procs import free_port, wait_for
@@ -126,32 +128,63 @@ def test_ctrl_c_stops_a_flower_engine_run_at_once_and_saves_no_more_rounds(tmp_p
     assert "fedshield: interrupted" in procs.log("simulate")
 
 
-@pytest.mark.timeout(300)
-def test_simulate_joins_an_existing_ray_cluster(procs, fedshield_bin):
+@pytest.mark.timeout(420)
+def test_simulate_joins_an_existing_ray_cluster_and_ends_cleanly_when_it_dies(procs, fedshield_bin):
     """Past one machine: a Ray head started on its own (``ray start --head``, as on a cluster's first
     machine) and ``fedshield simulate`` with ``ray-address`` pointing at it. The run must join that
     cluster (its driver's log lands in the head's session directory) rather than start its own.
-    The head's whole process group (GCS, raylet, agents, workers) is stopped when the test ends."""
+
+    Then the head dies mid-run (its whole process group killed, as when its machine goes down). The
+    run used to go on asking dead actors, a traceback per message, until Ray's core ended the
+    process a minute later (exit 1, no word on what was saved). It must end within seconds with one
+    line saying where the cluster stopped answering, which rounds are saved and how to resume, save
+    no round after, and resume from there once a head answers at that address again."""
     port = free_port()
+    address = f'simulation.ray-address="127.0.0.1:{port}"'
+    small = ["--set", address, "--set", "simulation.num-supernodes=4", "--set", "run.min-nodes=4"]
     # Not under tmp_path: Ray's unix socket paths (under --temp-dir) must stay below 108 bytes.
     ray_tmp = Path(tempfile.mkdtemp(prefix="fs-ray-", dir="/tmp"))
-    try:
-        procs.start("ray-head", [str(Path(fedshield_bin).with_name("ray")), "start", "--head", "--block",
-                                 "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=2",
-                                 "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={ray_tmp}"],
+
+    def start_head(name: str) -> None:
+        procs.start(name, [str(Path(fedshield_bin).with_name("ray")), "start", "--head", "--block",
+                           "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=2",
+                           "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={ray_tmp / name}"],
                     cwd=ray_tmp)
-        wait_for(lambda: "Ray runtime started" in procs.log("ray-head") or procs.procs["ray-head"].poll() is not None,
+        wait_for(lambda: "Ray runtime started" in procs.log(name) or procs.procs[name].poll() is not None,
                  120, "the Ray head")
-        assert procs.procs["ray-head"].poll() is None, procs.log("ray-head")[-3000:]
+        assert procs.procs[name].poll() is None, procs.log(name)[-3000:]
+
+    def rounds_saved() -> int:
+        return len(list(csv.DictReader(open(metrics)))) if metrics.exists() else 0
+
+    try:
+        start_head("head")
         run = ray_tmp / "run"
-        out = _simulate(fedshield_bin, ray_tmp, "--rounds", "2", "--run-dir", str(run),
-                        "--set", f'simulation.ray-address="127.0.0.1:{port}"',
-                        "--set", "simulation.num-supernodes=4", "--set", "run.min-nodes=4", timeout=240)
+        metrics = run / METRICS
+        sim = procs.start("simulate", [fedshield_bin, "simulate", "--quiet", "--rounds", "400", "--run-dir", str(run),
+                                       *small], cwd=ray_tmp)
+        wait_for(lambda: rounds_saved() >= 3 or sim.poll() is not None, 200, "three rounds on the cluster")
+        assert sim.poll() is None, procs.log("simulate")[-3000:]
+        assert list((ray_tmp / "head").glob("session_*/logs/python-core-driver-*")), \
+            "the simulation's Ray driver did not connect to the cluster started above"
+
+        procs.stop("head", sig=signal.SIGKILL)  # the head's machine goes down
+        assert procs.wait("simulate", timeout=90) == 2, procs.log("simulate")[-3000:]
+        log = procs.log("simulate")
+        errors = [line for line in log.splitlines() if line.startswith("fedshield: error:")]
+        assert len(errors) == 1, log[-3000:]
+        assert f"the Ray cluster stopped answering at 127.0.0.1:{port}" in errors[0]
+        saved = int(RunDirectory(run).load_checkpoint()["round"])
+        assert saved >= 3 and rounds_saved() == saved
+        assert f"rounds 1-{saved} are saved in {run}" in errors[0] and f"--run-dir {run}" in errors[0]
+
+        start_head("head-again")  # the cluster is back at the same address: the run resumes there
+        out = _simulate(fedshield_bin, ray_tmp, "--rounds", str(saved + 1), "--run-dir", str(run), *small, timeout=240)
         assert out.returncode == 0, out.stderr[-3000:]
-        assert json.loads((run / SUMMARY).read_text())["rounds"] == 2
-        drivers = list(ray_tmp.glob("session_*/logs/python-core-driver-*"))
-        assert drivers, "the simulation's Ray driver did not connect to the cluster started above"
-        assert procs.procs["ray-head"].poll() is None, "the run must leave the cluster it joined running"
+        assert f"resuming after round {saved}" in out.stderr
+        assert json.loads((run / SUMMARY).read_text())["rounds"] == saved + 1
+        assert list((ray_tmp / "head-again").glob("session_*/logs/python-core-driver-*"))
+        assert procs.procs["head-again"].poll() is None, "the run must leave the cluster it joined running"
     finally:
-        procs.stop("ray-head")
+        procs.stop_all()
         shutil.rmtree(ray_tmp, ignore_errors=True)

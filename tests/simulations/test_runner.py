@@ -1,5 +1,6 @@
 """simulations.runner: Ctrl-C stops a Flower-engine run whichever thread it lands on (ctrl_c_sets);
-a Ray address no cluster answers at is one clear error before any round (check_ray_address); a
+a Ray address no cluster answers at is one clear error before any round (check_ray_address), and a
+cluster that stops answering mid-run ends the run with one (ClusterWatch, _cluster_lost); a
 finished run directory is returned without starting an engine (run_scenario)."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import time
 import pytest
 
 from coordinator import CoordinatorError
-from simulations.runner import check_ray_address, ctrl_c_sets
+from simulations.runner import ClusterWatch, _cluster_lost, check_ray_address, ctrl_c_sets
 
 
 @pytest.fixture
@@ -102,6 +103,70 @@ def test_auto_follows_ray_address_from_the_environment(monkeypatch):
     monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{_closed_port()}")
     with pytest.raises(CoordinatorError, match="'auto': no Ray cluster answers at 127.0.0.1"):
         check_ray_address("auto", timeout=2)
+
+
+def test_the_watch_stops_the_run_once_the_cluster_stops_answering():
+    """While something answers at the address, nothing happens (a single missed probe is not
+    enough); once nothing has for ``misses`` probes in a row, ``stop`` is set and ``lost`` says where."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(64)
+    address = f"127.0.0.1:{srv.getsockname()[1]}"
+    stop = threading.Event()
+    with ClusterWatch(stop, address, interval=0.05, misses=3) as watch:
+        assert not stop.wait(0.5) and watch.lost is None  # ~10 probes, all answered
+        srv.close()
+        assert stop.wait(10), "the watch must set stop once the address stops answering"
+    assert watch.lost == f"{address} (Connection refused)"
+
+
+def test_the_watch_forgives_a_probe_missed_now_and_then(monkeypatch):
+    import simulations.runner as runner
+
+    answers = iter(["Connection refused", None, "Connection refused", "Connection refused", None] * 20)
+    monkeypatch.setattr(runner, "_unreachable", lambda hostport, timeout: next(answers, None))
+    stop = threading.Event()
+    with ClusterWatch(stop, "127.0.0.1:1", interval=0.01, misses=3) as watch:
+        time.sleep(0.5)
+    assert not stop.is_set() and watch.lost is None
+
+
+def test_without_an_address_the_watch_probes_the_gcs_of_the_ray_it_started(monkeypatch):
+    """No ray-address: Flower's engine starts Ray in this process; once it is up, its GCS is probed
+    (and until then, or after it is shut down, nothing is)."""
+    import ray
+
+    probed: list[str] = []
+    monkeypatch.setattr("simulations.runner._unreachable", lambda hostport, timeout: probed.append(hostport) or None)
+    up = {"now": False}
+    monkeypatch.setattr(ray, "is_initialized", lambda: up["now"])
+    monkeypatch.setattr(ray, "get_runtime_context",
+                        lambda: type("Ctx", (), {"gcs_address": "127.0.0.1:6379"})())
+    stop = threading.Event()
+    with ClusterWatch(stop, None, interval=0.02, misses=2):
+        time.sleep(0.2)
+        assert probed == []
+        up["now"] = True
+        time.sleep(0.2)
+    assert probed and set(probed) == {"127.0.0.1:6379"} and not stop.is_set()
+
+
+def test_a_lost_cluster_is_one_line_that_says_what_is_saved_and_how_to_resume(tmp_path):
+    import torch
+
+    from coordinator import RunConfig, RunDirectory
+    from simulations.scenario import Scenario, SimulationSettings
+
+    scn = Scenario(sim=SimulationSettings(name="t", num_supernodes=3),
+                   run=RunConfig.from_mapping({"num-rounds": 9, "min-nodes": 3, "task": "digits",
+                                               "run-dir": str(tmp_path / "run")}))
+    msg = str(_cluster_lost("127.0.0.1:6379 (Connection refused)", scn))
+    assert msg.startswith("the Ray cluster stopped answering at 127.0.0.1:6379 (Connection refused) during the run, "
+                          "before any round was saved") and "\n" not in msg
+    RunDirectory(tmp_path / "run").save_checkpoint({"round": 4, "weights": torch.zeros(3), "history": []})
+    msg = str(_cluster_lost("127.0.0.1:6379 (Connection refused)", scn))
+    assert f"rounds 1-4 are saved in {tmp_path / 'run'}" in msg and f"--run-dir {tmp_path / 'run'}" in msg
+    assert "\n" not in msg
 
 
 def test_a_finished_run_directory_is_returned_without_starting_an_engine(tmp_path, monkeypatch):
