@@ -161,7 +161,10 @@ def flwr_round(n: int, dim: int, shares: int | None, threshold: int | None) -> f
             workflow(grid, legacy)
             took.append(time.perf_counter() - t0)
 
-        run_simulation(server_app=server_app, client_app=client_app, num_supernodes=n, backend_config=_BACKEND)
+        from simulations.runner import local_ray_auth
+
+        with local_ray_auth(joining=False):  # as fedshield simulate runs its own Ray
+            run_simulation(server_app=server_app, client_app=client_app, num_supernodes=n, backend_config=_BACKEND)
         return took[0]
     grid = InProcessGrid(client_app, n)
     t0 = time.perf_counter()

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import logging
 import os
+import secrets
 import signal
 import socket
 import threading
@@ -84,6 +85,50 @@ def ctrl_c_sets(stop: threading.Event) -> Iterator[Callable[[], bool]]:
         os.close(w)
         watcher.join(timeout=5)
         os.close(r)
+
+
+_AUTH_VARS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")
+
+
+@contextlib.contextmanager
+def local_ray_auth(joining: bool) -> Iterator[bool]:
+    """Within the block, a Ray instance this process starts takes only callers that hold a fresh
+    random token (Ray's token authentication, ``RAY_AUTH_MODE=token``); yields whether it is on.
+
+    Why: Ray (2.55, which flwr 1.42 pins) starts with authentication off, and its GCS, raylet and
+    actors listen on every interface of the machine, not only 127.0.0.1 (``_node_ip_address`` does
+    not change that): anyone who can reach those ports can submit code to run as this user. The
+    token lives only in this process's environment, which Ray's processes inherit, and is never
+    logged. Nothing changes when the run joins a cluster (``joining``: the cluster's own setting
+    applies; README says how to turn it on there) or when ``RAY_AUTH_MODE`` is already set (the
+    operator's choice). The environment and Ray's cached config are restored afterwards, so a later
+    run in this process may join an unauthenticated cluster again.
+    """
+    if joining or "RAY_AUTH_MODE" in os.environ:
+        yield False
+        return
+    try:  # Ray reads RAY_AUTH_MODE into its config once, at import: re-read it (as Ray's own tests do)
+        from ray._raylet import AuthenticationMode, AuthenticationTokenLoader, Config, get_authentication_mode
+    except ImportError:  # a Ray without token authentication
+        yield False
+        return
+
+    def reread() -> None:
+        AuthenticationTokenLoader.instance().reset_cache()
+        Config.initialize("")
+
+    saved = {k: os.environ.get(k) for k in _AUTH_VARS}
+    os.environ["RAY_AUTH_MODE"], os.environ["RAY_AUTH_TOKEN"] = "token", secrets.token_hex(32)
+    try:
+        reread()
+        yield get_authentication_mode() == AuthenticationMode.TOKEN
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        reread()
 
 
 def _ray_hostport(address: str, what: str) -> str | None:
@@ -212,7 +257,7 @@ def run_flower_engine(scn: Scenario, on_round: RoundCallback | None) -> dict[str
     flwr_logger.addFilter(_not_for_our_users)
     watch = ClusterWatch(stop, hostport)
     try:
-        with ctrl_c_sets(stop) as interrupted, warnings.catch_warnings(), watch:
+        with ctrl_c_sets(stop) as interrupted, warnings.catch_warnings(), watch, local_ray_auth(hostport is not None):
             warnings.filterwarnings("ignore", message="Tip: In future versions of Ray", category=FutureWarning)
             try:
                 run_simulation(

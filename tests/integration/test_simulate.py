@@ -22,9 +22,9 @@ from .procs import free_port, wait_for
 pytestmark = [pytest.mark.integration]
 
 
-def _simulate(fedshield_bin, tmp_path, *args, timeout=600):
+def _simulate(fedshield_bin, tmp_path, *args, timeout=600, env=None):
     return subprocess.run([fedshield_bin, "simulate", "--quiet", *args], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, env={**os.environ, **(env or {})})
 
 
 @pytest.mark.timeout(300)
@@ -128,6 +128,53 @@ def test_ctrl_c_stops_a_flower_engine_run_at_once_and_saves_no_more_rounds(tmp_p
     assert "fedshield: interrupted" in procs.log("simulate")
 
 
+def _gcs_token(session: int) -> str:
+    """RAY_AUTH_TOKEN from the environment of the GCS server that process session ``session`` started."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.getsid(int(pid)) != session or b"gcs_server" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+                continue
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except (OSError, ProcessLookupError):
+            continue
+        return next((e.split(b"=", 1)[1].decode() for e in env if e.startswith(b"RAY_AUTH_TOKEN=")), "")
+    raise AssertionError("the run's GCS server was not found")
+
+
+@pytest.mark.timeout(300)
+def test_the_ray_a_run_starts_refuses_callers_without_its_token(procs, fedshield_bin):
+    """Ray's GCS, raylet and actors listen on every interface of the machine, and Ray starts with
+    authentication off: without fedshield's token anyone who could reach the GCS port could run
+    code as this user. While a Flower-engine run goes on, a caller holding no token (none in its
+    environment, none under its home) is refused by the run's GCS."""
+    ray_tmp = Path(tempfile.mkdtemp(prefix="fs-ray-", dir="/tmp"))  # Ray's socket paths: < 108 bytes
+    try:
+        run = ray_tmp / "run"
+        sim = procs.start("simulate", [fedshield_bin, "simulate", "--quiet", "--rounds", "200", "--run-dir", str(run),
+                                       "--set", "simulation.num-supernodes=4", "--set", "run.min-nodes=4"],
+                          cwd=ray_tmp, env={"RAY_TMPDIR": str(ray_tmp)})
+        wait_for(lambda: (run / METRICS).exists() or sim.poll() is not None, 200, "a first round")
+        assert sim.poll() is None, procs.log("simulate")[-3000:]
+        ports = list(ray_tmp.glob("ray/session_latest/gcs_server_port_*"))
+        assert len(ports) == 1, "the run's Ray must write its GCS port under RAY_TMPDIR"
+        gcs = f"127.0.0.1:{int(ports[0].read_text())}"
+        home = ray_tmp / "home"  # no ~/.ray/auth_token there
+        home.mkdir()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")} | {"HOME": str(home)}
+        out = subprocess.run([str(Path(fedshield_bin).with_name("ray")), "status", "--address", gcs],
+                             capture_output=True, text=True, env=env, timeout=120)
+        assert out.returncode != 0 and "InvalidAuthToken" in out.stdout + out.stderr, (out.stdout + out.stderr)[-2000:]
+        assert sim.poll() is None, "a refused caller must not disturb the run"
+        token = _gcs_token(sim.pid)  # what Ray's processes got from the run's environment
+        assert len(token) == 64
+        logs = [procs.log("simulate"), *(p.read_text(errors="replace") for p in ray_tmp.rglob("*.log") if p.is_file()),
+                *(p.read_text(errors="replace") for p in ray_tmp.rglob("*.out") if p.is_file())]
+        assert not any(token in text for text in logs), "the token must never be logged"
+    finally:
+        procs.stop_all()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
 @pytest.mark.timeout(420)
 def test_simulate_joins_an_existing_ray_cluster_and_ends_cleanly_when_it_dies(procs, fedshield_bin):
     """Past one machine: a Ray head started on its own (``ray start --head``, as on a cluster's first
@@ -138,7 +185,13 @@ def test_simulate_joins_an_existing_ray_cluster_and_ends_cleanly_when_it_dies(pr
     run used to go on asking dead actors, a traceback per message, until Ray's core ended the
     process a minute later (exit 1, no word on what was saved). It must end within seconds with one
     line saying where the cluster stopped answering, which rounds are saved and how to resume, save
-    no round after, and resume from there once a head answers at that address again."""
+    no round after, and resume from there once a head answers at that address again.
+
+    The cluster runs as README tells operators to run one: with Ray's token authentication on
+    (``RAY_AUTH_MODE=token`` and one ``RAY_AUTH_TOKEN`` on every machine and for the run)."""
+    import secrets
+
+    auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
     port = free_port()
     address = f'simulation.ray-address="127.0.0.1:{port}"'
     small = ["--set", address, "--set", "simulation.num-supernodes=4", "--set", "run.min-nodes=4"]
@@ -149,7 +202,7 @@ def test_simulate_joins_an_existing_ray_cluster_and_ends_cleanly_when_it_dies(pr
         procs.start(name, [str(Path(fedshield_bin).with_name("ray")), "start", "--head", "--block",
                            "--node-ip-address=127.0.0.1", f"--port={port}", "--num-cpus=2",
                            "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={ray_tmp / name}"],
-                    cwd=ray_tmp)
+                    cwd=ray_tmp, env=auth)
         wait_for(lambda: "Ray runtime started" in procs.log(name) or procs.procs[name].poll() is not None,
                  120, "the Ray head")
         assert procs.procs[name].poll() is None, procs.log(name)[-3000:]
@@ -162,7 +215,7 @@ def test_simulate_joins_an_existing_ray_cluster_and_ends_cleanly_when_it_dies(pr
         run = ray_tmp / "run"
         metrics = run / METRICS
         sim = procs.start("simulate", [fedshield_bin, "simulate", "--quiet", "--rounds", "400", "--run-dir", str(run),
-                                       *small], cwd=ray_tmp)
+                                       *small], cwd=ray_tmp, env=auth)
         wait_for(lambda: rounds_saved() >= 3 or sim.poll() is not None, 200, "three rounds on the cluster")
         assert sim.poll() is None, procs.log("simulate")[-3000:]
         assert list((ray_tmp / "head").glob("session_*/logs/python-core-driver-*")), \
@@ -179,7 +232,7 @@ def test_simulate_joins_an_existing_ray_cluster_and_ends_cleanly_when_it_dies(pr
         assert f"rounds 1-{saved} are saved in {run}" in errors[0] and f"--run-dir {run}" in errors[0]
 
         start_head("head-again")  # the cluster is back at the same address: the run resumes there
-        out = _simulate(fedshield_bin, ray_tmp, "--rounds", str(saved + 1), "--run-dir", str(run), *small, timeout=240)
+        out = _simulate(fedshield_bin, ray_tmp, "--rounds", str(saved + 1), "--run-dir", str(run), *small, timeout=240, env=auth)
         assert out.returncode == 0, out.stderr[-3000:]
         assert f"resuming after round {saved}" in out.stderr
         assert json.loads((run / SUMMARY).read_text())["rounds"] == saved + 1

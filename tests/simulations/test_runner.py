@@ -1,11 +1,13 @@
 """simulations.runner: Ctrl-C stops a Flower-engine run whichever thread it lands on (ctrl_c_sets);
 a Ray address no cluster answers at is one clear error before any round (check_ray_address), and a
-cluster that stops answering mid-run ends the run with one (ClusterWatch, _cluster_lost); a
+cluster that stops answering mid-run ends the run with one (ClusterWatch, _cluster_lost); a Ray
+instance the run starts takes only callers holding the run's token (local_ray_auth); a
 finished run directory is returned without starting an engine (run_scenario)."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import signal
 import socket
 import threading
@@ -14,7 +16,7 @@ import time
 import pytest
 
 from coordinator import CoordinatorError
-from simulations.runner import ClusterWatch, _cluster_lost, check_ray_address, ctrl_c_sets
+from simulations.runner import ClusterWatch, _cluster_lost, check_ray_address, ctrl_c_sets, local_ray_auth
 
 
 @pytest.fixture
@@ -167,6 +169,29 @@ def test_a_lost_cluster_is_one_line_that_says_what_is_saved_and_how_to_resume(tm
     msg = str(_cluster_lost("127.0.0.1:6379 (Connection refused)", scn))
     assert f"rounds 1-4 are saved in {tmp_path / 'run'}" in msg and f"--run-dir {tmp_path / 'run'}" in msg
     assert "\n" not in msg
+
+
+def test_a_ray_the_run_starts_takes_a_fresh_token_and_everything_is_restored_after(monkeypatch):
+    """(That the Ray instance then refuses a caller without the token: tests/integration/test_simulate.py.)"""
+    from ray._raylet import AuthenticationMode, get_authentication_mode
+
+    for var in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):
+        monkeypatch.delenv(var, raising=False)
+    tokens = []
+    for _ in range(2):
+        with local_ray_auth(joining=False) as on:
+            assert on and get_authentication_mode() == AuthenticationMode.TOKEN
+            assert os.environ["RAY_AUTH_MODE"] == "token"
+            tokens.append(os.environ["RAY_AUTH_TOKEN"])
+        assert "RAY_AUTH_MODE" not in os.environ and "RAY_AUTH_TOKEN" not in os.environ
+        assert get_authentication_mode() == AuthenticationMode.DISABLED  # a later run may join an open cluster
+    assert len(set(tokens)) == 2 and all(len(t) == 64 for t in tokens)  # fresh per run, 256 bits
+
+    with local_ray_auth(joining=True) as on:  # a cluster's own setting applies
+        assert not on and "RAY_AUTH_MODE" not in os.environ
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # the operator's explicit choice
+    with local_ray_auth(joining=False) as on:
+        assert not on and os.environ["RAY_AUTH_MODE"] == "disabled" and "RAY_AUTH_TOKEN" not in os.environ
 
 
 def test_a_finished_run_directory_is_returned_without_starting_an_engine(tmp_path, monkeypatch):
