@@ -3,11 +3,13 @@
 Memory is O(model size): each update is added into one running sum on the
 aggregation device as it arrives, then dropped.
 
-``add_parsed_checked`` is the coordinator's hot path: the update's norm check and its add
-in one pass where the codec can (``Codec.add_into_checked``). A rejected update leaves the sum
-as it was up to rounding (the codec's rule: each element ``a`` within ``eps32 * (2|a| + |w x|)``,
-bit-identical where nothing was added); it never leaves a non-finite value, because the codec
-is only allowed to add ahead of its decision while that cannot overflow the sum (``_bound``).
+``add_parsed_checked_many`` is the coordinator's hot path: a batch's norm checks and adds in one
+pass over the sum where the codec has a fused kernel (``Codec.add_batch_checked``). A rejected
+update leaves nothing of itself in the sum: the parts of it added ahead of the decision are not
+subtracted again (float32 rounding of their size would stay, and a large weight makes that larger
+than the others' sum) but their blocks rebuilt from the values before the batch
+(``codecs.base.settle_batch``). Parts are added ahead only while that cannot overflow the sum
+(``_bound``). ``add_parsed_checked`` (one update) decides before it writes.
 """
 
 from __future__ import annotations
@@ -81,9 +83,9 @@ class WeightedAccumulator:
         """``add_parsed`` if the update's L2 norm is finite and <= ``max_norm``; return the norm.
 
         Otherwise raise UpdateRejected (``rule`` "non-finite" or "norm-too-large") and leave the
-        sum as it was, up to the rounding stated in the module docstring. The codec may add part
-        of the update before it has read the rest only up to a norm that cannot overflow the sum
-        (``(_SAFE - _bound) / weight``); past that, the update is checked first and added second.
+        sum bit-identical (``Codec.add_into_checked`` decides before it writes). Past a norm that
+        could overflow the sum (``(_SAFE - _bound) / weight``) the update is checked first and
+        added second whatever the codec.
         """
         if parsed.numel != self.numel:
             raise AggregationError(f"update must have {self.numel} elements. Found {parsed.numel}.")

@@ -18,9 +18,9 @@ the codec's norm dtype (about 3.4e38 for float32).
 ``add_checked(codec, parsed, weight, max_norm)`` is the coordinator's path: the
 norm check (non-finite, or L2 norm above ``max_norm``: UpdateRejected with that
 rule) fused with the add, one pass over the update where the codec allows. The
-buffered rules are bit-exact on rejection (the row is not committed); ``mean``
-may subtract a partly added update again, which leaves each element of the sum
-within float32 rounding of its old value (see ``WeightedAccumulator``).
+buffered rules are bit-exact on rejection (the row is not committed); under
+``mean`` a rejected update leaves nothing of itself in the sum either (the blocks
+it was partly added to are rebuilt, see ``WeightedAccumulator``).
 
 Example
 -------
@@ -156,7 +156,7 @@ class Aggregator(ABC):
         """``add`` after the norm check, fused with it where the rule and codec allow; return the norm.
 
         Raises UpdateRejected (an AggregationError; ``rule`` "non-finite" or "norm-too-large")
-        and leaves the aggregator as it was (up to the rounding stated in the module docstring).
+        and leaves the aggregator as it was (nothing of the update in it, see the module docstring).
         """
         _check(_is_real(weight) and weight > 0, "weight", "be finite and > 0", weight)
         _check(parsed.numel == self.numel, "update numel", f"be {self.numel}", parsed.numel)
@@ -208,10 +208,17 @@ class Aggregator(ABC):
                "update", "be a 1-D floating tensor", getattr(update, "shape", type(update)))
         self.add(_TensorSource, _TensorSource(update), weight)
 
+    @property
+    def min_updates(self) -> int:
+        """The fewest accepted updates ``result`` can combine (Krum's rules need more than one)."""
+        return 1
+
     def result(self) -> torch.Tensor:
         """The aggregated delta: a new float32 tensor of ``numel`` on the rule's device."""
         if self.count == 0:
             raise AggregationError(f"{self.name} needs at least one accepted update. Found none.")
+        if self.count < self.min_updates:
+            raise AggregationError(f"{self.name} needs at least {self.min_updates} accepted updates. Found {self.count}.")
         return self._result()
 
     def reset(self) -> None:
@@ -429,6 +436,11 @@ class TrimmedMean(_Buffered):
         return out
 
 
+def krum_min_updates(f: int, m: int = 1) -> int:
+    """The fewest updates Krum (``n > 2f + 2``) or Multi-Krum (also ``m <= n - f``) can combine."""
+    return max(2 * f + 3, m + f)
+
+
 @register_aggregator("krum")
 class Krum(_Buffered):
     """Krum (Blanchard et al. 2017): the update whose summed squared distance to its
@@ -447,6 +459,10 @@ class Krum(_Buffered):
 
     # float64 copy of a chunk, a few n x n float64 matrices, the output
     work_bytes = property(lambda self: 4 * self.numel + 8 * self.max_clients * (self.chunk_size + 4 * self.max_clients))
+
+    @property
+    def min_updates(self) -> int:
+        return krum_min_updates(self.f)
 
     def scores(self) -> torch.Tensor:
         """Krum score of each accepted update (float64, on the device).
@@ -486,6 +502,10 @@ class MultiKrum(Krum):
         _check(_is_int(m) and 1 <= m <= max_clients - f, "m", f"be an int in [1, max-clients - f = {max_clients - f}]",
                m)
         self.m = m
+
+    @property
+    def min_updates(self) -> int:
+        return krum_min_updates(self.f, self.m)
 
     def _result(self) -> torch.Tensor:
         n = self.count

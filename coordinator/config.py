@@ -9,6 +9,7 @@ from typing import Any
 
 from aggregation import AggregationError, available_server_optimizers, create_aggregator
 from aggregation.codecs import Codec, create_codec
+from aggregation.robust import krum_min_updates
 from clients.config import TaskSpec, TrainSettings, build_config, check, config_keys, split_mapping, to_mapping
 from clients._errors import ConfigError
 
@@ -365,6 +366,16 @@ class RunConfig:
                 (self.asynchrony.workflow == "sync", "workflow", "be 'sync'", self.asynchrony.workflow),
             ):
                 check(ok, key, f"{rule} under secure-aggregation = {self.secure.secure_aggregation!r}", found)
+        agg = self.aggregation
+        if agg.aggregator in ("krum", "multi-krum"):  # else every round would end with too few updates to combine
+            need = krum_min_updates(agg.krum_f, agg.krum_m if agg.aggregator == "multi-krum" else 1)
+            why = (f"to give aggregator = {agg.aggregator!r} the {need} updates it needs with krum-f = {agg.krum_f}"
+                   + (f" and krum-m = {agg.krum_m}" if agg.aggregator == "multi-krum" else ""))
+            if self.asynchrony.workflow == "sync":
+                check(self.server.min_nodes >= need, "min-nodes", f"be >= {need} {why}", self.server.min_nodes)
+            else:
+                check(self.asynchrony.buffer_size >= need, "buffer-size", f"be >= {need} {why}",
+                      self.asynchrony.buffer_size)
         if self.privacy.dp == "central":
             check(self.aggregation.aggregator == "mean", "aggregator",
                   "be 'mean' under central DP (each update is clipped to dp-clip and weighted 1)", self.aggregation.aggregator)

@@ -69,7 +69,7 @@ def check_envelope(reply: Message, asked: int, rnd: int) -> None:
     """A reply must not be an error, must come from the node asked, and must belong to round ``rnd``."""
     node = reply.metadata.src_node_id
     if reply.has_error():  # from the client, or from the SuperLink (node gone, message expired)
-        raise RejectedReply(asked, "error-reply", f"code {reply.error.code}: {reply.error.reason[:200]}")
+        raise RejectedReply(asked, "error-reply", f"code {reply.error.code}: {str(reply.error.reason or '(no reason given)')[:200]}")
     if asked != node:
         raise RejectedReply(node, "unknown-sender", f"reply must come from node {asked}, the node asked")
     if reply.metadata.group_id != str(rnd):
@@ -154,8 +154,7 @@ def add_replies(agg: Any, items: list[tuple[ValidReply, float, RoundExpectation]
 
     Returns, in order, each reply with its ``norm`` filled in, or the RejectedReply
     ("non-finite" or "norm-too-large") of a reply that broke a norm rule and was left out
-    (the aggregator's count and weights exactly; its sum up to float32 rounding where a partly
-    added update was subtracted again, see ``aggregation.accumulator``). Other
+    (the aggregator's count, weights and sum hold nothing of it, see ``aggregation.accumulator``). Other
     AggregationErrors (a full aggregator, a bad weight) pass through.
     """
     out: list[ValidReply | RejectedReply | None] = [None] * len(items)

@@ -323,9 +323,13 @@ class SyncWorkflow:
             self.version += 1
             self.dp.after_round(self._rate, norms, len(sent))
             extra["epsilon"] = self.dp.epsilon
-        elif acc.count:
+        elif acc.count >= acc.min_updates:
             self.weights = self.optimizer.step(self.weights, acc.result())
             self.version += 1
+        elif acc.count:  # (Krum's rules: fewer updates than the rule can tell apart, after rejections or dropouts)
+            extra["too_few_updates"] = acc.min_updates
+            log(WARNING, "[fedshield] round %d: %d valid update(s), fewer than the %d aggregator = %r needs; the "
+                "global model is unchanged", rnd, acc.count, acc.min_updates, self.cfg.aggregation.aggregator)
         else:
             log(WARNING, "[fedshield] round %d: no valid update; the global model is unchanged", rnd)
         if local_eps:
@@ -413,7 +417,7 @@ class SyncWorkflow:
             "rejected_total": sum(self.rejections.values()), "rejected_by_rule": dict(self.rejections),
             "wall_time_s": time.monotonic() - self.wall_start, "num_parameters": self.numel,
             "run_dir": str(self.run_dir.path),
-            "rounds_without_updates": sum(1 for r in self.history if r.get("accepted", 1) == 0),
+            "rounds_without_updates": sum(1 for r in self.history if r.get("accepted", 1) == 0 or r.get("too_few_updates")),
         }
         if self.history and summary["rounds_without_updates"] == len(self.history):
             log(WARNING, "[fedshield] no round received an accepted update: the model is the one the run started "

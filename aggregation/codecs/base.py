@@ -89,13 +89,9 @@ class Codec(ABC):
 
         The check (``check_norm``): raise UpdateRejected ``"non-finite"`` if the update holds a NaN
         or infinity or its sum of squares overflows float32, ``"norm-too-large"`` if its norm
-        exceeds ``max_norm``. A rejected update leaves ``out`` as it was, up to rounding: a codec
-        may add a prefix of the update whose running norm is <= ``max_norm`` before it has read the
-        rest, and subtracts it again on rejection, which leaves each element ``a`` of that prefix
-        within ``eps32 * (2 |a| + |weight * x|)`` of its old value (exactly equal where nothing was
-        added). The caller must pick ``max_norm`` so that adding such a prefix cannot overflow
-        ``out`` (WeightedAccumulator does). This default reads the update twice (norm, then add)
-        and never writes before it has decided: bit-exact.
+        exceeds ``max_norm``. A rejected update leaves ``out`` bit-identical: a codec writes only
+        what it has decided to add (this default reads the update twice, norm then add; a codec
+        may decide first from an a-priori bound, as qsgd's does).
         """
         return checked_add_two_pass(self, parsed, out, weight, max_norm)
 
@@ -104,8 +100,8 @@ class Codec(ABC):
         """``add_into_checked`` for every update of ``batch`` in one pass over ``out``, or None
         where this codec has no batch path for ``out`` (the caller then adds one at a time).
 
-        Returns, per update, its norm (added) or the UpdateRejected it raised (not added: any
-        part added ahead is subtracted again, leaving rounding as ``add_into_checked`` states).
+        Returns, per update, its norm (added) or the UpdateRejected it raised (not added: a block
+        it had parts added ahead to is rebuilt from its values before the batch, see ``settle_batch``).
         ``budget``: how much the magnitude of any element of ``out`` may grow through parts
         added ahead of their decision, all updates together (see WeightedAccumulator).
         ``zero``: ``out`` holds garbage (a fresh sum, not yet zeroed) and is set to zero within
@@ -202,14 +198,27 @@ def checked_add_two_pass(codec: Codec, parsed: Parsed, out: torch.Tensor, weight
     return norm
 
 
+def restorer(out: torch.Tensor, zero: bool) -> Callable[[int, int], None]:
+    """``settle_batch``'s ``restore`` for a batch about to be added into ``out``: ``out[lo:hi]`` back
+    to its values before the batch (zero for a fresh sum, ``zero``; else from a copy taken now)."""
+    if zero:
+        return lambda lo, hi: out[lo:hi].zero_()
+    before = out.clone()
+    return lambda lo, hi: out[lo:hi].copy_(before[lo:hi])
+
+
 def settle_batch(sq: np.ndarray, added: np.ndarray, scale: float, max_norm: float, block: int, numel: int,
-                 add_range: Callable[[int, int, int, float], None], float32_norm: bool = True
-                 ) -> list[float | UpdateRejected]:
+                 add_range: Callable[[int, int, int, float], None], restore: Callable[[int, int], None],
+                 float32_norm: bool = True) -> list[float | UpdateRejected]:
     """Decide a batch after a kernel pass (``aggregation.kernels``): ``sq[c, b]`` is update ``c``'s
     sum of squares over block ``b`` (of ``block`` elements) times ``scale**2``, ``added[c, b]`` how
-    many of that block's first elements were added ahead. A rejected update has them subtracted
-    again (``add_range(c, lo, hi, -1)``); an accepted one gets the rest of each block
-    (``add_range(c, lo, hi, 1)``: only where a step was too large to add ahead, so decided first).
+    many of that block's first elements were added ahead. A block that a rejected update had parts
+    added to is rebuilt: ``restore(lo, hi)`` puts back its values from before the batch, then every
+    accepted update is added to it again (``add_range(c, lo, hi, 1)``). Nothing of a rejected
+    update stays in the sum, whatever its weight: subtracting it again instead would leave float32
+    rounding of its own size, which a large weight makes larger than everyone else's sum. An
+    accepted update gets the rest of each other block (``add_range``: only where a step was too
+    large to add ahead, so decided first).
     ``float32_norm``: the rules of ``norm_rule`` (a sum of squares past float32's range is
     non-finite), else those of ``check_norm`` on the float64 norm. Returns each update's norm or
     UpdateRejected."""
@@ -219,16 +228,19 @@ def settle_batch(sq: np.ndarray, added: np.ndarray, scale: float, max_norm: floa
     else:
         rules = [None if t <= max_norm * max_norm else ("non-finite" if math.isnan(t) else "norm-too-large")
                  for t in totals.tolist()]
-    # The blocks to settle, for the whole batch at once: an accepted update's blocks that were not
-    # added in full (``added`` short of the block's length), a rejected one's that were added to.
     lengths = np.minimum(block, numel - np.arange(added.shape[1], dtype=np.int64) * block)
     accepted = np.array([r is None for r in rules], dtype=bool)
-    todo = np.where(accepted[:, None], added != lengths, added != 0)
+    dirty = ((~accepted)[:, None] & (added != 0)).any(axis=0)  # blocks holding part of a rejected update
+    keep = np.nonzero(accepted)[0].tolist()
+    for b in np.nonzero(dirty)[0].tolist():
+        lo, hi = b * block, b * block + int(lengths[b])
+        restore(lo, hi)
+        for c in keep:
+            add_range(c, lo, hi, 1.0)
+    # The other blocks, for the whole batch at once: an accepted update's that were not added in full.
+    todo = accepted[:, None] & (added != lengths) & ~dirty[None, :]
     for c, b in zip(*(i.tolist() for i in np.nonzero(todo)), strict=True):
         lo, done = b * block, int(added[c, b])
-        if accepted[c]:
-            add_range(c, lo + done, lo + int(lengths[b]), 1.0)
-        else:
-            add_range(c, lo, lo + done, -1.0)
+        add_range(c, lo + done, lo + int(lengths[b]), 1.0)
     return [math.sqrt(t) if r is None else UpdateRejected(r, math.sqrt(t) if r == "norm-too-large" else math.inf, max_norm)
             for t, r in zip(totals.tolist(), rules, strict=True)]

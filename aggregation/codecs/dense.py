@@ -13,8 +13,8 @@ from flwr.app import Array
 from .. import kernels
 from ..wire import array_view, host_tensor, tensor_to_array
 from .._errors import UpdateRejected
-from .base import (Codec, Encoded, Parsed, check_arrays, check_header, checked_add_two_pass, norm_rule, register_codec,
-                   require, settle_batch)
+from .base import (Codec, Encoded, Parsed, check_arrays, check_header, norm_rule, register_codec,
+                   require, restorer, settle_batch)
 
 # bfloat16 has no numpy dtype: it travels as its raw 16 bits in an int16 array.
 _WIRE = {"float32": ("float32", torch.float32), "float16": ("float16", torch.float16), "bfloat16": ("int16", torch.bfloat16)}
@@ -59,43 +59,16 @@ class DenseCodec(Codec):
     def add_into(self, parsed: Parsed, out: torch.Tensor, weight: float) -> None:
         out.add_(parsed.tensors[VALUES].to(out.device, non_blocking=True), alpha=weight)
 
-    def add_into_checked(self, parsed: Parsed, out: torch.Tensor, weight: float, max_norm: float) -> float:
-        """One pass over the update: per block of ``BLOCK`` floats, its sum of squares (BLAS dot),
-        then, while the running norm is within ``max_norm``, the weighted add of that block while
-        it is still in cache. On rejection the blocks already added are subtracted again (see
-        ``Codec.add_into_checked`` for the rounding this leaves); the rest of the update is still
-        read, without adding, so that the rule named is the one the two-pass check would name
-        (``"non-finite"`` wins over ``"norm-too-large"``)."""
-        values = parsed.tensors[VALUES]
-        if values.dtype != torch.float32 or out.dtype != torch.float32 or values.device != out.device:
-            return checked_add_two_pass(self, parsed, out, weight, max_norm)
-        n, sq, added = values.numel(), 0.0, 0
-        for start in range(0, n, BLOCK):
-            x = values[start : start + BLOCK]
-            sq += float(torch.dot(x, x))
-            if norm_rule(sq, max_norm) is not None:
-                break
-            out[start : start + BLOCK].add_(x, alpha=weight)
-            added = start + x.numel()
-        else:
-            return math.sqrt(sq)
-        for rest in range(start + BLOCK, n, BLOCK):  # rejected: finish the sum for the rule's name
-            if not math.isfinite(sq):
-                break
-            x = values[rest : rest + BLOCK]
-            sq += float(torch.dot(x, x))
-        if added:
-            out[:added].sub_(values[:added], alpha=weight)
-        rule = norm_rule(sq, max_norm)
-        raise UpdateRejected(rule, math.sqrt(sq) if rule == "norm-too-large" else math.inf, max_norm)
-
     def add_batch_checked(self, batch, out, weights, max_norm, budget, zero=False):
         """The fused kernel (``aggregation.kernels``): each update read once, the sum kept in cache.
         A step is kept ahead of the decision only if its own norm is within ``max_norm`` and
         within this update's share of ``budget`` (``budget / len(batch) / weight``), so nothing
-        kept can overflow; a step that is not is restored exactly."""
+        kept can overflow; a step that is not is restored exactly, and so is every block of an
+        update rejected once all its blocks are read (``settle_batch``; a sum that is not fresh
+        is copied first for that, one model's size)."""
         if not batch or not kernels.applies(out) or any(p.tensors[VALUES].dtype != torch.float32 for p in batch):
             return None
+        restore = restorer(out, zero)
         ws = np.asarray(weights, dtype=np.float64)
         cap = np.clip(np.minimum(max_norm, max(budget, 0.0) / len(batch) / ws), 0.0, None)
         block = kernels.BLOCK
@@ -107,7 +80,7 @@ class DenseCodec(Codec):
         def add_range(c: int, lo: int, hi: int, sign: float) -> None:
             out[lo:hi].add_(batch[c].tensors[VALUES][lo:hi], alpha=sign * float(ws[c]))
 
-        return settle_batch(sq, added, 1.0, max_norm, block, out.numel(), add_range)
+        return settle_batch(sq, added, 1.0, max_norm, block, out.numel(), add_range, restore)
 
     def write_into(self, parsed: Parsed, out: torch.Tensor) -> None:
         out.copy_(parsed.tensors[VALUES])

@@ -31,7 +31,7 @@ from .. import kernels
 from .._errors import AggregationError
 from ..wire import array_to_tensor, tensor_to_array
 from .base import (FLT_MAX, Codec, Encoded, Parsed, check_arrays, check_header, checked_add_two_pass, register_codec,
-                   require, settle_batch)
+                   require, restorer, settle_batch)
 
 CODES, SCALES = "codes", "scales"
 _ARRAYS = frozenset({CODES, SCALES})
@@ -240,6 +240,7 @@ class QSGDCodec(Codec):
         bits, chunk = batch[0].params["bits"], batch[0].params["chunk"]
         if any(p.params["bits"] != bits or p.params["chunk"] != chunk for p in batch):
             return None
+        restore = restorer(out, zero)
         m, numel = (1 << bits) - 1, out.numel()
         block = max(kernels.BLOCK, chunk)
         ws = np.asarray(weights, dtype=np.float64)
@@ -254,7 +255,7 @@ class QSGDCodec(Codec):
         def add_range(c: int, lo: int, hi: int, sign: float) -> None:
             impl.qsgd_add(codes[c], scales[c], bits, chunk, sign * float(ws[c]) / m, out.numpy(), lo, hi)
 
-        return settle_batch(sq, added, float(m), max_norm, block, numel, add_range, float32_norm=False)
+        return settle_batch(sq, added, float(m), max_norm, block, numel, add_range, restore, float32_norm=False)
 
     def write_into(self, parsed: Parsed, out: torch.Tensor) -> None:
         out.zero_()

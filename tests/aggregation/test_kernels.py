@@ -128,17 +128,49 @@ def test_corrupted_batches_are_refused_exactly_like_single_adds(case):
     assert np.all(np.abs(out.numpy() - ref) <= tol)
 
 
-def test_a_refused_update_in_a_later_block_is_subtracted_again():
+def test_a_refused_update_in_a_later_block_leaves_nothing_behind():
     numel = 3 * kernels.BLOCK
     codec = create_codec("dense")
     good = np.ones(numel, np.float32)
     bad = np.ones(numel, np.float32)
-    bad[-1] = np.nan  # every block but the last is added ahead, then taken out again
+    bad[-1] = np.nan  # every block but the last is added ahead, then rebuilt without it
     batch = [_dense_parsed(good)[1], _dense_parsed(bad)[1]]
     out = torch.zeros(numel)
     results = codec.add_batch_checked(batch, out, [2.0, 3.0], math.inf, 1e37)
     assert not isinstance(results[0], UpdateRejected) and results[1].rule == "non-finite"
     assert torch.equal(out, torch.full((numel,), 2.0))
+
+
+@pytest.mark.parametrize("name, params, rule", [("dense", {}, "non-finite"), ("dense", {}, "norm-too-large"),
+                                                ("qsgd", {"bits": 8, "chunk": 64}, "norm-too-large")])
+@pytest.mark.parametrize("fresh", [True, False])
+def test_a_refused_update_with_a_huge_weight_does_not_wipe_out_the_others(name, params, rule, fresh):
+    """The attack a review found: a client claims 10^7 examples (max-examples allows it) and sends
+    large values, refused only once its last block is read (a NaN there, or its norm). Its earlier
+    blocks were added ahead of the decision; subtracting them again left float32 rounding of
+    10^7 * 100 in every element, far above the honest sum (10 * 0.01 per client), which came out
+    as 0 instead of 0.01. The blocks must be rebuilt: the sum equals the honest clients' sum to
+    their own float32 rounding, on a fresh sum (the round's first batch) and on one that already
+    holds earlier batches. (qsgd's scales are checked finite when parsed: no NaN reaches its kernel.)"""
+    numel = 3 * kernels.BLOCK + 77
+    codec = create_codec(name, **params)
+    honest = [_parse(codec, torch.full((numel,), 0.01), seed=i) for i in range(3)]
+    values = np.full(numel, 100.0, np.float32)
+    if rule == "non-finite":
+        values[-1] = np.nan
+    bad = _dense_parsed(values)[1] if name == "dense" else _parse(codec, torch.from_numpy(values), seed=9)
+    max_norm = 1e4 if rule == "norm-too-large" else math.inf  # 100 * sqrt(numel) > 1e4
+    acc = WeightedAccumulator(numel)
+    ref = np.zeros(numel)
+    if not fresh:  # an earlier batch (checked: its norm known, so the next batch is added ahead too)
+        earlier = [_parse(codec, torch.full((numel,), 0.01), seed=7)]
+        ref += _reference(codec, earlier, [10.0], acc.add_parsed_checked_many(codec, earlier, [10.0], max_norm), numel)
+    batch = [honest[0], bad, honest[1], honest[2]]
+    results = acc.add_parsed_checked_many(codec, batch, [10.0, 1e7, 10.0, 10.0], max_norm)
+    assert _verdicts(results) == ["ok", rule, "ok", "ok"]
+    ref += _reference(codec, batch, [10.0, 1e7, 10.0, 10.0], results, numel)
+    got = acc.total.numpy().astype(np.float64)
+    assert np.all(np.abs(got - ref) <= 1e-6 * np.abs(ref)), float(np.abs(got - ref).max())
 
 
 def test_refusals_inside_groups_of_four_rebuild_the_sum():

@@ -302,15 +302,19 @@ def test_krum_needs_more_than_2f_plus_2_updates():
     agg = create_aggregator("krum", numel=4, device="cpu", max_clients=9, f=2)
     for i in range(6):
         agg.add_dense(torch.full((4,), float(i)), 1.0)
-    with pytest.raises(AggregationError, match=r"update count must be > 2f \+ 2 = 6 \(f=2\)\. Found 6"):
+    assert agg.min_updates == 7
+    with pytest.raises(AggregationError, match=r"krum needs at least 7 accepted updates\. Found 6"):
         agg.result()
     agg.add_dense(torch.zeros(4), 1.0)
     agg.result()
     multi = create_aggregator("multi-krum", numel=4, device="cpu", max_clients=9, f=2, m=6)
     for i in range(7):
         multi.add_dense(torch.full((4,), float(i)), 1.0)
-    with pytest.raises(AggregationError, match=r"m must be <= update count - f = 5\. Found 6"):
+    assert multi.min_updates == 8  # m + f
+    with pytest.raises(AggregationError, match=r"multi-krum needs at least 8 accepted updates\. Found 7"):
         multi.result()
+    multi.add_dense(torch.zeros(4), 1.0)
+    assert multi.result().shape == (4,)
 
 
 @pytest.mark.parametrize(("name", "params", "match"), [

@@ -11,6 +11,7 @@ from aggregation import tensor_to_array
 from aggregation.codecs import create_codec
 from clients.protocol import ARRAYS, CODEC, DELTA, METRICS
 from coordinator import RejectedReply, RoundExpectation, validate_reply
+from coordinator.validation import check_envelope
 
 N = 50
 
@@ -105,6 +106,19 @@ def test_error_reply():
     ins = _instruction(11, "m1")
     err = Message(Error(code=3, reason="message expired"), reply_to=ins)
     assert _rule(err) == "error-reply"
+
+
+@pytest.mark.parametrize("reason", [None, ""])
+def test_an_error_reply_without_a_reason_is_rejected_not_a_crash(reason):
+    """Flower's Error.reason defaults to None, and its wire decoding turns "" into None: a client
+    sending either used to raise TypeError in the coordinator (``None[:200]``) and end the run."""
+    from flwr.common.serde import error_from_proto, error_to_proto
+
+    err = Error(code=0, reason=reason)
+    err = error_from_proto(error_to_proto(err))  # as it arrives over the network
+    with pytest.raises(RejectedReply, match="error-reply|code 0") as exc:
+        check_envelope(Message(err, reply_to=_instruction(11, "m1")), 11, 1)
+    assert exc.value.rule == "error-reply" and "no reason given" in exc.value.detail
 
 
 def test_missing_records_and_arrays():

@@ -77,6 +77,37 @@ def test_summary_counts_no_idle_round_when_every_round_learns(tmp_path):
     assert json.loads((tmp_path / SUMMARY).read_text())["rounds_without_updates"] == 0
 
 
+@pytest.mark.parametrize("rule, extra", [("krum", {}), ("multi-krum", {"krum-m": 4})])
+def test_krum_left_with_too_few_updates_skips_the_round_instead_of_crashing(tmp_path, rule, extra):
+    """Five nodes (the fewest krum-f = 1 allows), one of them rejected: four valid updates are too
+    few for Krum (n > 2f + 2) and for Multi-Krum with m = 4 (m <= n - f). The round used to end the
+    run with an AggregationError; it must leave the model unchanged, say why, and the run go on."""
+    wf = SyncWorkflow(cfg(**{"num-rounds": 2, "min-nodes": 5, "aggregator": rule, "krum-f": 1, **extra}),
+                      InProcessGrid(mixed({1001}, stock_flower_bad("nan")), 5), RunDirectory(tmp_path))
+    before = wf.weights.clone()
+    wf.run()
+    assert [(r["accepted"], r["rejected"], r["too_few_updates"]) for r in wf.history] == [(4, 1, 5)] * 2
+    assert torch.equal(wf.weights, before) and wf.version == 0
+    assert json.loads((tmp_path / SUMMARY).read_text())["rounds_without_updates"] == 2
+    clean = SyncWorkflow(cfg(**{"num-rounds": 1, "min-nodes": 5, "aggregator": rule, "krum-f": 1, **extra}),
+                         InProcessGrid(mixed(set(), stock_flower_bad("nan")), 5), RunDirectory(tmp_path / "clean"))
+    clean.run()
+    assert clean.version == 1 and "too_few_updates" not in clean.history[0]
+
+
+def test_krum_needs_enough_nodes_or_buffered_updates_by_config():
+    from clients import ConfigError
+
+    with pytest.raises(ConfigError, match=r"min-nodes must be >= 5 to give aggregator = 'krum' the 5 updates"):
+        cfg(**{"min-nodes": 4, "aggregator": "krum", "krum-f": 1})
+    with pytest.raises(ConfigError, match=r"min-nodes must be >= 7 .* krum-f = 1 and krum-m = 6"):
+        cfg(**{"min-nodes": 6, "aggregator": "multi-krum", "krum-f": 1, "krum-m": 6})
+    with pytest.raises(ConfigError, match=r"buffer-size must be >= 7 .* krum-f = 2"):
+        cfg(**{"workflow": "fedbuff", "buffer-size": 5, "aggregator": "krum", "krum-f": 2})
+    cfg(**{"min-nodes": 5, "aggregator": "krum", "krum-f": 1})
+    cfg(**{"workflow": "fedbuff", "buffer-size": 7, "aggregator": "krum", "krum-f": 2})
+
+
 def test_resume_continues_from_checkpoint(tmp_path):
     from clients.client_app import app
 
