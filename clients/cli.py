@@ -123,10 +123,13 @@ def _data_config(args: argparse.Namespace) -> str:
         data = load_npz(args.data)
         if data.x.ndim != 2 or data.y.ndim != 1 or len(data.x) != len(data.y) or len(data.y) == 0:
             raise ClientError(f"--data must hold x (n, features) and y (n,) with n > 0. Found x{data.x.shape} y{data.y.shape}.")
+        from .tasks import check_any_task
+
+        check_any_task(data, f"--data {args.data}")  # else the ClientApp would fail only once training starts
         return f'data-path="{Path(args.data).resolve()}"'
     pid, sep, num = args.partition.partition("/")
-    if not (sep and pid.isdigit() and num.isdigit() and 0 <= int(pid) < int(num)):
-        raise ClientError(f"--partition must be ID/N with 0 <= ID < N. Found {args.partition!r}.")
+    if not (sep and pid.isdigit() and num.isdigit() and 0 <= int(pid) < int(num) <= 1_000_000):
+        raise ClientError(f"--partition must be ID/N with 0 <= ID < N <= 1000000. Found {args.partition!r}.")
     return f"partition-id={int(pid)} num-partitions={int(num)}"
 
 
@@ -154,6 +157,14 @@ def supernode_command(args: argparse.Namespace) -> list[str]:
             raise ClientError(f"--link-mbps must be a finite number of Mbit/s > 0. Found {link!r}.")
         node_config += f" link-mbps={float(link)}"
     cmd += ["--node-config", node_config]
+    if args.port:  # checked here: Flower would print its usage, or a traceback for a port in use
+        if not 0 < args.port < 65536:
+            raise ClientError(f"--port must be in [1, 65535] (0: a free one). Found {args.port}.")
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", args.port))
+            except OSError as exc:
+                raise ClientError(f"--port {args.port} must be free on 127.0.0.1. Found: {exc.strerror or exc}.") from None
     cmd += ["--host", "127.0.0.1", "--port", str(args.port or free_port())]
     cmd += ["--max-retries", str(max(0, args.max_retries)), "--max-wait-time", "30"]
     check_reachable(host, port)

@@ -46,6 +46,7 @@ def _coerce(value: Any, typ: Any, key: str) -> Any:
         return float(value)
     if typ is str:
         check(isinstance(value, str), key, "be a string", value)
+        check("\0" not in value, key, "not contain a NUL character", value)
         return value
     return value
 
@@ -61,6 +62,8 @@ def build_config(cls: type[T], mapping: Mapping[str, Any], where: str = "", *, s
     silently); missing keys take the dataclass defaults. Types are checked
     here, value rules in the dataclass's ``__post_init__``.
     """
+    if not isinstance(mapping, Mapping):
+        raise ConfigError(f"[{where or cls.__name__}] must be a table. Found {type(mapping).__name__} {mapping!r:.40}.")
     hints = typing.get_type_hints(cls)
     fields = {kebab(f.name): f for f in dataclasses.fields(cls)}
     prefix = f"{where}." if where else ""
@@ -104,8 +107,8 @@ class TaskSpec:
     def __post_init__(self) -> None:
         check(self.task in TASKS, "task", f"be one of {list(TASKS)}", self.task)
         check(self.partitioning in PARTITIONINGS, "partitioning", f"be one of {list(PARTITIONINGS)}", self.partitioning)
-        check(self.dirichlet_alpha > 0, "dirichlet-alpha", "be > 0", self.dirichlet_alpha)
-        check(self.data_seed >= 0, "data-seed", "be >= 0", self.data_seed)
+        check(0 < self.dirichlet_alpha <= 1e6, "dirichlet-alpha", "be in (0, 1e6]", self.dirichlet_alpha)
+        check(0 <= self.data_seed < 2**32, "data-seed", "be in [0, 2**32)", self.data_seed)
         check(self.synthetic_alpha >= 0, "synthetic-alpha", "be >= 0", self.synthetic_alpha)
         check(self.synthetic_beta >= 0, "synthetic-beta", "be >= 0", self.synthetic_beta)
         check(1 <= self.hidden_units <= 1 << 20, "hidden-units", "be in [1, 1048576]", self.hidden_units)

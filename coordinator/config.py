@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Mapping
 from typing import Any
 
-from aggregation import AggregationError, available_server_optimizers, create_aggregator
+from aggregation import AggregationError, available_server_optimizers, create_aggregator, create_server_optimizer
 from aggregation.codecs import Codec, create_codec
 from aggregation.robust import krum_min_updates
 from clients.config import TaskSpec, TrainSettings, build_config, check, config_keys, split_mapping, to_mapping
@@ -64,15 +65,20 @@ class ServerSettings:
         check(0 < self.poll_interval <= 10, "poll-interval", "be in (0, 10] seconds", self.poll_interval)
         opts = available_server_optimizers()
         check(self.server_optimizer in opts, "server-optimizer", f"be one of {opts}", self.server_optimizer)
-        check(self.server_lr > 0, "server-lr", "be > 0", self.server_lr)
-        check(self.seed >= 0, "seed", "be >= 0", self.seed)
+        check(0 < self.server_lr <= 1e6, "server-lr", "be in (0, 1e6]", self.server_lr)
+        try:  # the optimizer's own rules (momentum and betas in [0, 1), tau > 0), before anything starts
+            create_server_optimizer(self.server_optimizer, **self.optimizer_params())
+        except AggregationError as exc:
+            raise ConfigError(str(exc)) from None
+        check(0 <= self.seed < 2**32, "seed", "be in [0, 2**32)", self.seed)
         check(self.max_examples >= 1, "max-examples", "be >= 1", self.max_examples)
-        check(self.max_update_mb > 0, "max-update-mb", "be > 0", self.max_update_mb)
+        check(0 < self.max_update_mb <= 1e6, "max-update-mb", "be in (0, 1e6]", self.max_update_mb)
         check(self.max_update_norm > 0, "max-update-norm", "be > 0", self.max_update_norm)
         check(self.selection in SELECTION_POLICIES, "selection", f"be one of {list(SELECTION_POLICIES)}", self.selection)
         check(math.isfinite(self.fairness) and self.fairness >= 1, "fairness",
               "be a finite number >= 1 (every client's participation stays >= fair share / fairness)", self.fairness)
-        check(self.device in ("auto", "cpu") or self.device.startswith("cuda"), "device", "be auto, cpu or cuda[:N]", self.device)
+        check(self.device in ("auto", "cpu") or re.fullmatch(r"cuda(:[0-9]{1,3})?", self.device) is not None, "device",
+              "be auto, cpu or cuda[:N]", self.device)
 
 
 CODEC_PARAMS = {

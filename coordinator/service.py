@@ -72,7 +72,8 @@ class CoordinatorFile:
 def load_coordinator_config(path: str | os.PathLike, run_dir: str | None = None) -> CoordinatorFile:
     p = Path(path)
     if not p.is_file():
-        raise ConfigError(f"--config must be an existing TOML file. Found {str(p)!r} (no such file).")
+        raise ConfigError(f"--config must be an existing TOML file. Found {str(p)!r} "
+                          f"({'a directory' if p.is_dir() else 'no such file'}).")
     try:
         data = tomllib.loads(p.read_text())
     except tomllib.TOMLDecodeError as exc:
@@ -81,7 +82,10 @@ def load_coordinator_config(path: str | os.PathLike, run_dir: str | None = None)
     if unknown:
         raise ConfigError(f"{p}: [{unknown[0]}] is not a known table. Known tables: [coordinator], [run].")
     service = build_config(ServiceSettings, data.get("coordinator", {}), "coordinator")
-    run_map = dict(data.get("run", {}))
+    run_map = data.get("run", {})
+    if not isinstance(run_map, dict):
+        raise ConfigError(f"[run] must be a table. Found {type(run_map).__name__}.")
+    run_map = dict(run_map)
     base = p.parent.resolve()
     if run_dir is not None:  # the --run-dir flag: relative to where the command runs, like simulate's
         run_map["run-dir"] = str(Path(run_dir).expanduser().resolve())

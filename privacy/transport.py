@@ -150,9 +150,9 @@ def init_certificates(directory: str | os.PathLike, extra_names: tuple[str, ...]
 def new_node_key(path: str | os.PathLike, force: bool = False) -> tuple[Path, Path]:
     """Write an ECDSA P-384 key pair in OpenSSH format: ``path`` and ``path.pub``."""
     priv = Path(path)
-    pub = priv.with_name(priv.name + ".pub")
     if priv.name in ("", ".", "..") or priv.is_dir():
-        raise PrivacyError(f"key path must be DIR/NAME. Found {str(priv)!r}.")
+        raise PrivacyError(f"key path must be DIR/NAME. Found {str(path)!r}.")
+    pub = priv.with_name(priv.name + ".pub")
     if not force and (priv.exists() or pub.exists()):
         raise PrivacyError(f"key path must not exist yet. Found {priv}; use --force to replace.")
     make_dir(priv.parent, "key directory")

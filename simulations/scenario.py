@@ -127,7 +127,10 @@ def load_scenario(path: str | Path | None = None, overrides: Mapping[str, Any] |
         table, _, key = dotted.partition(".")
         if table not in ("simulation", "run") or not key:
             raise ConfigError(f"--set key must look like run.KEY or simulation.KEY. Found {dotted!r}.")
-        data.setdefault(table, {})[key] = value
+        section = data.setdefault(table, {})
+        if not isinstance(section, dict):
+            raise ConfigError(f"{source}: [{table}] must be a table. Found {type(section).__name__}.")
+        section[key] = value
     return Scenario.from_mapping(data, source)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from .._errors import ClientError
 from ..config import TaskSpec
 from .base import Dataset, Task
 from .digits import DigitsTask
@@ -18,4 +19,17 @@ def get_task(spec: TaskSpec) -> Task:
     return _TASKS[spec.task](spec)
 
 
-__all__ = ["Dataset", "DigitsTask", "SyntheticTask", "Task", "get_task"]
+def check_any_task(data: Dataset, source: str) -> None:
+    """That ``data`` fits at least one task (the agent does not know which one the coordinator runs);
+    else one ClientError naming what each task needs."""
+    errors = []
+    for cls in _TASKS.values():
+        try:
+            cls.check_data(data, cls.name)
+            return
+        except ClientError as exc:
+            errors.append(str(exc).rstrip("."))
+    raise ClientError(f"{source} must fit a fedshield task. Found it fits none: {'; '.join(errors)}")
+
+
+__all__ = ["Dataset", "DigitsTask", "SyntheticTask", "Task", "check_any_task", "get_task"]

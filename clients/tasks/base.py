@@ -73,8 +73,11 @@ class Task(ABC):
                 )
         return cache[num_partitions]
 
-    def check_data(self, data: Dataset, source: str) -> Dataset:
-        """Validate a client's own data against the task's input and label space."""
+    @classmethod
+    def check_data(cls, data: Dataset, source: str) -> Dataset:
+        """Validate a client's own data against the task's input and label space (a classmethod:
+        the agent checks a data file against every task before it starts)."""
+        self = cls
         x, y = data.x, data.y
         if not (np.issubdtype(x.dtype, np.floating) or np.issubdtype(x.dtype, np.integer)):
             raise ClientError(f"{source}: x must be numeric. Found dtype {x.dtype}.")
@@ -86,9 +89,10 @@ class Task(ABC):
             raise ClientError(f"{source}: y must have shape ({x.shape[0]},) and n > 0. Found {y.shape}.")
         if not np.issubdtype(y.dtype, np.integer) or y.min() < 0 or y.max() >= self.num_classes:
             raise ClientError(f"{source}: y must hold integer labels in [0, {self.num_classes}). Found {y.dtype} {y.min()}..{y.max()}.")
-        if not np.isfinite(x).all():
-            raise ClientError(f"{source}: x must be finite. Found NaN or inf.")
-        return Dataset(x.astype(np.float32, copy=False), y.astype(np.int64, copy=False))
+        x32 = x.astype(np.float32, copy=False)  # what training sees: 1e39 in float64 is inf here
+        if not np.isfinite(x32).all():
+            raise ClientError(f"{source}: x must be finite as float32. Found NaN, inf or |x| > 3.4e38.")
+        return Dataset(x32, y.astype(np.int64, copy=False))
 
     def init_weights(self, seed: int) -> torch.Tensor:
         """The initial global model as one flat float32 tensor (seeded)."""

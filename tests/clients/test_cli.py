@@ -114,3 +114,37 @@ def test_watch_sees_a_refusal_before_anything_was_served(monkeypatch):
     monkeypatch.setattr(cli.threading, "Timer", lambda *a, **k: type("T", (), {"start": lambda self: None})())
     seen = cli._watch(_FakeSuperNode(["ERROR : Request failed [code: 2004]\n"]))
     assert (seen.refusal, seen.served) == (2004, 0)
+
+
+def _agent_error(tmp_path, capsys, *args) -> list[str]:
+    assert main(["agent", "start", "--coordinator", "127.0.0.1:1", "--insecure", *args]) == 2
+    return capsys.readouterr().err.strip().splitlines()
+
+
+@pytest.mark.parametrize("x, y, rule", [
+    (np.zeros((20, 5)), np.zeros(20, int), "x must have shape (n, 64)"),  # no task takes 5 features
+    (np.full((20, 64), 1e39), np.zeros(20, int), "x must be finite as float32"),  # finite in float64, inf in float32
+    (np.zeros((20, 64)), np.full(20, 12), "y must hold integer labels in [0, 10)"),
+    (np.zeros((20, 64)), np.zeros(20), "y must hold integer labels"),
+])
+def test_agent_refuses_data_that_fits_no_task_before_it_starts(tmp_path, capsys, x, y, rule):
+    """Such a file used to pass the agent's checks: it connected, and the ClientApp failed with a
+    traceback once training started. Now one line names what each task needs, before anything starts."""
+    np.savez(tmp_path / "d.npz", x=x, y=y)
+    err = _agent_error(tmp_path, capsys, "--data", str(tmp_path / "d.npz"))
+    assert len(err) == 2 and err[0].startswith("fedshield agent: WARNING: --insecure")
+    assert err[1].startswith("fedshield: error: --data ") and "must fit a fedshield task" in err[1] and rule in err[1]
+
+
+def test_agent_port_out_of_range_or_in_use_is_one_line(tmp_path, capsys):
+    import socket
+
+    np.savez(tmp_path / "d.npz", x=np.zeros((20, 64)), y=np.zeros(20, int))
+    err = _agent_error(tmp_path, capsys, "--data", str(tmp_path / "d.npz"), "--port", "99999")
+    assert err[-1] == "fedshield: error: --port must be in [1, 65535] (0: a free one). Found 99999."
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        err = _agent_error(tmp_path, capsys, "--data", str(tmp_path / "d.npz"), "--port", str(port))
+    assert err[-1].startswith(f"fedshield: error: --port {port} must be free on 127.0.0.1")

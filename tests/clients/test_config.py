@@ -35,8 +35,10 @@ def test_kebab_keys_map_to_fields():
         (TrainSettings, {"momentum": 1.0}, "momentum must be in [0, 1). Found 1.0."),
         (TaskSpec, {"task": "mnist"}, "task must be one of ['digits', 'synthetic']. Found 'mnist'."),
         (TaskSpec, {"partitioning": "shards"}, "partitioning must be one of ['iid', 'dirichlet']. Found 'shards'."),
-        (TaskSpec, {"dirichlet-alpha": 0}, "dirichlet-alpha must be > 0. Found 0.0."),
-        (TaskSpec, {"data-seed": -1}, "data-seed must be >= 0. Found -1."),
+        (TaskSpec, {"dirichlet-alpha": 0}, "dirichlet-alpha must be in (0, 1e6]. Found 0.0."),
+        (TaskSpec, {"dirichlet-alpha": 1e308}, "dirichlet-alpha must be in (0, 1e6]. Found 1e+308."),
+        (TaskSpec, {"data-seed": -1}, "data-seed must be in [0, 2**32). Found -1."),
+        (TaskSpec, {"data-seed": 2**32}, "data-seed must be in [0, 2**32). Found 4294967296."),
         (TaskSpec, {"synthetic-beta": -0.5}, "synthetic-beta must be >= 0. Found -0.5."),
     ],
 )
@@ -119,7 +121,7 @@ def test_configs_are_frozen(obj):
 def test_direct_construction_is_validated_too():
     with pytest.raises(ConfigError, match="lr must be in"):
         TrainSettings(lr=-1.0)
-    with pytest.raises(ConfigError, match="dirichlet-alpha must be > 0"):
+    with pytest.raises(ConfigError, match=r"dirichlet-alpha must be in \(0, 1e6\]"):
         TaskSpec(dirichlet_alpha=math.nan)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -106,6 +107,31 @@ def test_krum_needs_enough_nodes_or_buffered_updates_by_config():
         cfg(**{"workflow": "fedbuff", "buffer-size": 5, "aggregator": "krum", "krum-f": 2})
     cfg(**{"min-nodes": 5, "aggregator": "krum", "krum-f": 1})
     cfg(**{"workflow": "fedbuff", "buffer-size": 7, "aggregator": "krum", "krum-f": 2})
+
+
+@pytest.mark.parametrize("key, value, rule", [
+    ("server-lr", 1e39, "server-lr must be in (0, 1e6]"),  # overflowed float32 in the first step
+    ("seed", 2**64, "seed must be in [0, 2**32)"),  # torch.manual_seed overflowed
+    ("max-update-mb", 1e308, "max-update-mb must be in (0, 1e6]"),  # int(inf) when the run started
+    ("device", "cuda:abc", "device must be auto, cpu or cuda[:N]"),
+    ("run-dir", "a\0b", "run-dir must not contain a NUL character"),
+])
+def test_values_that_failed_only_once_the_run_started_are_config_errors(key, value, rule):
+    from clients import ConfigError
+
+    with pytest.raises(ConfigError, match=re.escape(rule)):
+        cfg(**{key: value})
+    with pytest.raises(ConfigError, match=re.escape("server-tau must be finite and > 0")):
+        cfg(**{"server-optimizer": "fedadam", "server-tau": 0.0})  # the optimizer's own rules, before the run
+
+
+def test_a_run_table_that_is_not_a_table_is_one_config_error():
+    from clients import ConfigError
+    from clients.config import build_config
+    from coordinator.config import ServerSettings
+
+    with pytest.raises(ConfigError, match=r"\[run\] must be a table\. Found int 5"):
+        build_config(ServerSettings, 5, "run")
 
 
 def test_resume_continues_from_checkpoint(tmp_path):

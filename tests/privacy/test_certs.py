@@ -79,3 +79,10 @@ def test_cli_certs_and_keys_file_system_errors_are_one_line(tmp_path, capsys):
     assert main(["certs", "init", str(tmp_path / "c"), "--san", "not a valid name!!"]) == 2
     assert "'not a valid name!!'" in _one_error_line(capsys)
     assert not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize("path", [".", "", "/", ".."])
+def test_node_key_path_without_a_name_is_one_error(path):
+    """``fedshield keys new .`` used to raise ValueError (PosixPath('.') has an empty name)."""
+    with pytest.raises(PrivacyError, match="key path must be DIR/NAME"):
+        new_node_key(path)

@@ -106,3 +106,13 @@ def test_load_scenario_names_a_directory_and_bytes_that_are_not_utf8(tmp_path):
     binary.write_bytes(b"\xff\xfe[run]\n")
     with pytest.raises(ConfigError, match="must be UTF-8 text .* byte 0xff at offset 0"):
         load_scenario(binary)
+
+
+@pytest.mark.parametrize("table", ["run", "simulation"])
+def test_a_table_that_is_not_one_is_one_error_with_or_without_overrides(tmp_path, table):
+    """``run = 5`` plus any --set used to raise TypeError (item assignment on an int)."""
+    scn = tmp_path / "s.toml"
+    scn.write_text(f"{table} = 5\n")
+    for overrides in ({}, {f"{table}.seed" if table == "run" else "simulation.name": 1}):
+        with pytest.raises(ConfigError, match=rf"\[{table}\] must be a table"):
+            load_scenario(scn, overrides)
