@@ -91,7 +91,8 @@ class BufferedAsyncWorkflow(SyncWorkflow):
     ``message_ttl`` (default ``round-timeout``) is each message's TTL: a node whose
     reply has not come by then is answered by the Grid with an error reply.
     ``stall_timeout`` (default ``message_ttl + wait-nodes-timeout``): the run stops
-    with CoordinatorError when nothing at all happens for that long.
+    with CoordinatorError when no update has been accepted for that long (replies that
+    are all rejected, or all expire, are no progress: such a run used to go on for ever).
     """
 
     def __init__(self, cfg: RunConfig, grid: Grid, run_dir: RunDirectory, clock: Clock | None = None,
@@ -187,7 +188,7 @@ class BufferedAsyncWorkflow(SyncWorkflow):
         self.run_dir.write_json(CONFIG_FILE, self.cfg.to_mapping())
         t0 = self.clock.now()
         last_release = t0
-        last_event = t0
+        last_progress = t0  # the last accepted update (or the start)
         acc = self._new_aggregator()
         window: dict[str, Any] = self._fresh_window()
         while self.round < total:
@@ -195,13 +196,10 @@ class BufferedAsyncWorkflow(SyncWorkflow):
             n_sent, n_bytes = self._dispatch(nodes)
             window["selected"] += n_sent
             window["bytes_down"] += n_bytes
-            if n_sent:
-                last_event = self.clock.now()
             replies = list(self.grid.pull_messages(list(self.inflight))) if self.inflight else []
             for reply in replies:
                 if self.round >= total:
                     break  # the last release is out; the rest stay "in flight" (unresolved) at the end
-                last_event = self.clock.now()
                 mid = reply.metadata.reply_to_message_id
                 flight = self.inflight.pop(mid, None)
                 if flight is None:  # not ours, or already resolved: the Grid should never do this
@@ -209,7 +207,10 @@ class BufferedAsyncWorkflow(SyncWorkflow):
                     continue
                 self._resolved.add(mid)
                 window["replies"] += 1
-                if self._take(reply, mid, flight, acc, window) and acc.count >= self.buffer_size:
+                accepted = self._take(reply, mid, flight, acc, window)
+                if accepted:
+                    last_progress = self.clock.now()
+                if accepted and acc.count >= self.buffer_size:
                     try:
                         self._release(acc, window, t0, last_release, nodes)
                     except BudgetExhausted as exc:
@@ -221,12 +222,13 @@ class BufferedAsyncWorkflow(SyncWorkflow):
                     window = self._fresh_window()
             if self.round >= total or self.status == "budget-exhausted":
                 break
+            if self.clock.now() - last_progress >= self.stall_timeout:
+                rejected = ", ".join(f"{rule} {n}" for rule, n in sorted(window["rejected"].items())) or "none"
+                raise CoordinatorError(
+                    f"the async run must make progress: no update was accepted for {self.stall_timeout:g} s "
+                    f"(rejected since the last release: {rejected}; {len(self.inflight)} in flight, {len(nodes)} nodes "
+                    "online). Raise round-timeout (each message's time to live) if the nodes need longer, or check them.")
             if not replies:
-                if self.clock.now() - last_event >= self.stall_timeout:
-                    raise CoordinatorError(
-                        f"the async run must make progress: nothing was sent or received for {self.stall_timeout:g} s "
-                        f"({len(self.inflight)} in flight, {len(nodes)} nodes online). Raise message_ttl/stall_timeout "
-                        "or check the nodes.")
                 self.clock.sleep(self.cfg.server.poll_interval if self.inflight else min(1.0, self.cfg.server.poll_interval * 10))
         return self.finish()
 

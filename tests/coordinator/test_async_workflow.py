@@ -126,6 +126,20 @@ def test_expired_messages_free_the_node_without_livelock(tmp_path):
     check_accounting(wf, grid)
 
 
+def test_a_run_where_every_message_expires_stops_with_a_reason_instead_of_running_for_ever(tmp_path):
+    """Every node needs longer than a message lives: each reply is an expiry (an error reply), the
+    node is asked again, and so on. Expiries used to count as progress (the stall check looked for
+    any message sent or received), so the run never ended; no update accepted for stall_timeout
+    is what ends it now, with the rules the replies broke."""
+    never = dataclasses.replace(FAST, tier="hopeless", compute_s_per_example=100.0)  # 3000 s > ttl
+    wf, grid, clock, _, _ = make(tmp_path, constant_client({}), [never, never], config=cfg(**{"num-rounds": 3}),
+                                 concurrency=2, buffer_size=1, message_ttl=5.0, stall_timeout=60.0)
+    with pytest.raises(CoordinatorError, match=r"no update was accepted for 60 s \(rejected since the last "
+                                                r"release: error-reply \d+; \d+ in flight, 2 nodes online\)"):
+        wf.run()
+    assert 60.0 <= clock.now() <= 70.0 and wf.history == []
+
+
 def test_replays_exactly(tmp_path):
     def once(name):
         wf, grid, clock, _, _ = make(tmp_path, app, tiered_profiles(8, seed=1), name=name, seed=1,
