@@ -67,6 +67,12 @@ def _atomic_write(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+_CHECKPOINT_PARTS = {"round": int, "version": int, "weights": torch.Tensor, "optimizer": dict, "history": list,
+                     "rejections": dict, "fingerprint": dict}
+_CHECKPOINT_WHAT = {"round": "an int", "version": "an int", "weights": "a 1-D floating tensor", "optimizer": "a dict",
+                    "history": "a list of rows", "rejections": "a dict", "fingerprint": "a dict"}
+
+
 class RunDirectory:
     """All files of one run live under ``path``."""
 
@@ -99,6 +105,16 @@ class RunDirectory:
         if not isinstance(state, dict) or not isinstance(state.get("round"), int):
             raise CoordinatorError(f"{path} is not a fedshield checkpoint (no round number in it); "
                                    "move it away or pick another --run-dir.")
+        for key, typ in _CHECKPOINT_PARTS.items():  # what resuming reads: all of it checked before any of it is used
+            value = state.get(key)
+            ok = isinstance(value, typ) and not isinstance(value, bool)
+            if ok and key == "weights":
+                ok = value.dim() == 1 and value.is_floating_point() and value.numel() > 0
+            if ok and key == "history":
+                ok = all(isinstance(row, dict) for row in value)
+            if not ok:
+                raise CoordinatorError(f"{path} is not a complete fedshield checkpoint ({key!r} is missing or not "
+                                       f"{_CHECKPOINT_WHAT[key]}); move it away or pick another --run-dir.")
         return state
 
     def write_json(self, name: str, obj: Any) -> None:

@@ -81,7 +81,7 @@ def _simulate(args: argparse.Namespace) -> int:
                   f"trained, its results are unchanged. Give --rounds N with N > {done} to train more.", file=sys.stderr)
             history = ckpt.get("history") or []
             acc = history[-1].get("test_accuracy") if history else None
-            summary = {"final_test_accuracy": float("nan") if acc is None else acc, "rounds": done,
+            summary = {"final_test_accuracy": float(acc) if isinstance(acc, int | float) else float("nan"), "rounds": done,
                        "run_dir": str(run_dir.resolve())}
             results.append((run_dir, summary, 0.0))
             print(f"final test accuracy {summary['final_test_accuracy']:.4f} after {done} rounds (none trained now); "

@@ -12,9 +12,31 @@ from coordinator.rundir import CHECKPOINT, is_simulated, time_axis, time_label
 def test_checkpoint_round_trip(tmp_path):
     rd = RunDirectory(tmp_path / "run")
     assert rd.load_checkpoint() is None
-    rd.save_checkpoint({"round": 2, "weights": torch.ones(3), "history": [{"round": 1}, {"round": 2}]})
+    full = {"round": 2, "version": 2, "weights": torch.ones(3), "history": [{"round": 1}, {"round": 2}], "optimizer": {},
+            "rejections": {}, "fingerprint": {}}
+    rd.save_checkpoint(full)
     state = rd.load_checkpoint()
     assert state["round"] == 2 and torch.equal(state["weights"], torch.ones(3))
+
+
+@pytest.mark.parametrize("key, bad", [("fingerprint", None), ("optimizer", None), ("weights", "abc"),
+                                      ("weights", torch.ones(2, 2)), ("history", 5), ("history", [1, 2]),
+                                      ("version", "1"), ("rejections", [])])
+def test_a_checkpoint_that_loads_but_is_incomplete_is_one_error(tmp_path, key, bad):
+    """Only the round number used to be checked: resuming then failed with KeyError / AttributeError
+    (or, with history rows that are not dicts, in the CLI's "already holds N rounds" path)."""
+    from coordinator import CoordinatorError
+
+    state = {"round": 2, "version": 2, "weights": torch.ones(3), "history": [], "optimizer": {}, "rejections": {},
+             "fingerprint": {}}
+    if bad is None:
+        del state[key]
+    else:
+        state[key] = bad
+    rd = RunDirectory(tmp_path / "run")
+    rd.save_checkpoint(state)
+    with pytest.raises(CoordinatorError, match=rf"is not a complete fedshield checkpoint \('{key}' is missing or not"):
+        rd.load_checkpoint()
 
 
 @pytest.mark.parametrize("content", [b"junk\n", b"", b"\x80\x02}q\x00.", b"PK\x03\x04garbage"])

@@ -39,7 +39,8 @@ def _row(rnd: int, sim_time: float | None = None) -> dict:
 def _fake_run(path: Path, rounds: int, simulated: bool = False) -> None:
     """A run directory whose checkpoint holds ``rounds`` finished rounds (nothing else of a real run)."""
     rows = [_row(r, 10.0 * r if simulated else None) for r in range(1, rounds + 1)]
-    RunDirectory(path).save_checkpoint({"round": rounds, "version": rounds, "weights": torch.zeros(1), "history": rows})
+    RunDirectory(path).save_checkpoint({"round": rounds, "version": rounds, "weights": torch.zeros(1), "history": rows,
+                                        "optimizer": {}, "rejections": {}, "fingerprint": {}})
 
 
 # ----------------------------------------------------------------------------- file-system problems

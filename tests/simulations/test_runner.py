@@ -165,7 +165,8 @@ def test_a_lost_cluster_is_one_line_that_says_what_is_saved_and_how_to_resume(tm
     msg = str(_cluster_lost("127.0.0.1:6379 (Connection refused)", scn))
     assert msg.startswith("the Ray cluster stopped answering at 127.0.0.1:6379 (Connection refused) during the run, "
                           "before any round was saved") and "\n" not in msg
-    RunDirectory(tmp_path / "run").save_checkpoint({"round": 4, "weights": torch.zeros(3), "history": []})
+    RunDirectory(tmp_path / "run").save_checkpoint({"round": 4, "version": 4, "weights": torch.zeros(3), "optimizer": {},
+                                                    "history": [], "rejections": {}, "fingerprint": {}})
     msg = str(_cluster_lost("127.0.0.1:6379 (Connection refused)", scn))
     assert f"rounds 1-4 are saved in {tmp_path / 'run'}" in msg and f"--run-dir {tmp_path / 'run'}" in msg
     assert "\n" not in msg
