@@ -189,7 +189,25 @@ def check_ray_cluster(scn: Scenario) -> str | None:
         return check_ray_address(scn.sim.ray_address)
     if os.environ.get("RAY_ADDRESS"):
         return check_ray_address(os.environ["RAY_ADDRESS"], what="RAY_ADDRESS (from the environment)")
+    check_local_resources(scn)
     return None
+
+
+def check_local_resources(scn: Scenario) -> None:
+    """On a Ray instance of the run's own, one client actor must fit: ``client-cpus`` within the CPUs
+    Ray gets (``ray-num-cpus``, else this machine's), ``client-gpus`` only where there is a GPU.
+    Unchecked, Flower's engine logs an "ActorPool is empty" traceback per attempt and the run fails."""
+    cpus = scn.sim.ray_num_cpus or os.cpu_count() or 1
+    if scn.sim.client_cpus > cpus:
+        raise CoordinatorError(f"simulation.client-cpus must be <= the {cpus} CPUs Ray gets here "
+                               f"({'ray-num-cpus' if scn.sim.ray_num_cpus else 'this machine'}): no client actor would "
+                               f"fit. Found {scn.sim.client_cpus:g}.")
+    if scn.sim.client_gpus > 0:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise CoordinatorError(f"simulation.client-gpus must be 0 on a machine without a CUDA GPU: no client actor "
+                                   f"would fit. Found {scn.sim.client_gpus:g}.")
 
 
 class ClusterWatch:

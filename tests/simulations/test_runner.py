@@ -210,3 +210,27 @@ def test_a_finished_run_directory_is_returned_without_starting_an_engine(tmp_pat
     more = dataclasses.replace(scn, run=scn.run.replace(num_rounds=2))
     runner.run_scenario(more, tmp_path / "run", show_progress=False)  # rounds left: the engine runs
     assert started == ["engine"]
+
+
+def test_a_client_actor_that_cannot_fit_on_the_runs_own_ray_is_one_error(monkeypatch):
+    """Flower's engine used to log an 'ActorPool is empty' traceback per attempt, then fail."""
+    import torch
+
+    from coordinator import RunConfig
+    from simulations.runner import check_local_resources
+    from simulations.scenario import Scenario, SimulationSettings
+
+    def scn(**sim):
+        return Scenario(sim=SimulationSettings(name="t", num_supernodes=3, **sim), run=RunConfig.from_mapping({}))
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(CoordinatorError, match=r"client-cpus must be <= the 2 CPUs Ray gets here \(this machine\)"):
+        check_local_resources(scn(client_cpus=64.0))
+    with pytest.raises(CoordinatorError, match=r"client-cpus must be <= the 1 CPUs Ray gets here \(ray-num-cpus\)"):
+        check_local_resources(scn(client_cpus=1.5, ray_num_cpus=1))
+    with pytest.raises(CoordinatorError, match="client-gpus must be 0 on a machine without a CUDA GPU"):
+        check_local_resources(scn(client_gpus=1.0))
+    check_local_resources(scn(client_cpus=2.0))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    check_local_resources(scn(client_gpus=0.5))
