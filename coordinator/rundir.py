@@ -73,6 +73,21 @@ _CHECKPOINT_WHAT = {"round": "an int", "version": "an int", "weights": "a 1-D fl
                     "history": "a list of rows", "rejections": "a dict", "fingerprint": "a dict"}
 
 
+def check_run_dir(run_dir: Path, flag: str = "--run-dir") -> tuple[int, dict[str, Any] | None]:
+    """Before a run starts: the rounds ``run_dir``'s checkpoint holds (0 when new) and the checkpoint.
+    One CoordinatorError, creating nothing, when a file is in the way or the checkpoint is not one."""
+    from clients.cli import missing_ancestor
+
+    top = missing_ancestor(run_dir)
+    existing = run_dir if top is None else top.parent  # what mkdir -p would build on
+    if not existing.is_dir():
+        raise CoordinatorError(f"{flag} must be a directory. Found a file at {existing}; pick another {flag}.")
+    if not (run_dir / CHECKPOINT).exists():
+        return 0, None
+    ckpt = RunDirectory(run_dir).load_checkpoint()
+    return (int(ckpt["round"]), ckpt) if ckpt else (0, None)
+
+
 class RunDirectory:
     """All files of one run live under ``path``."""
 

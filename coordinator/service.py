@@ -31,7 +31,7 @@ from privacy import CertificatePaths, check_public_key
 
 from ._errors import CoordinatorError
 from .config import RunConfig
-from .rundir import SUMMARY
+from .rundir import SUMMARY, check_run_dir
 
 FEDERATION = "fedshield"
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -280,6 +280,8 @@ def start_coordinator(config: str, insecure: bool = False, run_dir: str | None =
               "reach the port can join and read the model. Use only for local tests.", file=sys.stderr)
     coord = Coordinator(cfg, insecure)
     run_path = Path(cfg.run.server.run_dir)
+    if cfg.run.server.run_dir:  # a file in the way or a bad checkpoint: before the SuperLink starts
+        check_run_dir(run_path, "run-dir")
     print(f"fedshield coordinator: SuperLink on {coord.address} ({'INSECURE' if insecure else 'TLS + node authentication'}), "
           f"run directory {run_path}", file=sys.stderr)
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cryptography import x509
-from cryptography.exceptions import UnsupportedAlgorithm
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
@@ -41,10 +41,34 @@ class CertificatePaths:
         return cls(d / CA_CERT, d / SERVER_CERT, d / SERVER_KEY)
 
     def check(self) -> "CertificatePaths":
+        """The three files exist and fit together: PEM certificates and key, the server certificate
+        signed by the CA and holding the server key's public half. Checked before the SuperLink
+        starts: a mismatch used to surface as an SSL error without a file name, or as a SuperLink
+        that never answered its health check (the start timeout, then a misleading message)."""
         for p in (self.ca_cert, self.server_cert, self.server_key):
             if not p.is_file():
                 raise PrivacyError(f"TLS file must exist. Found no file at {p}; run `fedshield certs init DIR`.")
+        ca, cert = _load_cert(self.ca_cert), _load_cert(self.server_cert)
+        try:
+            key = serialization.load_pem_private_key(self.server_key.read_bytes(), password=None)
+        except (ValueError, TypeError, UnsupportedAlgorithm):
+            raise PrivacyError(f"{self.server_key} must be an unencrypted PEM private key. Found something else.") from None
+        try:
+            cert.verify_directly_issued_by(ca)
+        except (ValueError, TypeError, InvalidSignature):
+            raise PrivacyError(f"{self.server_cert} must be signed by the CA in {self.ca_cert}. Found a certificate "
+                               "that CA did not issue; run `fedshield certs init DIR --force` to make a matching set.") from None
+        if key.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo) != \
+                cert.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo):
+            raise PrivacyError(f"{self.server_key} must be the key of {self.server_cert}. Found another key.")
         return self
+
+
+def _load_cert(path: Path) -> x509.Certificate:
+    try:
+        return x509.load_pem_x509_certificate(path.read_bytes())
+    except ValueError:
+        raise PrivacyError(f"{path} must be a PEM certificate. Found something else.") from None
 
 
 def _os_reason(exc: OSError) -> str:

@@ -17,22 +17,6 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"fedshield: error: {message}\n")
 
 
-def _rounds_done(run_dir: Path) -> tuple[int, dict | None]:
-    """Rounds already in ``run_dir``'s checkpoint (0 when new) and the checkpoint; creates nothing."""
-    from clients.cli import missing_ancestor
-    from coordinator import CoordinatorError, RunDirectory
-    from coordinator.rundir import CHECKPOINT
-
-    top = missing_ancestor(run_dir)
-    existing = run_dir if top is None else top.parent  # what mkdir -p would build on
-    if not existing.is_dir():
-        raise CoordinatorError(f"--run-dir must be a directory. Found a file at {existing}; pick another --run-dir.")
-    if not (run_dir / CHECKPOINT).exists():
-        return 0, None
-    ckpt = RunDirectory(run_dir).load_checkpoint()
-    return (int(ckpt["round"]), ckpt) if ckpt else (0, None)
-
-
 def _simulate(args: argparse.Namespace) -> int:
     from coordinator.rundir import time_axis, time_label
 
@@ -69,7 +53,9 @@ def _simulate(args: argparse.Namespace) -> int:
             dup = next(d for d in dirs if dirs.count(d) > 1)
             raise ConfigError(f"run.run-dir must differ between the scenarios of a comparison. Found {str(dup)!r} "
                               "for two of them (--set applies to every scenario).")
-    resumed = [_rounds_done(run_dir) for _, run_dir in runs]  # a file in the way or a bad checkpoint: before any run
+    from coordinator.rundir import check_run_dir
+
+    resumed = [check_run_dir(run_dir) for _, run_dir in runs]  # a file in the way or a bad checkpoint: before any run
     for scn, _ in runs:
         check_ray_cluster(scn)  # a Ray cluster that does not answer: before any run too
     results = []

@@ -78,3 +78,22 @@ def test_serverapp_stopping_with_a_fedshield_error_is_logged_as_one_line():
     bug = _record(ValueError("a bug"))
     assert OneLineErrors().filter(bug) and bug.exc_info is not None, "anything else keeps its traceback"
     assert "Traceback" in logging.Formatter().format(bug)
+
+
+@pytest.mark.parametrize("case", ["file", "bad-checkpoint"])
+def test_a_run_dir_that_cannot_be_used_is_one_error_before_the_superlink_starts(tmp_path, capsys, case):
+    """It used to be found by the ServerApp, after the SuperLink had started, keys were enrolled and
+    the run submitted: Flower's exit-code block, then a generic failure, about 17 s later."""
+    from simulations.cli import main
+
+    (tmp_path / "c.toml").write_text('[coordinator]\nport = 1\nstate-dir = "st"\n[run]\nrun-dir = "rd"\nmin-nodes = 1\n')
+    if case == "file":
+        (tmp_path / "rd").write_text("x")
+    else:
+        (tmp_path / "rd").mkdir()
+        (tmp_path / "rd" / "checkpoint.pt").write_bytes(b"junk")
+    assert main(["coordinator", "start", "--config", str(tmp_path / "c.toml"), "--insecure"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("fedshield: error: ") and ("must be a directory" if case == "file" else
+                                                       "is not a fedshield checkpoint") in err[-1]
+    assert not (tmp_path / "st").exists()  # nothing started, nothing made

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 
 import pytest
 from cryptography import x509
@@ -86,3 +87,32 @@ def test_node_key_path_without_a_name_is_one_error(path):
     """``fedshield keys new .`` used to raise ValueError (PosixPath('.') has an empty name)."""
     with pytest.raises(PrivacyError, match="key path must be DIR/NAME"):
         new_node_key(path)
+
+
+@pytest.mark.parametrize("case, message", [
+    ("garbage-ca", "ca.crt must be a PEM certificate. Found something else."),
+    ("garbage-cert", "server.crt must be a PEM certificate. Found something else."),
+    ("garbage-key", "server.key must be an unencrypted PEM private key. Found something else."),
+    ("other-ca", "server.crt must be signed by the CA in"),
+    ("other-key", "server.key must be the key of"),
+])
+def test_tls_files_that_do_not_fit_together_are_one_error_naming_the_file(tmp_path, case, message):
+    """Checked before the SuperLink starts: these used to give an SSL error without a file name, or a
+    SuperLink that never passed its health check (a CA that did not sign the server certificate)."""
+    import shutil
+
+    from privacy.transport import CertificatePaths
+
+    good, other = init_certificates(tmp_path / "a"), init_certificates(tmp_path / "b")
+    CertificatePaths.in_dir(tmp_path / "a").check()
+    d = tmp_path / "c"
+    shutil.copytree(tmp_path / "a", d)
+    paths = CertificatePaths.in_dir(d)
+    if case.startswith("garbage"):
+        {"garbage-ca": paths.ca_cert, "garbage-cert": paths.server_cert, "garbage-key": paths.server_key}[case].write_text("junk")
+    else:
+        src = CertificatePaths.in_dir(tmp_path / "b")
+        shutil.copy(src.ca_cert if case == "other-ca" else src.server_key, paths.ca_cert if case == "other-ca" else paths.server_key)
+    with pytest.raises(PrivacyError, match=re.escape(message)):
+        paths.check()
+    assert good and other
