@@ -114,7 +114,10 @@ class RunDirectory:
             raise CoordinatorError(f"checkpoint {path} must be readable. Found: {exc.strerror or exc}.") from None
         except Exception as exc:  # torch/pickle raise many kinds (UnpicklingError, RuntimeError, EOFError, KeyError...)
             text = str(exc).strip().splitlines()
-            reason = f"{type(exc).__name__}: {text[0][:100]}" if text else type(exc).__name__
+            if "Weights only load failed" in str(exc):  # torch's long explanation: what it means here, in a few words
+                reason = "it holds objects other than tensors and plain data, which are not unpickled"
+            else:
+                reason = f"{type(exc).__name__}: {text[0][:100]}" if text else type(exc).__name__
             raise CoordinatorError(f"{path} is not a fedshield checkpoint (torch.load failed: {reason}); "
                                    "move it away or pick another --run-dir.") from None
         if not isinstance(state, dict) or not isinstance(state.get("round"), int):

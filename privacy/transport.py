@@ -137,6 +137,7 @@ def init_certificates(directory: str | os.PathLike, extra_names: tuple[str, ...]
     paths = CertificatePaths.in_dir(d)
     if not force and any(p.exists() for p in (paths.ca_cert, paths.server_cert, paths.server_key, d / CA_KEY)):
         raise PrivacyError(f"certificate directory must not already hold certificates. Found them in {d}; use --force to replace.")
+    _no_dirs_in_the_way(paths.ca_cert, paths.server_cert, paths.server_key, d / CA_KEY)
     now = dt.datetime.now(dt.timezone.utc)
     ca_key = ec.generate_private_key(ec.SECP384R1())
     ca_cert = (
@@ -171,6 +172,14 @@ def init_certificates(directory: str | os.PathLike, extra_names: tuple[str, ...]
     return paths
 
 
+def _no_dirs_in_the_way(*paths: Path) -> None:
+    """Before anything is written (--force replaces files, not directories): a private key must not
+    be left behind because a later file of the set could not be written."""
+    for p in paths:
+        if p.is_dir():
+            raise PrivacyError(f"{p} must be a file (or not exist yet). Found a directory; move it away.")
+
+
 def new_node_key(path: str | os.PathLike, force: bool = False) -> tuple[Path, Path]:
     """Write an ECDSA P-384 key pair in OpenSSH format: ``path`` and ``path.pub``."""
     priv = Path(path)
@@ -179,6 +188,7 @@ def new_node_key(path: str | os.PathLike, force: bool = False) -> tuple[Path, Pa
     pub = priv.with_name(priv.name + ".pub")
     if not force and (priv.exists() or pub.exists()):
         raise PrivacyError(f"key path must not exist yet. Found {priv}; use --force to replace.")
+    _no_dirs_in_the_way(pub)
     make_dir(priv.parent, "key directory")
     key = ec.generate_private_key(ec.SECP384R1())
     _write(priv, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,

@@ -45,7 +45,7 @@ TIER_KEYS = {"name": "tier", "fraction": None, "compute-s-per-example": "compute
              "sigma": "sigma", "availability": "availability", "dropout": "dropout"}
 REQUIRED_TIER_KEYS = ("name", "fraction", "compute-s-per-example", "uplink-mbps", "downlink-mbps")
 # fraction is the scenario's own number; the others are DeviceProfile's, under its rules
-TIER_RULES = {"fraction": (0.0, True, math.inf, False, "a number > 0 (fractions are normalised to sum to 1)"),
+TIER_RULES = {"fraction": (0.0, True, 1e6, False, "a number in (0, 1e6] (fractions are normalised to sum to 1)"),
               **{key: PROFILE_RULES[attr] for key, attr in TIER_KEYS.items() if attr in PROFILE_RULES}}
 
 

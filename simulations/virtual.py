@@ -99,7 +99,7 @@ PROFILE_RULES: dict[str, tuple[float, bool, float, bool, str]] = {
     "uplink_mbps": (0.0, True, math.inf, False, "a finite number > 0 (Mbit/s)"),
     "downlink_mbps": (0.0, True, math.inf, False, "a finite number > 0 (Mbit/s)"),
     "latency_s": (0.0, False, math.inf, False, "a finite number >= 0 (seconds)"),
-    "sigma": (0.0, False, math.inf, False, "a finite number >= 0"),
+    "sigma": (0.0, False, 10.0, False, "a number in [0, 10] (LogNormal(0, 10) already spans e^+-30)"),
     "availability": (0.0, True, 1.0, False, "a number in (0, 1]"),
     "dropout": (0.0, False, 1.0, True, "a number in [0, 1)"),
 }

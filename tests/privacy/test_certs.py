@@ -116,3 +116,18 @@ def test_tls_files_that_do_not_fit_together_are_one_error_naming_the_file(tmp_pa
     with pytest.raises(PrivacyError, match=re.escape(message)):
         paths.check()
     assert good and other
+
+
+def test_force_never_leaves_a_private_key_behind_when_a_later_file_cannot_be_written(tmp_path):
+    """A directory where the public half (or a certificate) goes used to fail after the private key
+    was written: --force left a lone private key."""
+    (tmp_path / "k").mkdir()
+    (tmp_path / "k" / "b.pub").mkdir()
+    with pytest.raises(PrivacyError, match=r"b\.pub must be a file \(or not exist yet\)\. Found a directory"):
+        new_node_key(tmp_path / "k" / "b", force=True)
+    assert not (tmp_path / "k" / "b").exists()
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "ca.crt").mkdir()
+    with pytest.raises(PrivacyError, match=r"ca\.crt must be a file"):
+        init_certificates(tmp_path / "c", force=True)
+    assert sorted(p.name for p in (tmp_path / "c").iterdir()) == ["ca.crt"]

@@ -50,7 +50,9 @@ def test_tiers_under_another_engine_are_refused_after_overrides(tmp_path, engine
     ("latency-s = 0.03", 'latency-s = "fast"', "tiers[1]: latency-s must be a finite number >= 0 (seconds). Found 'fast'."),
     ("availability = 0.9", "availability = 0.0", "tiers[1]: availability must be a number in (0, 1]. Found 0.0."),
     ("dropout = 0.01", "dropout = 1.0", "tiers[1]: dropout must be a number in [0, 1). Found 1.0."),
-    ("fraction = 0.25", "fraction = 0", "tiers[1]: fraction must be a number > 0"),
+    ("fraction = 0.25", "fraction = 0", "tiers[1]: fraction must be a number in (0, 1e6]"),
+    ("fraction = 0.25", "fraction = 1e308", "tiers[1]: fraction must be a number in (0, 1e6]"),  # sums overflowed to inf
+    ("sigma = 0.3", "sigma = 1e308", "tiers[1]: sigma must be a number in [0, 10]"),  # lognormvariate overflowed
     ('name = "laptop"', "name = 3", "tiers[1]: name must be a non-empty string. Found 3."),
     ('name = "laptop"', "", "tiers[1]: name must be given. Found None."),
     ("sigma = 0.3", "speed = 3", "tiers[1].speed must be one of the tier keys ["),
