@@ -20,7 +20,8 @@ def load_npz(path: str | os.PathLike) -> Dataset:
     """Read ``x`` (n, features) and ``y`` (n,) from an .npz file (never unpickles)."""
     p = Path(path)
     if not p.is_file():
-        raise ClientError(f"data path must be an existing .npz file. Found {str(p)!r} (no such file).")
+        raise ClientError(f"data path must be an existing .npz file. Found {str(p)!r} "
+                          f"({'a directory' if p.is_dir() else 'no such file'}).")
     try:
         with open(p, "rb") as fh:
             magic = fh.read(4)

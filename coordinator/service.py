@@ -27,7 +27,7 @@ from typing import Any
 import tomli_w
 
 from clients.config import ConfigError, build_config, check
-from privacy import CertificatePaths, check_public_key
+from privacy import CertificatePaths, check_public_key, make_dir
 
 from ._errors import CoordinatorError
 from .config import RunConfig
@@ -75,7 +75,10 @@ def load_coordinator_config(path: str | os.PathLike, run_dir: str | None = None)
         raise ConfigError(f"--config must be an existing TOML file. Found {str(p)!r} "
                           f"({'a directory' if p.is_dir() else 'no such file'}).")
     try:
-        data = tomllib.loads(p.read_text())
+        data = tomllib.loads(p.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"--config {str(p)!r} must be UTF-8 text (TOML). Found byte 0x{exc.object[exc.start]:02x} at "
+                          f"offset {exc.start}.") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{p} must be valid TOML. Found error: {exc}.") from None
     unknown = sorted(set(data) - {"coordinator", "run"})
@@ -159,8 +162,8 @@ class Coordinator:
                                        f"{exc.strerror}.") from None
 
     def start_superlink(self) -> None:
-        self.state.mkdir(parents=True, exist_ok=True)
-        self.check_port_free()
+        self.check_port_free()  # before anything is made on disk
+        make_dir(self.state, "coordinator.state-dir", ConfigError)
         s = self.cfg.service
         # In-memory SuperLink state: a restarted coordinator starts a fresh link (the run itself
         # resumes from the run directory's checkpoint); agents then start again and re-join.

@@ -97,3 +97,23 @@ def test_a_run_dir_that_cannot_be_used_is_one_error_before_the_superlink_starts(
     assert err[-1].startswith("fedshield: error: ") and ("must be a directory" if case == "file" else
                                                        "is not a fedshield checkpoint") in err[-1]
     assert not (tmp_path / "st").exists()  # nothing started, nothing made
+
+
+def test_state_dir_and_config_encoding_errors_name_what_is_wrong(tmp_path, capsys):
+    """A state-dir that is a file used to end with '...: File exists.' after the SuperLink line; a
+    config that is not UTF-8 with 'a file must be UTF-8 text' and no file name."""
+    from simulations.cli import main
+
+    (tmp_path / "c.toml").write_text(f'[coordinator]\nport = {_free_port()}\nstate-dir = "c.toml"\n[run]\nmin-nodes = 1\n')
+    assert main(["coordinator", "start", "--config", str(tmp_path / "c.toml"), "--insecure"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == \
+        f"fedshield: error: coordinator.state-dir must be a directory. Found a file at {tmp_path / 'c.toml'}."
+    (tmp_path / "bad.toml").write_bytes(b"\xff\xfe")
+    assert main(["coordinator", "start", "--config", str(tmp_path / "bad.toml"), "--insecure"]) == 2
+    assert "bad.toml' must be UTF-8 text (TOML). Found byte 0xff at offset 0." in capsys.readouterr().err
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
