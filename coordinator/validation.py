@@ -110,6 +110,10 @@ def validate_reply(reply: Message, exp: RoundExpectation, *, check_norm: bool = 
     content = reply.content
     if ARRAYS not in content.array_records or METRICS not in content.metric_records:
         raise RejectedReply(node, "missing-record", f"reply must hold '{ARRAYS}' and '{METRICS}'; found {list(content.keys())}")
+    extra = sorted(set(content.keys()) - {ARRAYS, CODEC, METRICS})
+    if extra:  # nothing else is read: unchecked, a record of any size would ride along uncounted
+        raise RejectedReply(node, "unexpected-record", f"reply must hold only '{ARRAYS}', '{CODEC}' and '{METRICS}'; "
+                            f"found {', '.join(repr(k[:40]) for k in extra[:3])}")
     arrays: dict[str, Array] = dict(content.array_records[ARRAYS].items())
     if CODEC in content.config_records:
         header = dict(content.config_records[CODEC])

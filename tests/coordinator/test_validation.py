@@ -121,6 +121,16 @@ def test_an_error_reply_without_a_reason_is_rejected_not_a_crash(reason):
     assert exc.value.rule == "error-reply" and "no reason given" in exc.value.detail
 
 
+def test_a_record_the_coordinator_does_not_read_is_rejected():
+    """A reply could carry extra records of any size past the size limit, uncounted in bytes_up."""
+    ins = _instruction(11, "m1")
+    reply = _reply(ins, delta=torch.ones(N))
+    reply.content["padding"] = ArrayRecord({"x": Array(np.zeros(1 << 20, np.float32))})
+    with pytest.raises(RejectedReply, match="reply must hold only 'arrays', 'codec' and 'metrics'; found 'padding'") as exc:
+        validate_reply(reply, _exp())
+    assert exc.value.rule == "unexpected-record"
+
+
 def test_missing_records_and_arrays():
     ins = _instruction(11, "m1")
     assert _rule(Message(RecordDict({METRICS: MetricRecord({"num-examples": 1})}), reply_to=ins)) == "missing-record"
