@@ -109,6 +109,16 @@ def check_reachable(host: str, port: int, timeout: float = 5.0) -> None:
         raise ClientError(f"coordinator must be reachable at {host}:{port}. Found: {exc.strerror or exc}.") from None
 
 
+def bind_probe(host: str, port: int) -> None:
+    """Bind ``host:port`` and let it go again: raises socket.gaierror (no such host) or OSError as a
+    server's bind would. SO_REUSEADDR: a port left in TIME_WAIT by an earlier run counts as free; one
+    that a socket listens on does not (no SO_REUSEPORT, so a gRPC server's shared port is refused too)."""
+    family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -160,11 +170,10 @@ def supernode_command(args: argparse.Namespace) -> list[str]:
     if args.port:  # checked here: Flower would print its usage, or a traceback for a port in use
         if not 0 < args.port < 65536:
             raise ClientError(f"--port must be in [1, 65535] (0: a free one). Found {args.port}.")
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", args.port))
-            except OSError as exc:
-                raise ClientError(f"--port {args.port} must be free on 127.0.0.1. Found: {exc.strerror or exc}.") from None
+        try:
+            bind_probe("127.0.0.1", args.port)
+        except OSError as exc:
+            raise ClientError(f"--port {args.port} must be free on 127.0.0.1. Found: {exc.strerror or exc}.") from None
     cmd += ["--host", "127.0.0.1", "--port", str(args.port or free_port())]
     cmd += ["--max-retries", str(max(0, args.max_retries)), "--max-wait-time", "30"]
     check_reachable(host, port)

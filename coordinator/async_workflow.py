@@ -207,10 +207,10 @@ class BufferedAsyncWorkflow(SyncWorkflow):
                     continue
                 self._resolved.add(mid)
                 window["replies"] += 1
-                accepted = self._take(reply, mid, flight, acc, window)
-                if accepted:
-                    last_progress = self.clock.now()
-                if accepted and acc.count >= self.buffer_size:
+                if not self._take(reply, mid, flight, acc, window):
+                    continue
+                last_progress = self.clock.now()
+                if acc.count >= self.buffer_size:
                     try:
                         self._release(acc, window, t0, last_release, nodes)
                     except BudgetExhausted as exc:

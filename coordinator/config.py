@@ -151,9 +151,11 @@ class AggregationSettings:
         """``codec`` (or the named one, e.g. ``slow-link-codec``) with its parameters from these settings."""
         return create_codec(name or self.codec, **self.codec_params(name))
 
+    def aggregator_params(self) -> dict[str, Any]:
+        return {k: getattr(self, attr) for k, attr in AGGREGATOR_PARAMS[self.aggregator].items()}
+
     def make_aggregator(self, numel: int, device: Any, max_clients: int) -> Any:
-        params = {k: getattr(self, attr) for k, attr in AGGREGATOR_PARAMS[self.aggregator].items()}
-        return create_aggregator(self.aggregator, numel, device, max_clients, **params)
+        return create_aggregator(self.aggregator, numel, device, max_clients, **self.aggregator_params())
 
 
 WORKFLOWS = ("sync", "fedbuff")
@@ -374,9 +376,10 @@ class RunConfig:
                 check(ok, key, f"{rule} under secure-aggregation = {self.secure.secure_aggregation!r}", found)
         agg = self.aggregation
         if agg.aggregator in ("krum", "multi-krum"):  # else every round would end with too few updates to combine
-            need = krum_min_updates(agg.krum_f, agg.krum_m if agg.aggregator == "multi-krum" else 1)
-            why = (f"to give aggregator = {agg.aggregator!r} the {need} updates it needs with krum-f = {agg.krum_f}"
-                   + (f" and krum-m = {agg.krum_m}" if agg.aggregator == "multi-krum" else ""))
+            params = agg.aggregator_params()  # krum: f; multi-krum: f and m
+            need = krum_min_updates(**params)
+            why = (f"to give aggregator = {agg.aggregator!r} the {need} updates it needs with "
+                   + " and ".join(f"krum-{k} = {v}" for k, v in params.items()))
             if self.asynchrony.workflow == "sync":
                 check(self.server.min_nodes >= need, "min-nodes", f"be >= {need} {why}", self.server.min_nodes)
             else:

@@ -67,10 +67,10 @@ def _atomic_write(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-_CHECKPOINT_PARTS = {"round": int, "version": int, "weights": torch.Tensor, "optimizer": dict, "history": list,
-                     "rejections": dict, "fingerprint": dict}
-_CHECKPOINT_WHAT = {"round": "an int", "version": "an int", "weights": "a 1-D floating tensor", "optimizer": "a dict",
-                    "history": "a list of rows", "rejections": "a dict", "fingerprint": "a dict"}
+# What resuming reads from a checkpoint: its type, and the rule in words.
+_CHECKPOINT_PARTS = {"version": (int, "an int"), "weights": (torch.Tensor, "a 1-D floating tensor"),
+                     "optimizer": (dict, "a dict"), "history": (list, "a list of rows"), "rejections": (dict, "a dict"),
+                     "fingerprint": (dict, "a dict")}
 
 
 def check_run_dir(run_dir: Path, flag: str = "--run-dir") -> tuple[int, dict[str, Any] | None]:
@@ -85,7 +85,8 @@ def check_run_dir(run_dir: Path, flag: str = "--run-dir") -> tuple[int, dict[str
     if not (run_dir / CHECKPOINT).exists():
         return 0, None
     ckpt = RunDirectory(run_dir).load_checkpoint()
-    return (int(ckpt["round"]), ckpt) if ckpt else (0, None)
+    assert ckpt is not None  # the file exists: a checkpoint, or the CoordinatorError above
+    return int(ckpt["round"]), ckpt
 
 
 class RunDirectory:
@@ -123,7 +124,7 @@ class RunDirectory:
         if not isinstance(state, dict) or not isinstance(state.get("round"), int):
             raise CoordinatorError(f"{path} is not a fedshield checkpoint (no round number in it); "
                                    "move it away or pick another --run-dir.")
-        for key, typ in _CHECKPOINT_PARTS.items():  # what resuming reads: all of it checked before any of it is used
+        for key, (typ, what) in _CHECKPOINT_PARTS.items():  # all of it checked before any of it is used
             value = state.get(key)
             ok = isinstance(value, typ) and not isinstance(value, bool)
             if ok and key == "weights":
@@ -132,7 +133,7 @@ class RunDirectory:
                 ok = all(isinstance(row, dict) for row in value)
             if not ok:
                 raise CoordinatorError(f"{path} is not a complete fedshield checkpoint ({key!r} is missing or not "
-                                       f"{_CHECKPOINT_WHAT[key]}); move it away or pick another --run-dir.")
+                                       f"{what}); move it away or pick another --run-dir.")
         return state
 
     def write_json(self, name: str, obj: Any) -> None:

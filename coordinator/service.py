@@ -26,6 +26,7 @@ from typing import Any
 
 import tomli_w
 
+from clients.cli import bind_probe
 from clients.config import ConfigError, build_config, check
 from privacy import CertificatePaths, check_public_key, make_dir
 
@@ -144,22 +145,15 @@ class Coordinator:
         run) would reach whatever already listens there, such as another coordinator's SuperLink."""
         s = self.cfg.service
         try:
-            infos = socket.getaddrinfo(s.host, s.port, type=socket.SOCK_STREAM)
+            bind_probe(s.host, s.port)
         except socket.gaierror as exc:
             raise ConfigError(f"coordinator.host must resolve to an address. Found {s.host!r}: {exc.strerror}.") from None
-        family, _, _, _, addr = infos[0]
-        with socket.socket(family, socket.SOCK_STREAM) as sock:
-            # SO_REUSEADDR: a port left in TIME_WAIT by an earlier run counts as free; one that a socket
-            # listens on does not (no SO_REUSEPORT here, so a gRPC server's shared port is refused too)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                sock.bind(addr)
-            except OSError as exc:
-                if exc.errno == errno.EADDRINUSE:
-                    raise CoordinatorError(f"coordinator.port {s.port} on {s.host} must be free. Found it in use "
-                                           "(another coordinator or SuperLink?): stop that or pick another port.") from None
-                raise CoordinatorError(f"coordinator.host:port {s.host}:{s.port} must be bindable. Found: "
-                                       f"{exc.strerror}.") from None
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise CoordinatorError(f"coordinator.port {s.port} on {s.host} must be free. Found it in use "
+                                       "(another coordinator or SuperLink?): stop that or pick another port.") from None
+            raise CoordinatorError(f"coordinator.host:port {s.host}:{s.port} must be bindable. Found: "
+                                   f"{exc.strerror}.") from None
 
     def start_superlink(self) -> None:
         self.check_port_free()  # before anything is made on disk

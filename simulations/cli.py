@@ -18,7 +18,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from coordinator.rundir import time_axis, time_label
+    from coordinator.rundir import check_run_dir, time_axis, time_label
 
     from .runner import check_ray_cluster, run_scenario
     from .scenario import load_scenario, parse_override
@@ -53,8 +53,6 @@ def _simulate(args: argparse.Namespace) -> int:
             dup = next(d for d in dirs if dirs.count(d) > 1)
             raise ConfigError(f"run.run-dir must differ between the scenarios of a comparison. Found {str(dup)!r} "
                               "for two of them (--set applies to every scenario).")
-    from coordinator.rundir import check_run_dir
-
     resumed = [check_run_dir(run_dir) for _, run_dir in runs]  # a file in the way or a bad checkpoint: before any run
     for scn, _ in runs:
         check_ray_cluster(scn)  # a Ray cluster that does not answer: before any run too

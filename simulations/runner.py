@@ -290,9 +290,8 @@ def run_flower_engine(scn: Scenario, on_round: RoundCallback | None) -> dict[str
                 stop.set()
                 if interrupted():  # the ServerApp's RunInterrupted, or whatever else the stop caused
                     raise KeyboardInterrupt from None
-                if watch.lost:
-                    raise _cluster_lost(watch.lost, scn) from None
-                raise
+                if not watch.lost:  # (a lost cluster is reported below, whatever the engine raised on its way out)
+                    raise
             if interrupted():  # the KeyboardInterrupt itself may have been swallowed on the way out
                 raise KeyboardInterrupt
     finally:

@@ -4,7 +4,6 @@ for the virtual-clock engine)."""
 from __future__ import annotations
 
 import dataclasses
-import math
 import tomllib
 from collections.abc import Mapping
 from importlib import resources

@@ -208,13 +208,13 @@ def restorer(out: torch.Tensor, zero: bool) -> Callable[[int, int], None]:
 
 
 def settle_batch(sq: np.ndarray, added: np.ndarray, scale: float, max_norm: float, block: int, numel: int,
-                 add_range: Callable[[int, int, int, float], None], restore: Callable[[int, int], None],
+                 add_range: Callable[[int, int, int], None], restore: Callable[[int, int], None],
                  float32_norm: bool = True) -> list[float | UpdateRejected]:
     """Decide a batch after a kernel pass (``aggregation.kernels``): ``sq[c, b]`` is update ``c``'s
     sum of squares over block ``b`` (of ``block`` elements) times ``scale**2``, ``added[c, b]`` how
     many of that block's first elements were added ahead. A block that a rejected update had parts
     added to is rebuilt: ``restore(lo, hi)`` puts back its values from before the batch, then every
-    accepted update is added to it again (``add_range(c, lo, hi, 1)``). Nothing of a rejected
+    accepted update is added to it again (``add_range(c, lo, hi)``). Nothing of a rejected
     update stays in the sum, whatever its weight: subtracting it again instead would leave float32
     rounding of its own size, which a large weight makes larger than everyone else's sum. An
     accepted update gets the rest of each other block (``add_range``: only where a step was too
@@ -236,11 +236,11 @@ def settle_batch(sq: np.ndarray, added: np.ndarray, scale: float, max_norm: floa
         lo, hi = b * block, b * block + int(lengths[b])
         restore(lo, hi)
         for c in keep:
-            add_range(c, lo, hi, 1.0)
+            add_range(c, lo, hi)
     # The other blocks, for the whole batch at once: an accepted update's that were not added in full.
     todo = accepted[:, None] & (added != lengths) & ~dirty[None, :]
     for c, b in zip(*(i.tolist() for i in np.nonzero(todo)), strict=True):
         lo, done = b * block, int(added[c, b])
-        add_range(c, lo + done, lo + int(lengths[b]), 1.0)
+        add_range(c, lo + done, lo + int(lengths[b]))
     return [math.sqrt(t) if r is None else UpdateRejected(r, math.sqrt(t) if r == "norm-too-large" else math.inf, max_norm)
             for t, r in zip(totals.tolist(), rules, strict=True)]

@@ -77,8 +77,8 @@ class DenseCodec(Codec):
                            kernels.typed_list([p.host[VALUES] if p.host else p.tensors[VALUES].numpy() for p in batch]), ws, cap, out.numpy(),
                            block, kernels.SUB, sq, added, bool(zero))
 
-        def add_range(c: int, lo: int, hi: int, sign: float) -> None:
-            out[lo:hi].add_(batch[c].tensors[VALUES][lo:hi], alpha=sign * float(ws[c]))
+        def add_range(c: int, lo: int, hi: int) -> None:
+            out[lo:hi].add_(batch[c].tensors[VALUES][lo:hi], alpha=float(ws[c]))
 
         return settle_batch(sq, added, 1.0, max_norm, block, out.numel(), add_range, restore)
 

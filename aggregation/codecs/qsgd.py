@@ -252,8 +252,8 @@ class QSGDCodec(Codec):
         kernels.run_ranges(impl.qsgd_range, numel, block, kernels.typed_list(codes), kernels.typed_list(scales), bits,
                            chunk, ws, (cap * m) ** 2, out.numpy(), block, sq, added, bool(zero))
 
-        def add_range(c: int, lo: int, hi: int, sign: float) -> None:
-            impl.qsgd_add(codes[c], scales[c], bits, chunk, sign * float(ws[c]) / m, out.numpy(), lo, hi)
+        def add_range(c: int, lo: int, hi: int) -> None:
+            impl.qsgd_add(codes[c], scales[c], bits, chunk, float(ws[c]) / m, out.numpy(), lo, hi)
 
         return settle_batch(sq, added, float(m), max_norm, block, numel, add_range, restore, float32_norm=False)
 

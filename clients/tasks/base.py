@@ -77,18 +77,17 @@ class Task(ABC):
     def check_data(cls, data: Dataset, source: str) -> Dataset:
         """Validate a client's own data against the task's input and label space (a classmethod:
         the agent checks a data file against every task before it starts)."""
-        self = cls
         x, y = data.x, data.y
         if not (np.issubdtype(x.dtype, np.floating) or np.issubdtype(x.dtype, np.integer)):
             raise ClientError(f"{source}: x must be numeric. Found dtype {x.dtype}.")
         if not np.issubdtype(y.dtype, np.integer):
             raise ClientError(f"{source}: y must hold integer labels. Found dtype {y.dtype}.")
-        if x.ndim != 2 or x.shape[1] != self.input_dim:
-            raise ClientError(f"{source}: x must have shape (n, {self.input_dim}) for task {self.name}. Found {x.shape}.")
+        if x.ndim != 2 or x.shape[1] != cls.input_dim:
+            raise ClientError(f"{source}: x must have shape (n, {cls.input_dim}) for task {cls.name}. Found {x.shape}.")
         if y.shape != (x.shape[0],) or len(y) == 0:
             raise ClientError(f"{source}: y must have shape ({x.shape[0]},) and n > 0. Found {y.shape}.")
-        if not np.issubdtype(y.dtype, np.integer) or y.min() < 0 or y.max() >= self.num_classes:
-            raise ClientError(f"{source}: y must hold integer labels in [0, {self.num_classes}). Found {y.dtype} {y.min()}..{y.max()}.")
+        if y.min() < 0 or y.max() >= cls.num_classes:  # (integer dtype: checked above)
+            raise ClientError(f"{source}: y must hold integer labels in [0, {cls.num_classes}). Found {y.dtype} {y.min()}..{y.max()}.")
         x32 = x.astype(np.float32, copy=False)  # what training sees: 1e39 in float64 is inf here
         if not np.isfinite(x32).all():
             raise ClientError(f"{source}: x must be finite as float32. Found NaN, inf or |x| > 3.4e38.")
