@@ -4,6 +4,19 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 
+SHOWN_CHARS = 80  # the most of a found value an error message repeats
+
+
+def shown(value: Any, limit: int = SHOWN_CHARS) -> str:
+    """``repr(value)`` for an error message, cut to ``limit`` characters with the length it had:
+    a value from the network or a config file (a 100 kB string, a 300-digit number) must not flood
+    the log or the one-line message it lands in."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} characters)"
+
+
 class AggregationError(ValueError):
     """An update, codec or aggregation setting broke a rule; the message says which."""
 

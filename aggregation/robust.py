@@ -42,7 +42,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from ._errors import AggregationError, UpdateRejected, each_checked
+from ._errors import AggregationError, UpdateRejected, each_checked, shown
 from .accumulator import WeightedAccumulator
 from .staging import DeviceStager
 from ._registry import Registry
@@ -72,7 +72,7 @@ def create_aggregator(name: str, numel: int, device: torch.device | str, max_cli
 
 def _check(ok: bool, what: str, rule: str, found: Any) -> None:
     if not ok:
-        raise AggregationError(f"{what} must {rule}. Found {found!r}.")
+        raise AggregationError(f"{what} must {rule}. Found {shown(found)}.")
 
 
 def _is_int(x: Any) -> bool:

@@ -14,6 +14,8 @@ import typing
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
+from aggregation._errors import shown
+
 from ._errors import ConfigError
 
 T = TypeVar("T")
@@ -26,7 +28,7 @@ def kebab(name: str) -> str:
 def check(ok: bool, key: str, rule: str, found: Any) -> None:
     """Raise ``ConfigError("<key> must <rule>. Found <found>.")`` unless ``ok``."""
     if not ok:
-        raise ConfigError(f"{key} must {rule}. Found {found!r}.")
+        raise ConfigError(f"{key} must {rule}. Found {shown(found)}.")
 
 
 def _coerce(value: Any, typ: Any, key: str) -> Any:

@@ -45,7 +45,7 @@ from .config import RunConfig
 from .progress import format_row
 from .rundir import CONFIG as CONFIG_FILE
 from .rundir import SUMMARY, RunDirectory
-from .validation import RejectedReply, RoundExpectation, add_reply, validate_reply
+from .validation import LossMean, RejectedReply, RoundExpectation, add_reply, validate_reply
 from .workflow import Clock, RoundCallback, SyncWorkflow
 
 __all__ = ["BufferedAsyncWorkflow", "Flight", "LedgerEntry"]
@@ -234,7 +234,7 @@ class BufferedAsyncWorkflow(SyncWorkflow):
 
     @staticmethod
     def _fresh_window() -> dict[str, Any]:
-        return {"selected": 0, "bytes_down": 0, "replies": 0, "rejected": Counter(), "bytes_up": 0, "loss_sum": 0.0,
+        return {"selected": 0, "bytes_down": 0, "replies": 0, "rejected": Counter(), "bytes_up": 0, "loss": LossMean(),
                 "staleness": [], "local_eps": [], "norms": []}
 
     def _take(self, reply: Message, mid: str, flight: Flight, acc: Any, window: dict[str, Any]) -> bool:
@@ -259,7 +259,7 @@ class BufferedAsyncWorkflow(SyncWorkflow):
         self.ledger.append(LedgerEntry(mid, flight.node_id, flight.base_version, self.version, "accepted",
                                        staleness, weight, self.round + 1))
         window["staleness"].append(staleness)
-        window["loss_sum"] += ok.train_loss * weight
+        window["loss"].add(ok)
         window["bytes_up"] += ok.nbytes
         if ok.local_epsilon is not None:
             window["local_eps"].append(ok.local_epsilon)
@@ -286,7 +286,7 @@ class BufferedAsyncWorkflow(SyncWorkflow):
             "round": self.round, "nodes_online": len(nodes), "selected": window["selected"],
             "bytes_down": window["bytes_down"], "replies": window["replies"], "accepted": acc.count,
             "rejected": sum(rejected.values()), "rejected_by_rule": dict(rejected), "bytes_up": window["bytes_up"],
-            "train_loss": window["loss_sum"] / acc.total_weight, "test_accuracy": test_acc, "test_loss": test_loss,
+            "train_loss": window["loss"].value, "test_accuracy": test_acc, "test_loss": test_loss,
             "version": self.version, "round_time_s": now - last_release,
             "wall_time_s": time.monotonic() - self.wall_start, "sim_time_s": now - t0,
             "mean_staleness": sum(window["staleness"]) / len(window["staleness"]),

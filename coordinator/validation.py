@@ -20,6 +20,7 @@ from typing import Any
 from flwr.app import Array, Message
 
 from aggregation import AggregationError, UpdateRejected
+from aggregation._errors import shown
 from aggregation.codecs import Codec, Parsed
 from clients.protocol import ARRAYS, CODEC, DELTA, METRICS
 
@@ -73,14 +74,14 @@ def check_envelope(reply: Message, asked: int, rnd: int) -> None:
     if asked != node:
         raise RejectedReply(node, "unknown-sender", f"reply must come from node {asked}, the node asked")
     if reply.metadata.group_id != str(rnd):
-        raise RejectedReply(node, "wrong-round", f"group id must be {rnd}; found {reply.metadata.group_id!r}")
+        raise RejectedReply(node, "wrong-round", f"group id must be {rnd}; found {shown(reply.metadata.group_id, 40)}")
 
 
 def check_num_examples(node: int, metrics: Any, max_examples: int) -> int:
     """The reply's ``num-examples``: an integer in [1, max_examples], else RejectedReply."""
     num = metrics.get("num-examples")
     if not isinstance(num, int) or isinstance(num, bool) or not 0 < num <= max_examples:
-        raise RejectedReply(node, "bad-num-examples", f"num-examples must be an integer in [1, {max_examples}]; found {num!r}")
+        raise RejectedReply(node, "bad-num-examples", f"num-examples must be an integer in [1, {max_examples}]; found {shown(num, 40)}")
     return num
 
 
@@ -88,7 +89,7 @@ def check_base_version(node: int, metrics: Any, version: int) -> None:
     """The reply must have trained from the model version it was sent."""
     base = metrics.get("base-version")
     if base != version:
-        raise RejectedReply(node, "stale-version", f"base-version must be {version}; found {base!r}")
+        raise RejectedReply(node, "stale-version", f"base-version must be {version}; found {shown(base, 40)}")
 
 
 def validate_reply(reply: Message, exp: RoundExpectation, *, check_norm: bool = True) -> ValidReply:
@@ -109,7 +110,7 @@ def validate_reply(reply: Message, exp: RoundExpectation, *, check_norm: bool = 
     check_envelope(reply, exp.sent[msg_id], exp.round)
     content = reply.content
     if ARRAYS not in content.array_records or METRICS not in content.metric_records:
-        raise RejectedReply(node, "missing-record", f"reply must hold '{ARRAYS}' and '{METRICS}'; found {list(content.keys())}")
+        raise RejectedReply(node, "missing-record", f"reply must hold '{ARRAYS}' and '{METRICS}'; found {shown(list(content.keys()))}")
     extra = sorted(set(content.keys()) - {ARRAYS, CODEC, METRICS})
     if extra:  # nothing else is read: unchecked, a record of any size would ride along uncounted
         raise RejectedReply(node, "unexpected-record", f"reply must hold only '{ARRAYS}', '{CODEC}' and '{METRICS}'; "
@@ -144,11 +145,34 @@ def validate_reply(reply: Message, exp: RoundExpectation, *, check_norm: bool = 
     num = check_num_examples(node, metrics, exp.max_examples)
     check_base_version(node, metrics, exp.version)
     loss = metrics.get("train-loss", float("nan"))
-    loss = float(loss) if isinstance(loss, int | float) and math.isfinite(loss) else float("nan")
+    loss = float(loss) if isinstance(loss, int | float) and abs(loss) <= MAX_TRAIN_LOSS else float("nan")
     eps = metrics.get("local-epsilon")
     eps = float(eps) if isinstance(eps, int | float) and not isinstance(eps, bool) and math.isfinite(eps) else None
     return ValidReply(node_id=node, parsed=parsed, num_examples=num, train_loss=loss, nbytes=nbytes, norm=norm,
                       local_epsilon=eps)
+
+
+MAX_TRAIN_LOSS = 1e30  # a reported train-loss past this (or not finite, or missing) is unknown: nan, left out of means
+
+
+class LossMean:
+    """A round's training loss: the accepted replies' reported ``train-loss``, averaged over their
+    examples (``num-examples``), whatever weight their update got in the sum (1 under central DP, a
+    staleness factor for a late reply). A reply whose loss is unknown (nan, see ``validate_reply``)
+    is left out of the mean instead of making it nan; a loss within ``MAX_TRAIN_LOSS`` cannot make
+    it overflow."""
+
+    def __init__(self) -> None:
+        self.total, self.examples = 0.0, 0
+
+    def add(self, ok: "ValidReply") -> None:
+        if not math.isnan(ok.train_loss):
+            self.total += ok.train_loss * ok.num_examples
+            self.examples += ok.num_examples
+
+    @property
+    def value(self) -> float:
+        return self.total / self.examples if self.examples else float("nan")
 
 
 def add_replies(agg: Any, items: list[tuple[ValidReply, float, RoundExpectation]]) -> list[ValidReply | RejectedReply]:

@@ -38,7 +38,7 @@ from .progress import format_row
 from .rundir import CONFIG as CONFIG_FILE
 from .rundir import SUMMARY, RunDirectory
 from .secure import SecureRound
-from .validation import RejectedReply, RoundExpectation, ValidReply, add_replies, validate_reply
+from .validation import LossMean, RejectedReply, RoundExpectation, ValidReply, add_replies, validate_reply
 
 
 class Clock(Protocol):
@@ -256,7 +256,7 @@ class SyncWorkflow:
         norms: list[float] = []
         local_eps: list[float] = []
         rejected: Counter[str] = Counter()
-        loss_sum, bytes_up, replies = 0.0, 0, 0
+        loss, bytes_up, replies = LossMean(), 0, 0
         pending = dict.fromkeys(sent)  # ordered: in-process engines then add in send order
         sent_at = self.clock.now()
         deadline = sent_at + s.round_timeout
@@ -301,7 +301,7 @@ class SyncWorkflow:
                 self.profiles.participated(ok.node_id)
                 if ok.local_epsilon is not None:
                     local_eps.append(ok.local_epsilon)
-                loss_sum += ok.train_loss * ok.num_examples
+                loss.add(ok)
                 bytes_up += ok.nbytes
             if pending and s.close_after_replies and acc.count >= s.close_after_replies:
                 log(INFO, "[fedshield] round %d: %d updates in; closing, %d late replies %s", rnd, acc.count, len(pending),
@@ -340,7 +340,7 @@ class SyncWorkflow:
             extra.update({"late_accepted": late_in, "mean_staleness": sum(stalenesses) / len(stalenesses)})
         return {**extra, "replies": replies, "accepted": acc.count, "rejected": sum(rejected.values()), "late": len(pending),
                 "rejected_by_rule": dict(rejected), "bytes_up": bytes_up,
-                "train_loss": loss_sum / acc.total_weight if acc.count else float("nan")}
+                "train_loss": loss.value}
 
     def run_round(self, rnd: int) -> dict[str, Any]:
         start = self.clock.now()

@@ -95,6 +95,10 @@ class Scenario:
             check(sim.engine == "virtual", f"{source}: simulation.engine",
                   "be 'virtual' when the scenario has [[tiers]] (only the virtual engine simulates device tiers; "
                   "use --engine virtual, or remove the [[tiers]] tables)", sim.engine)
+        if sim.ray_address:  # only Flower's engine runs on Ray: a cluster named for another would be ignored silently
+            check(sim.engine == "flower", f"{source}: simulation.engine",
+                  "be 'flower' when simulation.ray-address is set (only Flower's engine runs on a Ray cluster; "
+                  "use --engine flower, or remove ray-address)", sim.engine)
         return cls(sim=sim, run=run, tiers=tiers)
 
 

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from flwr.app import Array
 
-from .._errors import AggregationError, UpdateRejected
+from .._errors import AggregationError, UpdateRejected, shown
 from .._registry import Registry
 
 Header = dict[str, int | float | str | bool]
@@ -150,7 +150,7 @@ def create_codec(name: str, **params: Any) -> Codec:
 def require(ok: bool, fld: str, rule: str, found: Any) -> None:
     """Raise ``AggregationError("<fld> must <rule>. Found <found>.")`` unless ``ok``."""
     if not ok:
-        raise AggregationError(f"{fld} must {rule}. Found {found!r}.")
+        raise AggregationError(f"{fld} must {rule}. Found {shown(found)}.")
 
 
 def check_header(header: Mapping[str, Any], name: str, numel: int) -> None:

@@ -102,6 +102,20 @@ def test_wrong_round():
     assert _rule(_reply(_instruction(11, "m1"), group="2")) == "wrong-round"
 
 
+@pytest.mark.parametrize("reply", [
+    lambda ins: _reply(ins, group="9" * 100_000),
+    lambda ins: _reply(ins, metrics={"num-examples": list(range(100_000)), "base-version": 7}),
+    lambda ins: _reply(ins, metrics={"num-examples": 10, "base-version": [7] * 100_000}),
+    lambda ins: Message(RecordDict({ARRAYS: ArrayRecord({DELTA: tensor_to_array(torch.zeros(N))}),
+                                    "m" * 100_000: MetricRecord({"num-examples": 10})}), reply_to=ins),
+])
+def test_a_huge_value_from_a_client_is_cut_short_in_the_logged_reason(reply):
+    """A rejection's reason is logged: a client must not be able to write 100 kB into the log per reply."""
+    with pytest.raises(RejectedReply) as info:
+        validate_reply(reply(_instruction(11, "m1")), _exp())
+    assert len(str(info.value)) < 400 and "characters)" in str(info.value)
+
+
 def test_error_reply():
     ins = _instruction(11, "m1")
     err = Message(Error(code=3, reason="message expired"), reply_to=ins)

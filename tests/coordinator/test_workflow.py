@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import re
 
+import numpy as np
 import pytest
 import torch
+from flwr.app import Array
 
 from coordinator import RunConfig, RunDirectory, SyncWorkflow
 from coordinator.rundir import CHECKPOINT, CONFIG, METRICS, MODEL, PLOT, SUMMARY
@@ -76,6 +78,37 @@ def test_summary_counts_no_idle_round_when_every_round_learns(tmp_path):
     wf = SyncWorkflow(cfg(**{"num-rounds": 2}), InProcessGrid(mixed({1001}, stock_flower_bad("nan")), 3), RunDirectory(tmp_path))
     wf.run()
     assert json.loads((tmp_path / SUMMARY).read_text())["rounds_without_updates"] == 0
+
+
+def reporting(losses: dict[int, tuple[object, int]]):
+    """Clients sending a zero update with their own (train-loss, num-examples), by node id."""
+    from .helpers import reply_with
+
+    def client(msg, ctx):
+        numel = msg.content.array_records["arrays"]["weights"].shape[0]
+        loss, examples = losses[ctx.node_id]
+        extra = {"num-examples": examples}
+        if loss is not None:
+            extra["train-loss"] = loss
+        m = reply_with(msg, Array(np.zeros(numel, np.float32)), extra)
+        if loss is None:
+            del m.content.metric_records["metrics"]["train-loss"]
+        return m
+
+    return client
+
+
+@pytest.mark.parametrize("setting", [{}, {"dp": "central", "dp-noise-multiplier": 0.1, "dp-clip": 1.0}])
+def test_the_round_train_loss_is_the_example_weighted_mean_of_the_losses_reported(tmp_path, setting):
+    """A missing, nan or absurd (1e300) loss is left out instead of making the round's loss nan or
+    inf; under central DP, where every update weighs 1 in the sum, the loss is still averaged over
+    examples (it was divided by the number of updates)."""
+    losses = {1001: (1.0, 10), 1002: (2.0, 30), 1003: (float("nan"), 50), 1004: (1e300, 70), 1005: (None, 90)}
+    wf = SyncWorkflow(cfg(**{"num-rounds": 1, "min-nodes": 5, **setting}), InProcessGrid(reporting(losses), 5),
+                      RunDirectory(tmp_path))
+    wf.run()
+    assert wf.history[0]["accepted"] == 5
+    assert wf.history[0]["train_loss"] == pytest.approx((1.0 * 10 + 2.0 * 30) / 40)
 
 
 @pytest.mark.parametrize("rule, extra", [("krum", {}), ("multi-krum", {"krum-m": 4})])

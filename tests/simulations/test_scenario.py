@@ -43,6 +43,25 @@ def test_tiers_under_another_engine_are_refused_after_overrides(tmp_path, engine
     assert load_scenario(no_engine, {"simulation.engine": "virtual"}).tiers  # overridden to virtual: fine
 
 
+@pytest.mark.parametrize("engine", ["inprocess", "virtual"])
+def test_a_ray_cluster_named_for_an_engine_without_ray_is_refused(engine):
+    """ray-address under the in-process or virtual engine was ignored without a word: the run went
+    on this machine while the user believed it on the cluster."""
+    with pytest.raises(ConfigError) as info:
+        load_scenario(None, {"simulation.engine": engine, "simulation.ray-address": "127.0.0.1:6379"})
+    msg = _one_line(info)
+    assert "simulation.engine must be 'flower' when simulation.ray-address is set" in msg and repr(engine) in msg
+    assert load_scenario(None, {"simulation.ray-address": "127.0.0.1:6379"}).sim.ray_address == "127.0.0.1:6379"
+
+
+def test_a_huge_value_is_shown_cut_short_in_the_one_line():
+    with pytest.raises(ConfigError) as info:
+        load_scenario(None, {"run.num-rounds": 1e300})
+    msg = _one_line(info)
+    assert msg.startswith("run.num-rounds must be in [1, 1000000]. Found 1000") and "... (301 characters)." in msg
+    assert len(msg) < 200
+
+
 @pytest.mark.parametrize(("old", "new", "message"), [
     ("uplink-mbps = 1.0", "uplink-mbps = -1.0", "tiers[0]: uplink-mbps must be a finite number > 0 (Mbit/s). Found -1.0."),
     ("compute-s-per-example = 0.02", "compute-s-per-example = -0.5",
