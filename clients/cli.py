@@ -94,9 +94,12 @@ def _undo_export(paths: list[Path], created: Path | None, out_dir: Path) -> None
             break
 
 
+_DIGITS = re.compile(r"[0-9]{1,7}")  # ASCII only: str.isdigit() takes "²", which int() refuses
+
+
 def parse_address(text: str) -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or not host or not _DIGITS.fullmatch(port) or not 0 < int(port) < 65536:
         raise ClientError(f"--coordinator must be HOST:PORT. Found {text!r}.")
     return host.strip("[]"), int(port)
 
@@ -105,8 +108,8 @@ def check_reachable(host: str, port: int, timeout: float = 5.0) -> None:
     try:
         with socket.create_connection((host, port), timeout=timeout):
             pass
-    except OSError as exc:
-        raise ClientError(f"coordinator must be reachable at {host}:{port}. Found: {exc.strerror or exc}.") from None
+    except (OSError, UnicodeError) as exc:  # UnicodeError: a host name with an empty or over-long label
+        raise ClientError(f"coordinator must be reachable at {host}:{port}. Found: {exc.strerror if isinstance(exc, OSError) and exc.strerror else exc}.") from None
 
 
 def bind_probe(host: str, port: int) -> None:
@@ -136,11 +139,37 @@ def _data_config(args: argparse.Namespace) -> str:
         from .tasks import check_any_task
 
         check_any_task(data, f"--data {args.data}")  # else the ClientApp would fail only once training starts
-        return f'data-path="{Path(args.data).resolve()}"'
+        path = str(Path(args.data).resolve())
+        # a TOML literal string: Flower reads node-config values as TOML, where a basic string ("...") would
+        # end at a '"' in the path and turn "\b" into a backspace; a literal one has no escapes, and no "'"
+        if "'" in path or any(c in path for c in "\n\r"):
+            raise ClientError(f"--data must be a path without ' or line breaks (Flower's node config cannot carry "
+                              f"them). Found {path!r}.")
+        return f"data-path='{path}'"
     pid, sep, num = args.partition.partition("/")
-    if not (sep and pid.isdigit() and num.isdigit() and 0 <= int(pid) < int(num) <= 1_000_000):
+    if not (sep and _DIGITS.fullmatch(pid) and _DIGITS.fullmatch(num) and 0 <= int(pid) < int(num) <= 1_000_000):
         raise ClientError(f"--partition must be ID/N with 0 <= ID < N <= 1000000. Found {args.partition!r}.")
+    from .tasks import max_partitions
+
+    most = max_partitions()
+    if int(num) > most:
+        raise ClientError(f"--partition N must be <= {most}, the most partitions any task's training data can be split "
+                          f"into (one example each at least). Found {args.partition!r}.")
     return f"partition-id={int(pid)} num-partitions={int(num)}"
+
+
+def _check_environment() -> None:
+    """The environment each ClientApp process reads (the training device, torch's thread count) is
+    checked once here: a bad value otherwise failed every round inside the node, far from the cause."""
+    from aggregation import AggregationError, get_device
+
+    from .client_app import torch_threads
+
+    try:
+        get_device()
+    except AggregationError as exc:
+        raise ClientError(f"FEDSHIELD_DEVICE (the training device): {exc}") from None
+    torch_threads()
 
 
 def supernode_command(args: argparse.Namespace) -> list[str]:
@@ -148,6 +177,7 @@ def supernode_command(args: argparse.Namespace) -> list[str]:
     from privacy import check_ca_certificate, check_node_private_key
 
     host, port = parse_address(args.coordinator)
+    _check_environment()
     cmd = [shutil.which("flower-supernode") or "flower-supernode", "--superlink", f"{host}:{port}"]
     if args.insecure:
         print("fedshield agent: WARNING: --insecure: no TLS, updates travel in clear text and the node is not "
@@ -181,6 +211,10 @@ def supernode_command(args: argparse.Namespace) -> list[str]:
 
 
 _FATAL = re.compile(r"Exit Code: (\d+)|Giving up reconnection|\[code: (\d+)\]")
+# Exit codes of the processes a SuperNode starts per message (a ClientApp that raised: 800; one that lost
+# its SuperNode: 250). Their log reaches ours, but the SuperNode has answered with an error reply and
+# serves the next message: the node stays in the run (a bad message must not take it out).
+_TASK_CODES = range(250, 300), range(800, 900)
 # SuperLink refusal codes (in the SuperNode's log) in words.
 _REFUSALS = {
     2001: "the coordinator requires node authentication: give --key with an enrolled key",
@@ -221,6 +255,8 @@ def _watch(proc: subprocess.Popen) -> Watched:
             skipping = False
         seen.served += bool(_SENT.search(line))
         m = _FATAL.search(line)
+        if m and m.group(1) and any(int(m.group(1)) in codes for codes in _TASK_CODES):
+            continue
         if m:
             seen.exit_code = int(m.group(1)) if m.group(1) else (seen.exit_code or 305)
             seen.refusal = int(m.group(2)) if m.group(2) else seen.refusal

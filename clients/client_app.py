@@ -12,7 +12,9 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message
 from flwr.clientapp import ClientApp
 
 from aggregation import AggregationError, array_to_tensor, get_device, tensor_to_array
+from aggregation._errors import shown
 
+from ._errors import ClientError
 from .data import client_data
 from .profile import measure_profile
 from .config import build_config
@@ -22,9 +24,26 @@ from .training import flat_params, load_flat, train_local
 
 app = ClientApp()
 
-_threads = os.environ.get("FEDSHIELD_TORCH_THREADS")
+THREADS_VAR = "FEDSHIELD_TORCH_THREADS"
+
+
+def torch_threads() -> int | None:
+    """``FEDSHIELD_TORCH_THREADS`` as a thread count (None: unset, torch's default); ClientError if it is
+    not an integer in [1, 1024] (``fedshield agent start`` checks it before the SuperNode starts)."""
+    raw = os.environ.get(THREADS_VAR, "").strip()
+    if not raw:
+        return None
+    if not (raw.isascii() and raw.isdigit() and 1 <= int(raw) <= 1024):
+        raise ClientError(f"{THREADS_VAR} must be an integer in [1, 1024]. Found {shown(raw, 40)}.")
+    return int(raw)
+
+
+try:
+    _threads = torch_threads()
+except ClientError:  # reported by the agent's own check; the ClientApp still loads with torch's default
+    _threads = None
 if _threads:
-    torch.set_num_threads(max(1, int(_threads)))
+    torch.set_num_threads(_threads)
 
 
 RESIDUAL = "fedshield.residual"
@@ -90,6 +109,8 @@ def local_update(msg: Message, context: Context) -> tuple[torch.Tensor, dict[str
     model = task.build_model().to(device)
     numel = sum(p.numel() for p in model.parameters())
     weights = array_to_tensor(arrays[WEIGHTS], "float32", numel)
+    if not bool(torch.isfinite(weights).all()):  # else a whole round of training ends in a NaN update
+        raise ClientError("the global model must hold only finite values. Found NaN or infinity in 'weights'.")
     load_flat(model, weights)
     who = training_identity(context)
     gen = torch.Generator().manual_seed(hash((instr.seed, instr.round, who)) & 0x7FFFFFFF)
@@ -105,7 +126,9 @@ def local_update(msg: Message, context: Context) -> tuple[torch.Tensor, dict[str
         "train-loss": float(stats["train-loss"]),
         "train-time-s": float(stats["train-time-s"]),
         **({"local-epsilon": float(stats["local-epsilon"])} if "local-epsilon" in stats else {}),
-        **measure_profile(task, device, batch_size=instr.train.batch_size, node_config=context.node_config),
+        # the batch training used: the coordinator's batch-size is capped by this node's data (a 65536-row
+        # synthetic batch of a wide model took gigabytes where training itself took one batch of 155)
+        **measure_profile(task, device, batch_size=min(instr.train.batch_size, len(data)), node_config=context.node_config),
         "client-time-s": time.perf_counter() - start,
     }
     return delta, metrics, gen
@@ -114,8 +137,10 @@ def local_update(msg: Message, context: Context) -> tuple[torch.Tensor, dict[str
 def run_train(msg: Message, context: Context) -> Message:
     """Handle one train message: the whole client-side round."""
     start = time.perf_counter()
-    delta, metrics, gen = local_update(msg, context)
+    # the codec record is checked before training: a bad one refused after it wasted the round (and,
+    # under local DP, charged its steps to the node's budget for a reply never sent)
     codec = codec_from_record(msg.content.config_records.get(CODEC))
+    delta, metrics, gen = local_update(msg, context)
     encoded = encode_with_feedback(codec, delta, context, gen)
     metrics["client-time-s"] = time.perf_counter() - start
     return Message(train_reply_content(encoded, metrics), reply_to=msg)

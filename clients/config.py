@@ -21,6 +21,10 @@ from ._errors import ConfigError
 T = TypeVar("T")
 
 
+MAX_NOISE_MULTIPLIER = 1e6  # local DP-SGD's noise multiplier: the accountant's sigma**2 overflows far past it,
+# and epsilon is already flat there
+
+
 def kebab(name: str) -> str:
     return name.replace("_", "-")
 
@@ -111,8 +115,9 @@ class TaskSpec:
         check(self.partitioning in PARTITIONINGS, "partitioning", f"be one of {list(PARTITIONINGS)}", self.partitioning)
         check(0 < self.dirichlet_alpha <= 1e6, "dirichlet-alpha", "be in (0, 1e6]", self.dirichlet_alpha)
         check(0 <= self.data_seed < 2**32, "data-seed", "be in [0, 2**32)", self.data_seed)
-        check(self.synthetic_alpha >= 0, "synthetic-alpha", "be >= 0", self.synthetic_alpha)
-        check(self.synthetic_beta >= 0, "synthetic-beta", "be >= 0", self.synthetic_beta)
+        # FedProx's settings are 0-1; past 1e3 the data degenerates (one label, or x overflowing to inf)
+        check(0 <= self.synthetic_alpha <= 1e3, "synthetic-alpha", "be in [0, 1000]", self.synthetic_alpha)
+        check(0 <= self.synthetic_beta <= 1e3, "synthetic-beta", "be in [0, 1000]", self.synthetic_beta)
         check(1 <= self.hidden_units <= 1 << 20, "hidden-units", "be in [1, 1048576]", self.hidden_units)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import zipfile
 from collections.abc import Mapping
@@ -41,9 +42,27 @@ def load_npz(path: str | os.PathLike) -> Dataset:
         if "x" not in npz.files or "y" not in npz.files:
             raise ClientError(f"data file must hold arrays 'x' and 'y'. Found {sorted(npz.files)} in {p}.")
         try:
+            for name in ("x", "y"):
+                _check_declared_size(npz, name, p)
             return Dataset(np.asarray(npz["x"]), np.asarray(npz["y"]))
-        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
-            raise ClientError(f"data file must be a readable .npz. Found {p}: {exc}.") from None
+        except ClientError:
+            raise
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile, MemoryError) as exc:
+            raise ClientError(f"data file must be a readable .npz. Found {p}: {exc or type(exc).__name__}.") from None
+
+
+def _check_declared_size(npz: "np.lib.npyio.NpzFile", name: str, p: Path) -> None:
+    """An array's header must not declare more bytes than its member holds: numpy allocates the
+    declared shape before reading, so a corrupt or hostile file could ask for petabytes."""
+    info = npz.zip.getinfo(f"{name}.npy")
+    with npz.zip.open(info) as fh:
+        version = np.lib.format.read_magic(fh)
+        read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, _, dtype = read(fh)
+    declared = math.prod(shape) * dtype.itemsize
+    if declared > info.file_size:
+        raise ClientError(f"data file must hold the arrays its headers declare. Found {p}: {name!r} declares shape "
+                          f"{shape} ({declared} bytes) in a member of {info.file_size} bytes.")
 
 
 def save_npz(path: str | os.PathLike, data: Dataset) -> None:

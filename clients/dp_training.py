@@ -52,7 +52,7 @@ from torch import nn
 from privacy import quiet_import_opacus
 
 from ._errors import ClientError
-from .config import TrainSettings, check
+from .config import MAX_NOISE_MULTIPLIER, TrainSettings, check
 from .tasks import Dataset
 
 GRAD_SAMPLE_MODES = ("fast", "ghost", "hooks", "functorch")
@@ -87,8 +87,9 @@ class LocalDpSettings:
 
     def __post_init__(self) -> None:
         z, c, d = self.noise_multiplier, self.max_grad_norm, self.delta
-        check(_finite(z) and z > 0, "noise-multiplier",
-              "be a finite number > 0 (0 adds no noise: no privacy)", z)
+        check(_finite(z) and 0 < z <= MAX_NOISE_MULTIPLIER, "noise-multiplier",
+              f"be a number in (0, {MAX_NOISE_MULTIPLIER:g}] (0 adds no noise: no privacy; past {MAX_NOISE_MULTIPLIER:g} "
+              "the accountant overflows and epsilon no longer changes)", z)
         check(_finite(c) and c > 0, "max-grad-norm",
               "be a finite number > 0 (it bounds each example's influence)", c)
         check(_finite(d) and 0 < d < 1, "delta", "be in (0, 1)", d)

@@ -72,7 +72,7 @@ def measure_profile(task: Task, device: torch.device, *, batch_size: int = 16,
     ``profile-link-mbps``.
     """
     device = torch.device(device)
-    key = (task.name, str(device), int(batch_size))
+    key = (task.spec, str(device), int(batch_size))  # the spec: hidden-units changes the model, not the name
     if key not in _cache:
         _cache[key] = {
             PROFILE_CPUS: int(os.cpu_count() or 1),

@@ -38,6 +38,7 @@ from typing import Any
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
 from aggregation import AggregationError
+from aggregation._errors import shown
 from aggregation.codecs import Codec, Encoded, create_codec
 
 from ._errors import ClientError
@@ -90,7 +91,7 @@ def codec_from_record(record: ConfigRecord | None) -> Codec:
     params = dict(record or {"codec": "dense"})
     name = params.pop("codec", None)
     if not isinstance(name, str):
-        raise ClientError(f"codec record must name a codec. Found {name!r}.")
+        raise ClientError(f"codec record must name a codec. Found {shown(name, 40)}.")
     try:
         return create_codec(name, **params)
     except AggregationError as exc:
@@ -100,10 +101,10 @@ def codec_from_record(record: ConfigRecord | None) -> Codec:
 def parse_train_message(msg: Message) -> tuple[TrainInstruction, ArrayRecord]:
     content = msg.content
     if CONFIG not in content.config_records or ARRAYS not in content.array_records:
-        raise ClientError(f"train message must carry '{CONFIG}' and '{ARRAYS}' records. Found {list(content.keys())}.")
+        raise ClientError(f"train message must carry '{CONFIG}' and '{ARRAYS}' records. Found {shown(list(content.keys()))}.")
     arrays = content.array_records[ARRAYS]
     if WEIGHTS not in arrays:
-        raise ClientError(f"train message must carry array '{WEIGHTS}'. Found {list(arrays.keys())}.")
+        raise ClientError(f"train message must carry array '{WEIGHTS}'. Found {shown(list(arrays.keys()))}.")
     return TrainInstruction.from_record(content.config_records[CONFIG]), arrays
 
 

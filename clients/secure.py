@@ -19,9 +19,10 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricR
 from flwr.common.logger import log
 
 from aggregation import array_to_tensor, tensor_to_array
+from aggregation._errors import shown
 from privacy import PrivacyError, clip_scale, skellam_noise
 from privacy.secagg.inputs import encode_input, input_length, secagg_weight, shared_subset
-from privacy.secagg.protocol import PublicKeys, SecAggClient, SecAggParams
+from privacy.secagg.protocol import MAX_DIM, PublicKeys, SecAggClient, SecAggParams
 
 from ._errors import ClientError
 from .profile import PROFILE_KEYS
@@ -89,6 +90,22 @@ def _save(context: Context, client: SecAggClient, plan: dict) -> None:
         {**client.to_fields(), **{f"plan.{k}": v for k, v in plan.items()}})
 
 
+def _check_plan_size(numel: int, ratio: object, dim: int) -> None:
+    """``numel`` and ``sparse-ratio`` must agree with the vector length ``dim`` (already checked) before
+    the subset is drawn: drawing it expands a keystream of ``numel`` words (~13 bytes each), so an
+    unchecked numel of 2^31 took gigabytes of an edge device's memory before the length was compared.
+    Under sparsification the subset's size is binomial: ``dim - 1`` must lie within 10 standard
+    deviations (plus 10) of ``ratio * numel``."""
+    if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not 0 < ratio <= 1:
+        raise ClientError(f"secagg setup's sparse-ratio must be a number in (0, 1]. Found {shown(ratio, 40)}.")
+    if not 1 <= numel <= MAX_DIM:
+        raise ClientError(f"secagg setup's numel must be in [1, {MAX_DIM}]. Found {numel}.")
+    want = dim - 1
+    spread = 10 * math.sqrt(numel * ratio) + 10 if ratio < 1 else 0
+    if abs(want - ratio * numel) > spread:
+        raise ClientError(f"secagg vector length {dim} does not match numel = {numel} at sparse-ratio = {ratio:g}.")
+
+
 def _setup(rec: ConfigRecord, context: Context, me: int) -> dict[str, ConfigRecord]:
     params = SecAggParams.from_fields(dict(rec))
     plan = {k: rec.get(k) for k in _PLAN}
@@ -101,6 +118,7 @@ def _setup(rec: ConfigRecord, context: Context, me: int) -> dict[str, ConfigReco
             or plan["weighting"] not in ("uniform", "num-examples")
             or not isinstance(plan["max-weight"], int) or plan["max-weight"] < 1):
         raise ClientError("secagg setup must carry numel, subset-seed, weighting and max-weight.")
+    _check_plan_size(plan["numel"], plan["sparse-ratio"], params.dim)  # before any keystream is expanded
     subset = shared_subset(plan["subset-seed"], plan["numel"], float(plan["sparse-ratio"]))
     if input_length(plan["numel"], subset) != params.dim:
         raise ClientError(f"secagg vector length {params.dim} does not match the model and sparse ratio.")

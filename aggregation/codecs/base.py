@@ -153,6 +153,19 @@ def require(ok: bool, fld: str, rule: str, found: Any) -> None:
         raise AggregationError(f"{fld} must {rule}. Found {shown(found)}.")
 
 
+def encode_input(delta: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+    """``delta + residual`` as a flat contiguous float32 tensor; rejects bad shapes and non-finite
+    input (every codec's encode starts here)."""
+    require(delta.dim() == 1 and delta.is_floating_point(), "delta", "be a 1-D floating tensor", tuple(delta.shape))
+    require(delta.numel() > 0, "delta", "have at least one element", 0)
+    x = delta.to(torch.float32).contiguous()  # may be ``delta`` itself: callers never write into it
+    if residual is not None:
+        require(residual.shape == delta.shape, "residual", f"have shape {tuple(delta.shape)}", tuple(residual.shape))
+        x = x + residual.to(x.device, torch.float32)
+    require(bool(torch.isfinite(x).all()), "delta + residual", "be finite to be encoded", "nan or inf")
+    return x
+
+
 def check_header(header: Mapping[str, Any], name: str, numel: int) -> None:
     # every check of the parse path tests first and formats its message only on failure
     if header.get("codec") != name:

@@ -13,7 +13,7 @@ from flwr.app import Array
 from .. import kernels
 from ..wire import array_view, host_tensor, tensor_to_array
 from .._errors import UpdateRejected
-from .base import (Codec, Encoded, Parsed, check_arrays, check_header, norm_rule, register_codec,
+from .base import (Codec, Encoded, Parsed, check_arrays, check_header, encode_input, norm_rule, register_codec,
                    require, restorer, settle_batch)
 
 # bfloat16 has no numpy dtype: it travels as its raw 16 bits in an int16 array.
@@ -31,15 +31,22 @@ class DenseCodec(Codec):
     name = "dense"
 
     def __init__(self, dtype: str = "float32") -> None:
-        require(dtype in _WIRE, "dense dtype", f"be one of {sorted(_WIRE)}", dtype)
+        require(isinstance(dtype, str) and dtype in _WIRE, "dense dtype", f"be one of {sorted(_WIRE)}", dtype)
         self.dtype = dtype
 
     def config(self) -> dict[str, Any]:
         return {"codec": self.name, "dtype": self.dtype}
 
     def encode(self, delta, residual=None, generator=None):
-        x = delta if residual is None else delta + residual
-        low = x.to(_WIRE[self.dtype][1])
+        """Finite input only (as every codec); a value past the wire dtype's range saturates at its
+        largest finite value (as topk's values do) instead of becoming inf, which the coordinator
+        would reject as non-finite."""
+        x = encode_input(delta, residual)
+        wire = _WIRE[self.dtype][1]
+        if wire != torch.float32:
+            limit = torch.finfo(wire).max
+            x = x.clamp(-limit, limit)
+        low = x.to(wire)
         payload = low.view(torch.int16) if self.dtype == "bfloat16" else low
         return Encoded({VALUES: tensor_to_array(payload)}, {"codec": self.name, "numel": x.numel(), "dtype": self.dtype}), None
 

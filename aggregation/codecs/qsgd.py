@@ -30,8 +30,8 @@ from flwr.app import Array
 from .. import kernels
 from .._errors import AggregationError
 from ..wire import array_to_tensor, tensor_to_array
-from .base import (FLT_MAX, Codec, Encoded, Parsed, check_arrays, check_header, checked_add_two_pass, register_codec,
-                   require, restorer, settle_batch)
+from .base import (FLT_MAX, Codec, Encoded, Parsed, check_arrays, check_header, checked_add_two_pass, encode_input,
+                   register_codec, require, restorer, settle_batch)
 
 CODES, SCALES = "codes", "scales"
 _ARRAYS = frozenset({CODES, SCALES})
@@ -43,19 +43,6 @@ BLOCK = 1 << 18  # codes per step: a 1 MB float32 buffer (in L2); 64K blocks mea
 _INV_HALF = {bits: float(np.float32(2 / ((1 << bits) - 1))) for bits in _BITS}
 # float32(M/2) * float32(2/M) rounds to exactly 1 for these widths: the extreme levels are exact.
 assert all(np.float32(((1 << b) - 1) / 2) * np.float32(r) == np.float32(1) for b, r in _INV_HALF.items())
-
-
-def encode_input(delta: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-    """``delta + residual`` as a flat contiguous float32 tensor; rejects bad shapes and non-finite
-    input (shared by the non-dense codecs)."""
-    require(delta.dim() == 1 and delta.is_floating_point(), "delta", "be a 1-D floating tensor", tuple(delta.shape))
-    require(delta.numel() > 0, "delta", "have at least one element", 0)
-    x = delta.to(torch.float32).contiguous()  # may be ``delta`` itself: callers never write into it
-    if residual is not None:
-        require(residual.shape == delta.shape, "residual", f"have shape {tuple(delta.shape)}", tuple(residual.shape))
-        x = x + residual.to(x.device, torch.float32)
-    require(bool(torch.isfinite(x).all()), "delta + residual", "be finite to be encoded", "nan or inf")
-    return x
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:

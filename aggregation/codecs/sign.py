@@ -22,8 +22,8 @@ from flwr.app import Array
 
 from .._errors import AggregationError
 from ..wire import array_to_tensor, tensor_to_array
-from .base import Codec, Encoded, Parsed, check_arrays, check_header, register_codec, require
-from .qsgd import encode_input, pack_codes, padding_is_zero, unpack_levels
+from .base import Codec, Encoded, Parsed, check_arrays, check_header, encode_input, register_codec, require
+from .qsgd import pack_codes, padding_is_zero, unpack_levels
 
 BITS, SCALE = "bits", "scale"
 

@@ -25,8 +25,8 @@ from flwr.app import Array
 from .. import kernels
 from .._errors import AggregationError, UpdateRejected
 from ..wire import array_view, host_tensor, tensor_to_array
-from .base import Codec, Encoded, Parsed, check_arrays, check_header, check_norm, register_codec, require
-from .qsgd import encode_input
+from .base import (Codec, Encoded, Parsed, check_arrays, check_header, check_norm, encode_input, register_codec,
+                   require)
 
 PAYLOAD, INDICES, VALUES = "payload", "indices", "values"
 _VALUE_DTYPES = {"float32": torch.float32, "float16": torch.float16}

@@ -32,4 +32,10 @@ def check_any_task(data: Dataset, source: str) -> None:
     raise ClientError(f"{source} must fit a fedshield task. Found it fits none: {'; '.join(errors)}")
 
 
-__all__ = ["Dataset", "DigitsTask", "SyntheticTask", "Task", "check_any_task", "get_task"]
+def max_partitions() -> int:
+    """The most partitions any task's training data splits into (one example each; the agent does not
+    know which task, nor which partitioning, the coordinator will run)."""
+    return max(len(get_task(TaskSpec(task=name)).train_set) for name in _TASKS)
+
+
+__all__ = ["Dataset", "DigitsTask", "SyntheticTask", "Task", "check_any_task", "get_task", "max_partitions"]

@@ -161,8 +161,6 @@ class CodecContract:
                 assert _shares_memory(parsed.tensors[name], enc.arrays[array_name]), (array_name, name)
 
     def test_encode_rejects_bad_input(self, config):
-        if not self.FINITE:
-            pytest.skip("dense encodes whatever it is given (not part of this change)")
         codec = _build(config)
         with pytest.raises(AggregationError):
             codec.encode(torch.zeros(3, 4))
@@ -558,3 +556,21 @@ def test_every_codec_has_a_contract_class():
     from aggregation.codecs import available_codecs
 
     assert covered == set(available_codecs())
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_dense_values_past_the_wire_range_saturate_instead_of_becoming_inf(dtype):
+    """float16 turned 1e5 into inf on the wire, which the coordinator then rejected as non-finite."""
+    codec = create_codec("dense", dtype=dtype)
+    x = torch.tensor([1e5, -1e5, 1.0, 3.4e38])
+    enc, _ = codec.encode(x)
+    got = codec.decode(codec.parse(enc.arrays, enc.header, 4, BIG))
+    limit = torch.finfo(getattr(torch, dtype)).max
+    assert torch.isfinite(got).all() and got[2] == 1.0 and got[3] == limit
+    if dtype == "float16":
+        assert got[0] == limit and got[1] == -limit
+
+
+def test_dense_dtype_of_the_wrong_type_is_an_aggregation_error():
+    with pytest.raises(AggregationError, match="dense dtype must be one of"):
+        create_codec("dense", dtype=["float32"])  # was TypeError: unhashable type: 'list'

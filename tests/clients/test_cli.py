@@ -116,6 +116,23 @@ def test_watch_sees_a_refusal_before_anything_was_served(monkeypatch):
     assert (seen.refusal, seen.served) == (2004, 0)
 
 
+def test_a_clientapp_that_failed_on_one_message_does_not_stop_the_agent(monkeypatch):
+    """A ClientApp that raised (a malformed message, a bad data file) logs "Exit Code: 800" from its
+    own process; the agent took that for the SuperNode's end and stopped the node 5 s later."""
+    from clients import cli
+
+    started = []
+    monkeypatch.setattr(cli.threading, "Timer", lambda *a, **k: started.append(a) or type("T", (), {"start": lambda self: None})())
+    lines = ["INFO :      Receiving: train message (ID: 5de1)\n",
+             "clients._errors.ClientError: codec record must describe a known codec\n",
+             "ERROR :     Exit Code: 800\n", "INFO :      Sent successfully\n",
+             "INFO :      Receiving: train message (ID: 6ab2)\n", "INFO :      Sent successfully\n"]
+    seen = cli._watch(_FakeSuperNode(lines))
+    assert (seen.exit_code, seen.refusal, seen.served) == (None, None, 2) and started == []
+    seen = cli._watch(_FakeSuperNode(["ERROR :     Exit Code: 305\n"]))  # the SuperNode's own: still the end
+    assert seen.exit_code == 305 and len(started) == 1
+
+
 def _agent_error(tmp_path, capsys, *args) -> list[str]:
     assert main(["agent", "start", "--coordinator", "127.0.0.1:1", "--insecure", *args]) == 2
     return capsys.readouterr().err.strip().splitlines()
@@ -148,3 +165,55 @@ def test_agent_port_out_of_range_or_in_use_is_one_line(tmp_path, capsys):
         port = taken.getsockname()[1]
         err = _agent_error(tmp_path, capsys, "--data", str(tmp_path / "d.npz"), "--port", str(port))
     assert err[-1].startswith(f"fedshield: error: --port {port} must be free on 127.0.0.1")
+
+
+@pytest.mark.parametrize(("args", "line"), [
+    (["--coordinator", "127.0.0.1:\u00b2", "--partition", "0/2"], "--coordinator must be HOST:PORT. Found '127.0.0.1:\u00b2'."),
+    (["--coordinator", "127.0.0.1:1", "--partition", "\u00b2/3"], "--partition must be ID/N with 0 <= ID < N <= 1000000"),
+    (["--coordinator", "a..b:9092", "--partition", "0/2"], "coordinator must be reachable at a..b:9092. Found: "),
+    (["--coordinator", "127.0.0.1:1", "--partition", "0/999999"], "--partition N must be <= 4800, the most partitions"),
+])
+def test_agent_address_and_partition_typos_are_one_line(capsys, args, line):
+    """str.isdigit() took '\u00b2' (int() then raised), a host with an empty label raised UnicodeError,
+    and N past every task's training set failed only in each round's ClientApp."""
+    assert main(["agent", "start", "--insecure", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()  # after the --insecure warning where it got that far
+    assert len(err) <= 2 and err[-1].startswith("fedshield: error: " + line), err
+
+
+def test_agent_data_path_reaches_flower_unchanged_or_is_refused(tmp_path, capsys, monkeypatch):
+    """The path went into Flower's node config as a TOML basic string: cut at a '"', "\\b" read as a
+    backspace; every round then failed with "no such file"."""
+    from flwr.common.config import parse_config_args
+
+    from clients import cli
+
+    monkeypatch.setattr(cli, "check_reachable", lambda host, port: None)
+    odd = tmp_path / 'q"dir\\bx'
+    odd.mkdir()
+    np.savez(odd / "d.npz", x=np.zeros((20, 64)), y=np.zeros(20, int))
+    from simulations.cli import build_parser
+
+    args = build_parser().parse_args(["agent", "start", "--coordinator", "127.0.0.1:1", "--insecure",
+                                      "--data", str(odd / "d.npz")])
+    cmd = cli.supernode_command(args)
+    node_config = cmd[cmd.index("--node-config") + 1]
+    assert parse_config_args([node_config])["data-path"] == str((odd / "d.npz").resolve())
+    quoted = tmp_path / "it's"
+    quoted.mkdir()
+    np.savez(quoted / "d.npz", x=np.zeros((20, 64)), y=np.zeros(20, int))
+    err = _agent_error(tmp_path, capsys, "--data", str(quoted / "d.npz"))
+    assert err[-1].startswith("fedshield: error: --data must be a path without ' or line breaks")
+
+
+@pytest.mark.parametrize(("env", "line"), [
+    ({"FEDSHIELD_DEVICE": "gpu"}, "FEDSHIELD_DEVICE (the training device): device must be 'auto', 'cpu' or 'cuda[:N]'"),
+    ({"FEDSHIELD_TORCH_THREADS": "two"}, "FEDSHIELD_TORCH_THREADS must be an integer in [1, 1024]. Found 'two'."),
+])
+def test_agent_checks_the_environment_its_clientapps_read_before_it_starts(monkeypatch, capsys, env, line):
+    """Each failed in every round's ClientApp (the thread count at import), far from the cause."""
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert main(["agent", "start", "--insecure", "--coordinator", "127.0.0.1:1", "--partition", "0/2"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("fedshield: error: " + line)
+

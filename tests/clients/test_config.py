@@ -39,7 +39,10 @@ def test_kebab_keys_map_to_fields():
         (TaskSpec, {"dirichlet-alpha": 1e308}, "dirichlet-alpha must be in (0, 1e6]. Found 1e+308."),
         (TaskSpec, {"data-seed": -1}, "data-seed must be in [0, 2**32). Found -1."),
         (TaskSpec, {"data-seed": 2**32}, "data-seed must be in [0, 2**32). Found 4294967296."),
-        (TaskSpec, {"synthetic-beta": -0.5}, "synthetic-beta must be >= 0. Found -0.5."),
+        (TaskSpec, {"synthetic-beta": -0.5}, "synthetic-beta must be in [0, 1000]. Found -0.5."),
+        # beta = 1e300 made x infinite (every reply then rejected as non-finite), alpha = 1e80 one label
+        (TaskSpec, {"synthetic-beta": 1e300}, "synthetic-beta must be in [0, 1000]. Found 1e+300."),
+        (TaskSpec, {"synthetic-alpha": 1e80}, "synthetic-alpha must be in [0, 1000]. Found 1e+80."),
     ],
 )
 def test_rule_errors_name_key_rule_and_found_value(cls, mapping, message):

@@ -157,3 +157,22 @@ def test_missing_both_sources_raises(node_config):
 def test_partition_id_out_of_range_raises(task):
     with pytest.raises(ClientError, match="partition-id must be in"):
         client_data(task, {"partition-id": 3, "num-partitions": 3})
+
+
+def test_an_array_declaring_more_than_its_file_holds_is_refused_before_numpy_allocates_it(tmp_path):
+    """A corrupt or hostile header (10^13 x 64 float32: 2.3 PiB) made numpy allocate first: MemoryError."""
+    import io
+    import zipfile
+
+    head = io.BytesIO()
+    np.lib.format.write_array_header_1_0(head, {"descr": "<f4", "fortran_order": False, "shape": (10**13, 64)})
+    y = io.BytesIO()
+    np.save(y, np.zeros(3, np.int64))
+    with zipfile.ZipFile(tmp_path / "bomb.npz", "w") as z:
+        z.writestr("x.npy", head.getvalue() + b"\0" * 100)
+        z.writestr("y.npy", y.getvalue())
+    with pytest.raises(ClientError, match=r"'x' declares shape \(10000000000000, 64\) \(2560000000000000 bytes\)"):
+        load_npz(tmp_path / "bomb.npz")
+    save_npz(tmp_path / "ok.npz", _small())  # a real file (compressed or not) passes the same check
+    assert len(load_npz(tmp_path / "ok.npz")) == 5
+

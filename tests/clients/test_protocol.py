@@ -158,3 +158,40 @@ def test_train_reply_content_layout():
     assert set(content.array_records[ARRAYS].keys()) == set(enc.arrays)
     assert dict(content.config_records["codec"]) == enc.header
     assert dict(content.metric_records[METRICS]) == {"num-examples": 10, "train-loss": 0.5}
+
+
+def _train_message(weights: torch.Tensor, codec: dict | None = None) -> Message:
+    content = RecordDict({CONFIG: _instruction().to_record(), ARRAYS: ArrayRecord({WEIGHTS: tensor_to_array(weights)})})
+    if codec is not None:
+        content["codec"] = ConfigRecord(codec)
+    return _message(content)
+
+
+def _context():
+    from flwr.app import Context
+
+    return Context(run_id=1, node_id=1001, node_config={"partition-id": 0, "num-partitions": 2}, state=RecordDict(),
+                   run_config={})
+
+
+def test_a_global_model_that_is_not_finite_is_refused_before_training():
+    """It was trained for the whole round, and the NaN update then rejected by the coordinator."""
+    from clients.client_app import run_train
+    from clients.tasks import get_task
+
+    numel = sum(p.numel() for p in get_task(_instruction().task).build_model().parameters())
+    w = torch.zeros(numel)
+    w[7] = float("nan")
+    with pytest.raises(ClientError, match="global model must hold only finite values"):
+        run_train(_train_message(w), _context())
+
+
+@pytest.mark.parametrize("codec", [{"codec": "zstd"}, {"codec": "dense", "dtype": ["float32"]}])
+def test_a_bad_codec_record_is_refused_before_any_training(monkeypatch, codec):
+    """Refused only after local training (a wasted round, and local-DP steps charged for a reply never
+    sent); a list-valued dtype raised a bare TypeError."""
+    from clients import client_app
+
+    monkeypatch.setattr(client_app, "local_update", lambda *a: pytest.fail("trained before the codec was checked"))
+    with pytest.raises(ClientError, match="codec record must describe a known codec"):
+        client_app.run_train(_train_message(torch.zeros(4), codec), _context())

@@ -334,6 +334,28 @@ def test_a_client_refuses_a_second_instance_of_a_round_it_already_sent_input_for
         run_secagg_stage(msg, ctx)
 
 
+@pytest.mark.parametrize(("numel", "ratio", "why"), [
+    (2**31 - 1, 1.0, "secagg vector length 10 does not match numel = 2147483647"),  # drew 2^31 words first: GBs
+    (2**40, 0.5, "numel must be in [1, 2147483648]"),
+    (10**9, 1e-3, "secagg vector length 10 does not match numel = 1000000000"),
+    (9, None, "sparse-ratio must be a number in (0, 1]"),  # float(None): a bare TypeError
+    (9, "all", "sparse-ratio must be a number in (0, 1]"),
+])
+def test_a_setup_whose_sizes_disagree_is_refused_before_anything_is_drawn(numel, ratio, why):
+    from clients import ClientError
+    from flwr.app import Context, RecordDict as RD
+
+    params = SecAggParams.create(1, [1001, 1002, 1003], degree=2, threshold=2, bits=32, clip=1.0, dim=10)
+    fields = {"stage": "setup", **params.to_fields(), "numel": numel, "subset-seed": bytes(32), "weighting": "uniform",
+              "max-weight": 1}
+    if ratio is not None:
+        fields["sparse-ratio"] = ratio
+    msg = Message(RecordDict({SECAGG: ConfigRecord(fields)}), dst_node_id=1001, message_type="train.secagg", group_id="1")
+    ctx = Context(run_id=1, node_id=1001, node_config={}, state=RD(), run_config={})
+    with pytest.raises(ClientError, match=re.escape(why)):
+        run_secagg_stage(msg, ctx)
+
+
 def _odd_key_name(reply, replies, msg):
     reply.content.config_records[SECAGG_KEYS] = ConfigRecord({"\u00b2": b"x" * 96})  # isdigit() but not int()
     return reply
