@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import math
 import random
-import time
 from collections import Counter
 from dataclasses import dataclass
 from logging import INFO, WARNING
@@ -212,7 +211,7 @@ class BufferedAsyncWorkflow(SyncWorkflow):
                 last_progress = self.clock.now()
                 if acc.count >= self.buffer_size:
                     try:
-                        self._release(acc, window, t0, last_release, nodes)
+                        self._release(acc, window, last_release, nodes)
                     except BudgetExhausted as exc:
                         self.status = "budget-exhausted"
                         log(WARNING, "[fedshield] async: stopping before release %d: %s", self.round + 1, exc)
@@ -265,7 +264,7 @@ class BufferedAsyncWorkflow(SyncWorkflow):
             window["local_eps"].append(ok.local_epsilon)
         return True
 
-    def _release(self, acc: Any, window: dict[str, Any], t0: float, last_release: float, nodes: list[int]) -> None:
+    def _release(self, acc: Any, window: dict[str, Any], last_release: float, nodes: list[int]) -> None:
         extra: dict[str, Any] = {}
         if self.dp is not None:
             self.dp.check_budget(1.0)  # before the noised model is published
@@ -287,8 +286,7 @@ class BufferedAsyncWorkflow(SyncWorkflow):
             "bytes_down": window["bytes_down"], "replies": window["replies"], "accepted": acc.count,
             "rejected": sum(rejected.values()), "rejected_by_rule": dict(rejected), "bytes_up": window["bytes_up"],
             "train_loss": window["loss"].value, "test_accuracy": test_acc, "test_loss": test_loss,
-            "version": self.version, "round_time_s": now - last_release,
-            "wall_time_s": time.monotonic() - self.wall_start, "sim_time_s": now - t0,
+            "version": self.version, "round_time_s": now - last_release, **self._run_times(now - last_release),
             "mean_staleness": sum(window["staleness"]) / len(window["staleness"]),
         }
         if window["local_eps"]:
@@ -303,7 +301,8 @@ class BufferedAsyncWorkflow(SyncWorkflow):
     def finish(self) -> dict[str, Any]:
         summary = super().finish()
         summary.update({"workflow": "fedbuff", "dispatched": self.dispatched, "accepted_total": self.accepted_total,
-                        "rejected_total_async": self.rejected_total, "in_flight_at_end": len(self.inflight),
-                        "sim_time_s": self.history[-1]["sim_time_s"] if self.history else 0.0})
+                        "rejected_total_async": self.rejected_total, "in_flight_at_end": len(self.inflight)})
+        if self.simulated:
+            summary["sim_time_s"] = self._spent("sim_time_s")
         self.run_dir.write_json(SUMMARY, summary)
         return summary

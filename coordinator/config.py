@@ -11,7 +11,8 @@ from typing import Any
 from aggregation import AggregationError, available_server_optimizers, create_aggregator, create_server_optimizer
 from aggregation.codecs import Codec, create_codec
 from aggregation.robust import krum_min_updates
-from clients.config import TaskSpec, TrainSettings, build_config, check, config_keys, split_mapping, to_mapping
+from clients.config import (MAX_NOISE_MULTIPLIER, TaskSpec, TrainSettings, build_config, check, config_keys,
+                            split_mapping, to_mapping)
 from clients._errors import ConfigError
 
 from .profiles import SELECTION_POLICIES
@@ -214,6 +215,9 @@ class PrivacySettings:
               self.dp_noise_multiplier)
         check(self.target_epsilon >= 0, "target-epsilon", "be >= 0 (0: no budget)", self.target_epsilon)
         check(0 < self.dp_delta < 1, "dp-delta", "be in (0, 1)", self.dp_delta)
+        check(self.target_epsilon == 0 or self.dp in ("central", "distributed"), "target-epsilon",
+              "be 0 unless dp is 'central' or 'distributed' (only the coordinator's noise is accounted and its budget "
+              f"enforced; under dp = {self.dp!r} it would be ignored)", self.target_epsilon)
         if self.dp in ("central", "distributed"):
             check(self.dp_noise_multiplier > 0 or self.target_epsilon > 0, "dp-noise-multiplier",
                   f"be > 0, or target-epsilon be set to calibrate it, under {self.dp} DP (no noise: no privacy)",
@@ -230,7 +234,8 @@ class PrivacySettings:
               "be >= 0 (0: auto, sqrt(10)/2 x the noise multiplier)", self.clip_count_noise)
         if self.adaptive_clipping and self.dp_noise_multiplier > 0:
             self.check_count_noise(self.dp_noise_multiplier, f"dp-noise-multiplier/2 = {self.dp_noise_multiplier / 2:g}")
-        check(self.local_noise_multiplier > 0, "local-noise-multiplier", "be > 0 (no noise: no privacy)",
+        check(0 < self.local_noise_multiplier <= MAX_NOISE_MULTIPLIER, "local-noise-multiplier",
+              f"be in (0, {MAX_NOISE_MULTIPLIER:g}] (no noise: no privacy; past that the accountant overflows)",
               self.local_noise_multiplier)
         check(self.local_max_grad_norm > 0, "local-max-grad-norm", "be > 0", self.local_max_grad_norm)
 
@@ -382,6 +387,8 @@ class RunConfig:
                    + " and ".join(f"krum-{k} = {v}" for k, v in params.items()))
             if self.asynchrony.workflow == "sync":
                 check(self.server.min_nodes >= need, "min-nodes", f"be >= {need} {why}", self.server.min_nodes)
+                close = self.server.close_after_replies  # a round closed after fewer replies could never combine them
+                check(close == 0 or close >= need, "close-after-replies", f"be 0 or >= {need} {why}", close)
             else:
                 check(self.asynchrony.buffer_size >= need, "buffer-size", f"be >= {need} {why}",
                       self.asynchrony.buffer_size)
@@ -396,6 +403,8 @@ class RunConfig:
             self.privacy.check_count_noise(z, f"z/2 = {z / 2:.4g}, where z = {z:.4g} is the noise multiplier calibrated "
                                               f"for target-epsilon = {self.privacy.target_epsilon:g} over num-rounds = "
                                               f"{self.server.num_rounds}")
+        elif self.privacy.dp in ("central", "distributed") and self.privacy.target_epsilon > 0:
+            self.check_first_round_fits(z)
         if self.privacy.dp == "distributed":
             # The clipped, Skellam-noised sum of s survivors must not wrap around the ring: s (secagg-clip - C) >=
             # 8 z C per coordinate (8 standard deviations of the summed noise). No round selects fewer nodes than
@@ -415,6 +424,20 @@ class RunConfig:
         if self.privacy.dp == "distributed" or self.asynchrony.workflow == "fedbuff":
             return 1.0
         return self.server.fraction_train
+
+    def check_first_round_fits(self, z: float) -> None:
+        """A given ``dp-noise-multiplier`` must let at least one round run within ``target-epsilon``
+        (at ``dp_sampling_rate()``); otherwise the run would stop before round 1 with nothing learned."""
+        from privacy import PrivacyEvent, RdpAccountant
+
+        p, q = self.privacy, self.dp_sampling_rate()
+        acc = RdpAccountant(p.dp_delta)
+        acc.compose(PrivacyEvent(sampling_rate=q, noise_multiplier=z))
+        first = acc.epsilon()
+        check(first <= p.target_epsilon, "target-epsilon",
+              f"be >= {first:.4g}, the epsilon one round spends with dp-noise-multiplier = {z:g} at sampling rate "
+              f"{q:g} and dp-delta = {p.dp_delta:g} (else no round can run: raise it, raise the noise multiplier, or "
+              "set it to 0 to calibrate it from target-epsilon)", p.target_epsilon)
 
     def calibrated_noise_multiplier(self) -> float:
         """The noise multiplier calibrated for ``target-epsilon`` over ``num-rounds`` at ``dp_sampling_rate()``

@@ -46,3 +46,8 @@ class RoundProgress:
                                      soft_wrap=not self.console.is_terminal)
         info = f"acc {row['test_accuracy']:.3f}"
         self._progress.update(self._task, completed=row["round"], info=info)
+
+
+def accuracy_text(value: object) -> str:
+    """A summary's accuracy for a line of output: "n/a" where no round was evaluated (None, nan)."""
+    return f"{value:.4f}" if isinstance(value, int | float) and value == value else "n/a"

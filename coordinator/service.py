@@ -32,6 +32,7 @@ from privacy import CertificatePaths, check_public_key, make_dir
 
 from ._errors import CoordinatorError
 from .config import RunConfig
+from .progress import accuracy_text
 from .rundir import SUMMARY, check_run_dir
 
 FEDERATION = "fedshield"
@@ -298,7 +299,7 @@ def start_coordinator(config: str, insecure: bool = False, run_dir: str | None =
         summary = run_path / SUMMARY
         if "completed" in status and summary.is_file() and summary.stat().st_mtime >= started:
             result = json.loads(summary.read_text())
-            print(f"fedshield coordinator: run completed: accuracy {result['final_test_accuracy']:.4f} after "
+            print(f"fedshield coordinator: run completed: accuracy {accuracy_text(result['final_test_accuracy'])} after "
                   f"{result['rounds']} rounds; results in {run_path}")
             return 0
         raise CoordinatorError(f"the run must complete. Found status {status!r}: {details or 'see the log above'}")

@@ -23,6 +23,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 
 from aggregation import create_server_optimizer, get_device, tensor_to_array
+from aggregation._errors import shown
 from aggregation.staleness import create_staleness
 from clients.protocol import ARRAYS, CODEC, CONFIG, LOCAL_DP, MESSAGE_TYPE_TRAIN, METRICS, WEIGHTS, TrainInstruction
 from clients.tasks import get_task
@@ -34,7 +35,7 @@ from privacy import BudgetExhausted
 from .config import RunConfig
 from .privacy_policy import CentralDp, DistributedDp
 from .profiles import ProfileRegistry, select_fast_fair, select_uniform
-from .progress import format_row
+from .progress import accuracy_text, format_row
 from .rundir import CONFIG as CONFIG_FILE
 from .rundir import SUMMARY, RunDirectory
 from .secure import SecureRound
@@ -83,7 +84,12 @@ RoundCallback = Callable[[dict[str, Any]], None]
 
 
 class SyncWorkflow:
-    """Runs ``num-rounds`` synchronous rounds, resuming from the run directory's checkpoint."""
+    """Runs ``num-rounds`` synchronous rounds, resuming from the run directory's checkpoint.
+
+    A Grid with ``state_dict`` / ``load_state_dict`` (the virtual engine's: its clock and simulated
+    devices) is saved with every round and restored on resume, so that a resumed simulation goes on
+    as the uninterrupted one would instead of starting its clock and devices again.
+    """
 
     def __init__(
         self,
@@ -122,7 +128,11 @@ class SyncWorkflow:
         self._late: dict[str, RoundExpectation] = {}
         self._epochs: dict[int, int] = {}  # local epochs each node was last asked for
         self.staleness_fn = create_staleness(cfg.asynchrony.staleness, **cfg.asynchrony.workflow_kwargs()["staleness_params"])
+        # Any clock but a wall clock is a simulation's: only then do rows carry sim_time_s (and the run
+        # directory's plots say "simulated").
+        self.simulated = not isinstance(self.clock, WallClock)
         self.wall_start = time.monotonic()
+        self.wall_before = 0.0  # wall seconds earlier sessions of this run spent (set on resume)
         self._resume()
 
     def _codec_plan(self, codec: Any) -> tuple[Any, dict[str, Any], int]:
@@ -136,18 +146,32 @@ class SyncWorkflow:
 
     # -- state -------------------------------------------------------------
     def fingerprint(self) -> dict[str, Any]:
-        s = self.cfg.server
-        return {"task": self.cfg.task.task, "numel": self.numel, "seed": s.seed, "server-optimizer": s.server_optimizer}
+        """What a run directory's checkpoint must agree with to be resumed. The privacy settings are
+        part of it: resuming non-private rounds under DP would claim a guarantee for rounds that had
+        none (the accountant starts at zero), and a changed noise or clip would be overridden by the
+        checkpoint's without a word."""
+        s, p = self.cfg.server, self.cfg.privacy
+        out = {"task": self.cfg.task.task, "numel": self.numel, "seed": s.seed, "server-optimizer": s.server_optimizer,
+               "dp": p.dp}
+        if p.dp in ("central", "distributed"):
+            out.update({"dp-clip": p.dp_clip, "dp-noise-multiplier": p.dp_noise_multiplier, "dp-delta": p.dp_delta,
+                        "adaptive-clipping": p.adaptive_clipping, "dp-secure-noise": p.dp_secure_noise})
+            if p.dp_noise_multiplier == 0:  # calibrated from the budget
+                out["target-epsilon"] = p.target_epsilon
+        elif p.dp == "local":
+            out.update({"local-noise-multiplier": p.local_noise_multiplier, "local-max-grad-norm": p.local_max_grad_norm})
+        return out
 
     def _resume(self) -> None:
         ckpt = self.run_dir.load_checkpoint()
         if ckpt is None:
             return
-        if ckpt["fingerprint"] != self.fingerprint():
-            raise CoordinatorError(
-                f"run directory {self.run_dir.path} must hold a checkpoint of this configuration to resume. "
-                f"Found {ckpt['fingerprint']}, expected {self.fingerprint()}; use another run-dir."
-            )
+        have, want = ckpt["fingerprint"], self.fingerprint()
+        if have != want:
+            diff = ", ".join(f"{k} = {shown(have.get(k, '(unset)'), 40)} there, {shown(want.get(k, '(unset)'), 40)} now"
+                             for k in sorted(set(have) | set(want), key=str) if have.get(k) != want.get(k))
+            raise CoordinatorError(f"run directory {self.run_dir.path} must hold a checkpoint of this configuration to "
+                                   f"resume. Found {diff}; use another run-dir, or the settings it was run with.")
         self.round, self.version = int(ckpt["round"]), int(ckpt["version"])
         self.weights = ckpt["weights"].to(self.device)
         self.optimizer.load_state_dict(ckpt["optimizer"])
@@ -157,6 +181,14 @@ class SyncWorkflow:
             self.dp.load_state_dict(ckpt["privacy"])  # the spent budget carries over
         if ckpt.get("profiles"):
             self.profiles.load_state_dict(ckpt["profiles"])
+        if ckpt.get("engine") and hasattr(self.grid, "load_state_dict"):
+            try:
+                self.grid.load_state_dict(ckpt["engine"])
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                raise CoordinatorError(f"run directory {self.run_dir.path}: the checkpoint's engine state must be the "
+                                       f"virtual engine's. Found it unreadable ({type(exc).__name__}: "
+                                       f"{shown(str(exc), 60)}); use another run-dir.") from None
+        self.wall_before = self._spent("wall_time_s")
         log(INFO, "[fedshield] resuming from %s at round %d (version %d, model sha256 %s)",
             self.run_dir.path, self.round + 1, self.version, weights_digest(self.weights))
 
@@ -167,6 +199,7 @@ class SyncWorkflow:
             "rejections": dict(self.rejections), "fingerprint": self.fingerprint(),
             "privacy": self.dp.state_dict() if self.dp is not None else {},
             "profiles": self.profiles.state_dict(),
+            "engine": self.grid.state_dict() if hasattr(self.grid, "state_dict") else {},
         })
         self.run_dir.write_metrics(self.history)
 
@@ -374,11 +407,26 @@ class SyncWorkflow:
         row["test_accuracy"], row["test_loss"] = evaluate(self.model, self.task.test_set)
         row["version"] = self.version
         row["round_time_s"] = self.clock.now() - start
-        if not isinstance(self.clock, WallClock):  # a simulation's clock: seconds of simulated time so far
-            before = (self.history[-1].get("sim_time_s") or 0.0) if self.history else 0.0
-            row["sim_time_s"] = before + row["round_time_s"]
-        row["wall_time_s"] = time.monotonic() - self.wall_start
+        row.update(self._run_times(row["round_time_s"]))
         return row
+
+    def _spent(self, key: str) -> float:
+        """The last row's ``key`` (``wall_time_s``, ``sim_time_s``): seconds the run had spent by then, 0 before
+        its first row or when that row has no such time."""
+        return float(self.history[-1].get(key) or 0.0) if self.history else 0.0
+
+    def _wall_time(self) -> float:
+        return self.wall_before + time.monotonic() - self.wall_start
+
+    def _run_times(self, round_time_s: float) -> dict[str, float]:
+        """A new row's times since the run began, earlier sessions included: ``wall_time_s``, this session's
+        wall seconds plus those the checkpoint's last row had when it resumed, and on a simulation's clock
+        ``sim_time_s``, the previous row's plus this round's. A wall clock's rows get no ``sim_time_s``: their
+        plots are against wall time."""
+        times = {"wall_time_s": self._wall_time()}
+        if self.simulated:
+            times["sim_time_s"] = self._spent("sim_time_s") + round_time_s
+        return times
 
     def run(self) -> dict[str, Any]:
         """Run the remaining rounds; write the run directory; return the summary."""
@@ -415,7 +463,7 @@ class SyncWorkflow:
             "total_bytes_down": sum(r["bytes_down"] for r in self.history),
             "total_bytes_up": sum(r["bytes_up"] for r in self.history),
             "rejected_total": sum(self.rejections.values()), "rejected_by_rule": dict(self.rejections),
-            "wall_time_s": time.monotonic() - self.wall_start, "num_parameters": self.numel,
+            "wall_time_s": self._wall_time(), "num_parameters": self.numel,
             "run_dir": str(self.run_dir.path),
             "rounds_without_updates": sum(1 for r in self.history if r.get("accepted", 1) == 0 or r.get("too_few_updates")),
         }
@@ -435,6 +483,6 @@ class SyncWorkflow:
                             f"client); the largest epsilon any client reported is {max(eps) if eps else float('nan'):.3g} "
                             f"at delta {self.cfg.privacy.dp_delta:g}. The coordinator sees clients' noised updates."})
         self.run_dir.write_json(SUMMARY, summary)
-        log(INFO, "[fedshield] run complete: accuracy %.4f after %d rounds; results in %s",
-            summary["final_test_accuracy"] or float("nan"), self.round, self.run_dir.path)
+        log(INFO, "[fedshield] run complete: accuracy %s after %d rounds; results in %s",
+            accuracy_text(summary["final_test_accuracy"]), self.round, self.run_dir.path)
         return summary

@@ -7,6 +7,7 @@ all the others; heavy imports happen inside the handlers so ``--help`` is fast.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -20,7 +21,10 @@ class _Parser(argparse.ArgumentParser):
 def _simulate(args: argparse.Namespace) -> int:
     from coordinator.rundir import check_run_dir, time_axis, time_label
 
-    from .runner import check_ray_cluster, run_scenario
+    from coordinator.progress import accuracy_text as _accuracy
+    from coordinator.rundir import SUMMARY
+
+    from .runner import check_partitions, check_ray_cluster, run_scenario
     from .scenario import load_scenario, parse_override
 
     overrides = dict(parse_override(s) for s in args.set or [])
@@ -28,7 +32,8 @@ def _simulate(args: argparse.Namespace) -> int:
         overrides["run.num-rounds"] = args.rounds
     if args.engine:
         overrides["simulation.engine"] = args.engine
-    scenarios = [load_scenario(p, overrides) for p in (args.scenario or [None])]  # all checked before any runs
+    paths = args.scenario or [None]
+    scenarios = [_in_file(p, len(paths) > 1, load_scenario, p, overrides) for p in paths]  # all checked before any runs
     stamp = time.strftime('%Y%m%d-%H%M%S')
     if not args.verbose:
         import logging
@@ -37,15 +42,15 @@ def _simulate(args: argparse.Namespace) -> int:
     if len(scenarios) == 1:
         scn = scenarios[0]
         # --run-dir, else the scenario's run-dir (its file or --set run.run-dir=...), else runs/NAME-STAMP
-        run_dir = Path(args.run_dir or scn.run.server.run_dir or Path("runs") / f"{scn.sim.name}-{stamp}")
+        run_dir = Path(args.run_dir or scn.run.server.run_dir or Path("runs") / f"{scn.sim.name}-{stamp}").expanduser()
         runs = [(scn, run_dir)]
     else:  # a comparison: one run directory each under one parent, and one accuracy_vs_time.png over all
-        parent = Path(args.run_dir) if args.run_dir else Path("runs") / f"compare-{stamp}"
+        parent = Path(args.run_dir).expanduser() if args.run_dir else Path("runs") / f"compare-{stamp}"
         names = [s.sim.name if [t.sim.name for t in scenarios].count(s.sim.name) == 1 else f"{i}-{s.sim.name}"
                  for i, s in enumerate(scenarios)]
         # a scenario's own run-dir is used when --run-dir is not given (--set run.run-dir applies to all of them)
-        runs = [(scn, Path(scn.run.server.run_dir) if scn.run.server.run_dir and not args.run_dir else parent / name)
-                for scn, name in zip(scenarios, names, strict=True)]
+        runs = [(scn, Path(scn.run.server.run_dir).expanduser() if scn.run.server.run_dir and not args.run_dir
+                 else parent / name) for scn, name in zip(scenarios, names, strict=True)]
         dirs = [d.resolve() for _, d in runs]
         if len(set(dirs)) < len(dirs):
             from clients import ConfigError
@@ -53,13 +58,17 @@ def _simulate(args: argparse.Namespace) -> int:
             dup = next(d for d in dirs if dirs.count(d) > 1)
             raise ConfigError(f"run.run-dir must differ between the scenarios of a comparison. Found {str(dup)!r} "
                               "for two of them (--set applies to every scenario).")
+    for (scn, _), path in zip(runs, paths, strict=True):
+        _in_file(path, len(paths) > 1, check_partitions, scn)  # the data split for this many clients: before any run
     resumed = [check_run_dir(run_dir) for _, run_dir in runs]  # a file in the way or a bad checkpoint: before any run
     for scn, _ in runs:
         check_ray_cluster(scn)  # a Ray cluster that does not answer: before any run too
     results = []
-    for (scn, run_dir), (done, ckpt) in zip(runs, resumed, strict=True):
+    labels = {}  # run directory -> its label in a comparison (unique, where the directories' own names may not be)
+    for (scn, run_dir), (done, ckpt), label in zip(runs, resumed, names if len(runs) > 1 else [""], strict=True):
+        labels[run_dir] = label
         wanted = scn.run.server.num_rounds
-        if ckpt is not None and done >= wanted:
+        if ckpt is not None and done >= wanted and (run_dir / SUMMARY).is_file():
             # Nothing to train: say so (exit 0, the run directory is left as it was) instead of announcing rounds.
             print(f"fedshield simulate: {run_dir} already holds {done} rounds (>= the {wanted} requested); nothing "
                   f"trained, its results are unchanged. Give --rounds N with N > {done} to train more.", file=sys.stderr)
@@ -68,7 +77,7 @@ def _simulate(args: argparse.Namespace) -> int:
             summary = {"final_test_accuracy": float(acc) if isinstance(acc, int | float) else float("nan"), "rounds": done,
                        "run_dir": str(run_dir.resolve())}
             results.append((run_dir, summary, 0.0))
-            print(f"final test accuracy {summary['final_test_accuracy']:.4f} after {done} rounds (none trained now); "
+            print(f"final test accuracy {_accuracy(summary['final_test_accuracy'])} after {done} rounds (none trained now); "
                   f"results in {summary['run_dir']}")
             continue
         resume = f" (resuming after round {done})" if done else ""
@@ -78,20 +87,34 @@ def _simulate(args: argparse.Namespace) -> int:
         summary = run_scenario(scn, run_dir, show_progress=not args.quiet)
         wall = time.monotonic() - start
         results.append((run_dir, summary, wall))
-        print(f"final test accuracy {summary['final_test_accuracy']:.4f} after {summary['rounds']} rounds; "
+        print(f"final test accuracy {_accuracy(summary['final_test_accuracy'])} after {summary['rounds']} rounds; "
               f"wall time {wall:.1f} s; results in {summary['run_dir']}")
     if len(runs) > 1:
         from coordinator import RunDirectory
         from coordinator.rundir import TIME_PLOT
 
-        histories = {d.name: (RunDirectory(d).load_checkpoint() or {}).get("history", []) for d, _, _ in results}
+        histories = {labels[d]: (RunDirectory(d).load_checkpoint() or {}).get("history", []) for d, _, _ in results}
         RunDirectory(parent).plot_accuracy_vs_time(histories, "accuracy over time")
         for d, summary, wall in results:
-            rows = histories[d.name]
-            print(f"  {d.name:<28} accuracy {summary['final_test_accuracy']:.4f}  time {time_axis(rows)[-1] if rows else 0:.1f} s "
+            rows = histories[labels[d]]
+            print(f"  {labels[d]:<28} accuracy {_accuracy(summary['final_test_accuracy'])}  time {time_axis(rows)[-1] if rows else 0:.1f} s "
                   f"({time_label([rows])})  wall {wall:.1f} s")
         print(f"comparison plot: {parent / TIME_PLOT}")
     return 0
+
+
+def _in_file(path: str | None, name_it: bool, fn, *args):
+    """``fn(*args)``; a ConfigError it raises names the scenario file first when ``name_it`` (a
+    comparison: otherwise nothing would say which of its files is wrong)."""
+    from clients import ConfigError
+
+    try:
+        return fn(*args)
+    except ConfigError as exc:
+        where = str(path) if path is not None else "default scenario"
+        if not name_it or str(exc).startswith(where):
+            raise
+        raise ConfigError(f"{where}: {exc}") from None
 
 
 def _certs_init(args: argparse.Namespace) -> int:
@@ -186,6 +209,13 @@ def build_parser() -> argparse.ArgumentParser:
     ast.add_argument("--port", type=int, default=0, help="local ClientAppIO port (default: a free one)")
     ast.add_argument("--link-mbps", type=float, default=0.0,
                      help="this device's uplink in Mbit/s, reported to the coordinator (slow links get a compressing codec)")
+    ast.add_argument("--state-dir", default=os.environ.get("FEDSHIELD_AGENT_STATE_DIR") or "~/.fedshield/agent",
+                     help="where this device keeps its local-DP ledger across runs and restarts (default: "
+                          "$FEDSHIELD_AGENT_STATE_DIR, else %(default)s)")
+    ast.add_argument("--min-local-noise", type=float, default=0.0, metavar="Z",
+                     help="train only under local DP with a noise multiplier >= Z (refuse the coordinator otherwise)")
+    ast.add_argument("--max-local-epsilon", type=float, default=0.0, metavar="EPS",
+                     help="refuse a round that would take this data's local-DP epsilon past EPS (0: no limit)")
     ast.add_argument("--insecure", action="store_true", help="NO TLS (testing only)")
     ast.add_argument("--max-retries", type=int, default=3, help="connection attempts before giving up")
     ast.set_defaults(func=_agent_start)

@@ -332,18 +332,30 @@ def run_virtual_engine(scn: Scenario, on_round: RoundCallback | None) -> dict[st
     return make_workflow(scn.run, grid, RunDirectory(scn.run.server.run_dir), clock=clock, on_round=on_round).run()
 
 
+def check_partitions(scn: Scenario) -> None:
+    """The task's data must split into one partition per simulated client: one clear line naming
+    ``simulation.num-supernodes`` otherwise (the split itself speaks of num-partitions)."""
+    from clients import ConfigError
+    from clients.tasks import get_task
+
+    try:
+        get_task(scn.run.task).partition(0, scn.sim.num_supernodes)
+    except ConfigError as exc:
+        raise ConfigError(str(exc).replace("num-partitions", "simulation.num-supernodes", 1)
+                          + f" Each simulated client gets one partition of task {scn.run.task.task!r}'s data.") from None
+
+
 def run_scenario(scn: Scenario, run_dir: str | Path, show_progress: bool = True) -> dict[str, Any]:
     """Run ``scn`` writing into ``run_dir`` (resuming if it holds a checkpoint); a run directory that already
     holds ``num-rounds`` rounds and its summary is returned as it is, without starting an engine."""
-    scn = dataclasses.replace(scn, run=scn.run.replace(run_dir=str(Path(run_dir).resolve())))
+    run_dir = Path(run_dir).expanduser()
+    scn = dataclasses.replace(scn, run=scn.run.replace(run_dir=str(run_dir.resolve())))
     start = RunDirectory(run_dir).load_checkpoint()
     done = int(start["round"]) if start else 0
     summary = Path(run_dir) / SUMMARY
     if done >= scn.run.server.num_rounds and summary.is_file():  # finished: nothing to train, no engine to start
         return json.loads(summary.read_text())
-    from clients.tasks import get_task
-
-    get_task(scn.run.task).partition(0, scn.sim.num_supernodes)  # can the data be split this way? (one clear error)
+    check_partitions(scn)
     engine = {"flower": run_flower_engine, "inprocess": run_inprocess_engine, "virtual": run_virtual_engine}[scn.sim.engine]
     if not show_progress:
         return engine(scn, None)

@@ -26,7 +26,10 @@ it unchanged; only the Grid and the Clock differ from a real deployment.
 
 Every random draw is keyed by ``(seed, node, k-th message to that node)`` or
 ``(seed, node, window)``, never by call order across nodes, so a run replays
-exactly with the same seed.
+exactly with the same seed. The workflows save :meth:`VirtualGrid.state_dict`
+(the clock, the per-node message counts, when each node is next free) with every
+round's checkpoint and restore it on resume, so a resumed run replays the
+uninterrupted one too.
 """
 
 from __future__ import annotations
@@ -249,6 +252,23 @@ class VirtualGrid(InProcessGrid):
     def get_node_ids(self) -> Iterable[int]:
         now = self.clock.now()
         return [n for n in self.contexts if self.is_online(n, now)]
+
+    # -- resume ----------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs to go on as the uninterrupted one would: the clock (availability
+        windows are keyed by time), each node's message count (its draws are keyed by it), when each node
+        is next free (one may still be working on a reply the run no longer waits for) and the message count
+        (message ids). Replies still pending are not kept: a resumed workflow does not wait for them."""
+        return {"clock": self.clock.now(), "node_count": dict(self._node_count), "node_free": dict(self._node_free),
+                "messages": self._counter}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Go on from ``state`` (of :meth:`state_dict`); nodes this grid does not have are ignored."""
+        self.clock.advance_to(float(state["clock"]))
+        for node in self.profiles.keys() & state["node_count"].keys():
+            self._node_count[node] = int(state["node_count"][node])
+            self._node_free[node] = float(state["node_free"][node])
+        self._counter = int(state["messages"])
 
     # -- events ----------------------------------------------------------------
     def next_event_after(self, t: float) -> float | None:

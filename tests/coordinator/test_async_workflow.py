@@ -14,6 +14,8 @@ from clients.client_app import app
 from clients.protocol import ARRAYS
 from coordinator import CoordinatorError, RunConfig, RunDirectory, SyncWorkflow
 from coordinator.async_workflow import BufferedAsyncWorkflow
+from coordinator.rundir import time_label
+from simulations.inprocess import InProcessGrid
 from simulations.virtual import DeviceProfile, VirtualClock, VirtualGrid, tiered_profiles
 
 from .helpers import reply_with
@@ -149,6 +151,35 @@ def test_replays_exactly(tmp_path):
 
     a, b = once("a"), once("b")
     assert torch.equal(a[0], b[0]) and a[1:] == b[1:]
+
+
+def test_sim_time_only_on_a_simulated_clock_and_a_resumed_run_goes_on_from_its_times(tmp_path):
+    """FedBuff wrote sim_time_s on any clock (the in-process engine's accuracy_vs_time.png then said
+    "simulated on the virtual engine"), and a resumed run started its sim_time_s and wall_time_s again
+    (4.3, 9.9, 4.3, 9.9)."""
+    on_wall = BufferedAsyncWorkflow(cfg(**{"num-rounds": 2}), InProcessGrid(constant_client({}), 3),
+                                    RunDirectory(tmp_path / "wall"), concurrency=3, buffer_size=2)
+    s = on_wall.run()
+    assert len(on_wall.history) == 2 and all("sim_time_s" not in r for r in on_wall.history) and "sim_time_s" not in s
+    assert time_label([on_wall.history]) == "rounds' wall time summed"
+
+    def run(rounds):
+        wf, *_ = make(tmp_path, constant_client({}), [FAST, SLOW, MEDIUM], name="virtual",
+                      config=cfg(**{"num-rounds": rounds}), concurrency=3, buffer_size=2)
+        return wf, wf.run()
+
+    run(2)
+    run_dir = RunDirectory(tmp_path / "virtual")
+    ckpt = run_dir.load_checkpoint()
+    for row in ckpt["history"]:  # as if the first session had taken 1000 s longer
+        row["wall_time_s"] += 1000.0
+    run_dir.save_checkpoint(ckpt)
+    wf, s = run(4)
+    rows = wf.history
+    sim, wall = [r["sim_time_s"] for r in rows], [r["wall_time_s"] for r in rows]
+    assert [r["round"] for r in rows] == [1, 2, 3, 4]
+    assert sim == sorted(sim) and sim[2] == sim[1] + rows[2]["round_time_s"] and s["sim_time_s"] == sim[-1]
+    assert wall == sorted(wall) and wall[2] > 1000.0 and s["wall_time_s"] >= wall[-1]
 
 
 def _first_time_at(rows_times, threshold):

@@ -176,6 +176,25 @@ def test_bad_adaptive_clipping_and_budget_settings_are_refused_up_front(setting,
     assert str(info.value).startswith(message)
 
 
+@pytest.mark.parametrize(("setting", "message"), [
+    # z = 0.5 at q = 1 spends ~10.7 in one round: no round could run (the run stopped before round 1 and
+    # `fedshield simulate` then crashed formatting the accuracy of a run with no round)
+    ({"dp": "central", "dp-noise-multiplier": 0.5, "target-epsilon": 0.1},
+     "run.target-epsilon must be >= 10.73, the epsilon one round spends with dp-noise-multiplier = 0.5 at sampling "
+     "rate 1 and dp-delta = 1e-05"),
+    ({"dp": "local", "target-epsilon": 0.5}, "run.target-epsilon must be 0 unless dp is 'central' or 'distributed'"),
+    ({"target-epsilon": 0.5}, "run.target-epsilon must be 0 unless dp is 'central' or 'distributed'"),
+])
+def test_a_budget_that_would_be_ignored_or_cannot_fit_one_round_is_refused_up_front(setting, message):
+    from clients import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        RunConfig.from_mapping(setting, where="run")
+    assert str(info.value).startswith(message)
+    fits = {"dp": "central", "dp-noise-multiplier": 0.5, "target-epsilon": 11.0}
+    assert RunConfig.from_mapping(fits).privacy.target_epsilon == 11.0
+
+
 def test_adaptive_clipping_outside_central_dp_is_refused():
     from clients import ConfigError
 

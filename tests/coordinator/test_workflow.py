@@ -121,6 +121,9 @@ def test_krum_left_with_too_few_updates_skips_the_round_instead_of_crashing(tmp_
     before = wf.weights.clone()
     wf.run()
     assert [(r["accepted"], r["rejected"], r["too_few_updates"]) for r in wf.history] == [(4, 1, 5)] * 2
+    import csv  # the CSV says so too (the column was dropped: a round that changed nothing showed accepted = 4)
+    with (tmp_path / METRICS).open() as f:
+        assert [row["too_few_updates"] for row in csv.DictReader(f)] == ["5", "5"]
     assert torch.equal(wf.weights, before) and wf.version == 0
     assert json.loads((tmp_path / SUMMARY).read_text())["rounds_without_updates"] == 2
     clean = SyncWorkflow(cfg(**{"num-rounds": 1, "min-nodes": 5, "aggregator": rule, "krum-f": 1, **extra}),
@@ -138,7 +141,11 @@ def test_krum_needs_enough_nodes_or_buffered_updates_by_config():
         cfg(**{"min-nodes": 6, "aggregator": "multi-krum", "krum-f": 1, "krum-m": 6})
     with pytest.raises(ConfigError, match=r"buffer-size must be >= 7 .* krum-f = 2"):
         cfg(**{"workflow": "fedbuff", "buffer-size": 5, "aggregator": "krum", "krum-f": 2})
+    # a round closed after fewer replies than the rule needs never combines them: every round did nothing
+    with pytest.raises(ConfigError, match=r"close-after-replies must be 0 or >= 5 to give aggregator = 'krum'"):
+        cfg(**{"min-nodes": 6, "aggregator": "krum", "krum-f": 1, "close-after-replies": 4})
     cfg(**{"min-nodes": 5, "aggregator": "krum", "krum-f": 1})
+    cfg(**{"min-nodes": 6, "aggregator": "krum", "krum-f": 1, "close-after-replies": 5})
     cfg(**{"workflow": "fedbuff", "buffer-size": 7, "aggregator": "krum", "krum-f": 2})
 
 
@@ -183,6 +190,25 @@ def test_resume_continues_from_checkpoint(tmp_path):
     torch.testing.assert_close(resumed.weights, full.weights)
 
 
+def test_a_resumed_run_goes_on_from_the_wall_time_already_spent(tmp_path):
+    """wall_time_s started again from 0 on resume: the resumed rows and summary.json counted only the
+    last session."""
+    from clients.client_app import app
+
+    SyncWorkflow(cfg(**{"num-rounds": 2}), InProcessGrid(app, 4), RunDirectory(tmp_path)).run()
+    run_dir = RunDirectory(tmp_path)
+    ckpt = run_dir.load_checkpoint()
+    for row in ckpt["history"]:  # as if the first session had taken 1000 s longer
+        row["wall_time_s"] += 1000.0
+    run_dir.save_checkpoint(ckpt)
+    resumed = SyncWorkflow(cfg(**{"num-rounds": 4}), InProcessGrid(app, 4), RunDirectory(tmp_path))
+    s = resumed.run()
+    wall = [r["wall_time_s"] for r in resumed.history]
+    assert len(wall) == 4 and wall == sorted(wall) and wall[2] > 1000.0
+    assert s["wall_time_s"] >= wall[-1] and json.loads((tmp_path / SUMMARY).read_text())["wall_time_s"] == s["wall_time_s"]
+    assert all("sim_time_s" not in r for r in resumed.history)  # a wall clock: no simulated time
+
+
 def test_resume_refuses_other_configuration(tmp_path):
     from clients.client_app import app
     from coordinator import CoordinatorError
@@ -190,6 +216,29 @@ def test_resume_refuses_other_configuration(tmp_path):
     SyncWorkflow(cfg(**{"num-rounds": 1}), InProcessGrid(app, 2), RunDirectory(tmp_path)).run()
     with pytest.raises(CoordinatorError, match="checkpoint of this configuration"):
         SyncWorkflow(cfg(**{"num-rounds": 2, "task": "synthetic"}), InProcessGrid(app, 2), RunDirectory(tmp_path))
+
+
+CENTRAL = {"dp": "central", "dp-noise-multiplier": 1.0, "dp-clip": 1.0}
+
+
+@pytest.mark.parametrize(("before", "after", "named"), [
+    ({}, CENTRAL, "dp = 'none' there, 'central' now"),
+    (CENTRAL, {}, "dp = 'central' there, 'none' now"),
+    (CENTRAL, {**CENTRAL, "dp-noise-multiplier": 5.0}, "dp-noise-multiplier = 1.0 there, 5.0 now"),
+    (CENTRAL, {**CENTRAL, "dp-clip": 0.1}, "dp-clip = 1.0 there, 0.1 now"),
+])
+def test_resume_refuses_changed_privacy_settings_naming_them(tmp_path, before, after, named):
+    """Resuming non-private rounds under DP claimed a guarantee for all of them (the accountant
+    started at zero); a changed noise or clip was overridden by the checkpoint's without a word."""
+    from clients.client_app import app
+    from coordinator import CoordinatorError
+
+    SyncWorkflow(cfg(**{"num-rounds": 1, **before}), InProcessGrid(app, 2), RunDirectory(tmp_path)).run()
+    with pytest.raises(CoordinatorError, match="checkpoint of this configuration") as info:
+        SyncWorkflow(cfg(**{"num-rounds": 2, **after}), InProcessGrid(app, 2), RunDirectory(tmp_path))
+    assert named in str(info.value) and "\n" not in str(info.value)
+    resumed = SyncWorkflow(cfg(**{"num-rounds": 2, **before}), InProcessGrid(app, 2), RunDirectory(tmp_path))
+    assert resumed.round == 1  # the settings it was run with resume
 
 
 def test_waits_for_min_nodes_then_fails_clearly(tmp_path):

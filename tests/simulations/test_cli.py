@@ -36,11 +36,14 @@ def _row(rnd: int, sim_time: float | None = None) -> dict:
     return row
 
 
-def _fake_run(path: Path, rounds: int, simulated: bool = False) -> None:
-    """A run directory whose checkpoint holds ``rounds`` finished rounds (nothing else of a real run)."""
+def _fake_run(path: Path, rounds: int, simulated: bool = False, summary: bool = True) -> None:
+    """A run directory whose checkpoint holds ``rounds`` finished rounds, and (``summary``) the summary a
+    finished run writes (nothing else of a real run)."""
     rows = [_row(r, 10.0 * r if simulated else None) for r in range(1, rounds + 1)]
     RunDirectory(path).save_checkpoint({"round": rounds, "version": rounds, "weights": torch.zeros(1), "history": rows,
                                         "optimizer": {}, "rejections": {}, "fingerprint": {}})
+    if summary:
+        RunDirectory(path).write_json(SUMMARY, {"final_test_accuracy": rows[-1]["test_accuracy"], "rounds": rounds})
 
 
 # ----------------------------------------------------------------------------- file-system problems
@@ -121,7 +124,39 @@ def test_resume_with_no_rounds_left_says_so_and_trains_nothing(tmp_path, capsys,
     assert f"already holds 3 rounds (>= the {requested} requested); nothing trained" in err[0]
     assert "--rounds N with N > 3" in err[0]
     assert "after 3 rounds (none trained now)" in captured.out
-    assert (d / CHECKPOINT).read_bytes() == before and sorted(p.name for p in d.iterdir()) == [CHECKPOINT]
+    assert (d / CHECKPOINT).read_bytes() == before and sorted(p.name for p in d.iterdir()) == [CHECKPOINT, SUMMARY]
+
+
+def _recording_runs(monkeypatch) -> list[Path]:
+    seen: list[Path] = []
+    monkeypatch.setattr("simulations.runner.run_scenario",
+                        lambda scn, run_dir, show_progress=True: seen.append(Path(run_dir)) or
+                        {"final_test_accuracy": None, "rounds": 0, "run_dir": str(run_dir)})
+    return seen
+
+
+def test_a_run_stopped_after_its_last_checkpoint_is_finished_not_skipped(tmp_path, monkeypatch, capsys):
+    """Stopped between the last round's checkpoint and its summary (Ctrl-C, a full disk): a rerun said
+    "nothing trained, its results are unchanged" and never wrote summary.json, model.pt or the plots."""
+    d = tmp_path / "q2"
+    _fake_run(d, 3, summary=False)
+    seen = _recording_runs(monkeypatch)
+    assert main(["simulate", "--engine", "inprocess", "--rounds", "3", "--run-dir", str(d), "--quiet"]) == 0
+    captured = capsys.readouterr()
+    assert seen == [d] and "nothing trained" not in captured.err
+    assert "final test accuracy n/a after 0 rounds" in captured.out  # no accuracy: said so, not a TypeError
+
+
+def test_a_tilde_in_the_run_dir_is_the_home_directory(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    seen = _recording_runs(monkeypatch)
+    scn = tmp_path / "t.toml"
+    scn.write_text('[run]\nrun-dir = "~/runs/tilde"\n')
+    assert main(["simulate", str(scn), "--engine", "inprocess", "--rounds", "1", "--quiet"]) == 0
+    assert main(["simulate", "--engine", "inprocess", "--rounds", "1", "--quiet", "--run-dir", "~/flag"]) == 0
+    assert seen == [tmp_path / "home" / "runs" / "tilde", tmp_path / "home" / "flag"]
+    assert not (tmp_path / "~").exists()
 
 
 def test_comparison_labels_time_by_what_it_measures(tmp_path, capsys):
@@ -134,6 +169,36 @@ def test_comparison_labels_time_by_what_it_measures(tmp_path, capsys):
     assert "time 4.0 s (rounds' wall time summed)" in out["default"]
     assert "virtual" not in out["default"]
     assert "time 20.0 s (simulated on the virtual engine)" in out["synthetic-iid"]
+
+
+def test_comparison_rows_are_the_scenarios_even_where_their_run_dirs_share_a_name(tmp_path, capsys):
+    """Runs keyed by their directory's own name: p1/out and p2/out became one line of the plot and two
+    rows that both showed the second run's time."""
+    files = []
+    for name, sub, simulated in (("a", "p1", False), ("b", "p2", True)):
+        _fake_run(tmp_path / sub / "out", 2, simulated=simulated)
+        files.append(tmp_path / f"{name}.toml")
+        files[-1].write_text(f'[simulation]\nname = "{name}"\nengine = "inprocess"\n[run]\n'
+                             f'run-dir = "{tmp_path / sub / "out"}"\n')
+    assert main(["simulate", *map(str, files), "--rounds", "2", "--quiet"]) == 0
+    out = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.startswith("  ")}
+    assert sorted(out) == ["a", "b"]
+    assert "time 4.0 s (rounds' wall time summed)" in out["a"]
+    assert "time 20.0 s (simulated on the virtual engine)" in out["b"]
+
+
+def test_a_comparison_s_errors_name_the_scenario_file_before_any_run(tmp_path, monkeypatch, capsys):
+    seen = _recording_runs(monkeypatch)
+    ok, big, bad = tmp_path / "ok.toml", tmp_path / "big.toml", tmp_path / "bad.toml"
+    ok.write_text('[simulation]\nengine = "inprocess"\n')
+    big.write_text('[simulation]\nengine = "inprocess"\nnum-supernodes = 2000\n')
+    bad.write_text('[run]\nnum-round = 3\n')
+    assert main(["simulate", str(ok), str(big), "--rounds", "1", "--run-dir", str(tmp_path / "c")]) == 2
+    line = _one_error_line(capsys)
+    assert line.startswith(f"fedshield: error: {big}: simulation.num-supernodes must be in [1, ")
+    assert main(["simulate", str(ok), str(bad), "--rounds", "1", "--run-dir", str(tmp_path / "c")]) == 2
+    assert _one_error_line(capsys).startswith(f"fedshield: error: {bad}: run.num-round is not a known key")
+    assert seen == [] and not (tmp_path / "c").exists()
 
 
 # ----------------------------------------------------------------------------- progress lines

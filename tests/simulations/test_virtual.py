@@ -117,6 +117,25 @@ def test_expired_message_gives_error_reply_at_ttl():
     assert grid.records[mid].expired
 
 
+def test_a_grid_restored_from_its_state_goes_on_as_the_original():
+    """What a resumed run's grid is given: it started its clock at 0, each node's draws from its first
+    message again, and every node free, though one may still be working on a reply the run stopped
+    waiting for."""
+    slow = dataclasses.replace(FLAT, compute_s_per_example=10.0, sigma=0.5)
+    clock = VirtualClock()
+    grid = VirtualGrid(zeros_client, 2, clock, [slow, FLAT], seed=3)
+    (mid,) = grid.push_messages([instruction(1001, ttl=50.0)])
+    clock.sleep(1e6)
+    assert clock.now() == 50.0 and list(grid.pull_messages([mid]))[0].has_error()
+    assert grid.records[mid].done > 50.0  # the node is still at work on it
+    restored_clock = VirtualClock()
+    restored = VirtualGrid(zeros_client, 2, restored_clock, [slow, FLAT], seed=3)
+    restored.load_state_dict(grid.state_dict())
+    assert restored_clock.now() == 50.0
+    a, b = (g.records[list(g.push_messages([instruction(1001)]))[0]] for g in (grid, restored))
+    assert a.message_id == b.message_id and a.start == b.start == grid.records[mid].done and a.done == b.done
+
+
 def test_availability_windows_are_seeded():
     flaky = dataclasses.replace(FLAT, availability=0.5)
 
