@@ -139,13 +139,7 @@ def _data_config(args: argparse.Namespace) -> str:
         from .tasks import check_any_task
 
         check_any_task(data, f"--data {args.data}")  # else the ClientApp would fail only once training starts
-        path = str(Path(args.data).resolve())
-        # a TOML literal string: Flower reads node-config values as TOML, where a basic string ("...") would
-        # end at a '"' in the path and turn "\b" into a backspace; a literal one has no escapes, and no "'"
-        if "'" in path or any(c in path for c in "\n\r"):
-            raise ClientError(f"--data must be a path without ' or line breaks (Flower's node config cannot carry "
-                              f"them). Found {path!r}.")
-        return f"data-path='{path}'"
+        return f"data-path={_literal_path(Path(args.data).resolve(), '--data')}"
     pid, sep, num = args.partition.partition("/")
     if not (sep and _DIGITS.fullmatch(pid) and _DIGITS.fullmatch(num) and 0 <= int(pid) < int(num) <= 1_000_000):
         raise ClientError(f"--partition must be ID/N with 0 <= ID < N <= 1000000. Found {args.partition!r}.")
@@ -156,6 +150,36 @@ def _data_config(args: argparse.Namespace) -> str:
         raise ClientError(f"--partition N must be <= {most}, the most partitions any task's training data can be split "
                           f"into (one example each at least). Found {args.partition!r}.")
     return f"partition-id={int(pid)} num-partitions={int(num)}"
+
+
+def _ledger_config(args: argparse.Namespace) -> str:
+    """The node-config entries of the device's local-DP ledger and its owner's limits (``clients.ledger``)."""
+    from privacy import make_dir
+
+    from .ledger import MAX_EPSILON, MIN_NOISE, STATE_DIR
+
+    out = ""
+    for flag, key, value in (("--min-local-noise", MIN_NOISE, getattr(args, "min_local_noise", 0.0)),
+                             ("--max-local-epsilon", MAX_EPSILON, getattr(args, "max_local_epsilon", 0.0))):
+        if not (math.isfinite(value) and value >= 0):
+            raise ClientError(f"{flag} must be a finite number >= 0 (0: none). Found {value!r}.")
+        if value > 0:
+            out += f" {key}={float(value)}"
+    state = Path(getattr(args, "state_dir", None) or "~/.fedshield/agent").expanduser().resolve()
+    value = _literal_path(state, "--state-dir")
+    make_dir(state, "--state-dir", ClientError)
+    return out + f" {STATE_DIR}={value}"
+
+
+def _literal_path(path: Path, flag: str) -> str:
+    """``path`` as a TOML literal string for Flower's node config, which reads values as TOML: a basic
+    string ("...") would end at a '"' in the path and turn "\\b" into a backspace; a literal one has no
+    escapes, and cannot hold a "'" or a line break (refused)."""
+    text = str(path)
+    if "'" in text or any(c in text for c in "\n\r"):
+        raise ClientError(f"{flag} must be a path without ' or line breaks (Flower's node config cannot carry "
+                          f"them). Found {text!r}.")
+    return f"'{text}'"
 
 
 def _check_environment() -> None:
@@ -196,6 +220,7 @@ def supernode_command(args: argparse.Namespace) -> list[str]:
         if not (math.isfinite(link) and link > 0):
             raise ClientError(f"--link-mbps must be a finite number of Mbit/s > 0. Found {link!r}.")
         node_config += f" link-mbps={float(link)}"
+    node_config += _ledger_config(args)
     cmd += ["--node-config", node_config]
     if args.port:  # checked here: Flower would print its usage, or a traceback for a port in use
         if not 0 < args.port < 65536:

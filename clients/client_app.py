@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 import zlib
@@ -16,6 +17,7 @@ from aggregation._errors import shown
 
 from ._errors import ClientError
 from .data import client_data
+from .ledger import STATE_DIR, LedgerFile, check_owner_limits, owner_limits
 from .profile import measure_profile
 from .config import build_config
 from .protocol import CODEC, LOCAL_DP, WEIGHTS, codec_from_record, parse_train_message, train_reply_content
@@ -56,12 +58,24 @@ def train_with_local_dp(model, data, instr, record, context: Context) -> dict[st
     The sampling and noise generator is seeded from the OS, never from anything the
     coordinator knows (a known seed would let it replay and remove the noise).
     """
-    from .dp_training import LocalDpSettings, train_local_dp
+    from .dp_training import LocalDpSettings, planned_epsilon, train_local_dp
 
     dp = build_config(LocalDpSettings, dict(record), "local-dp")
+    check_owner_limits(context.node_config, dp.noise_multiplier)
+    store = LedgerFile(context.node_config[STATE_DIR], data) if STATE_DIR in context.node_config else None
     ledger = context.state.config_records.get(DP_LEDGER)
-    state = json.loads(str(ledger["state"])) if ledger is not None else None
+    state = store.load() if store is not None else None  # the device's file outlives this run's Context
+    if state is None and ledger is not None:
+        state = json.loads(str(ledger["state"]))
+    _, max_eps = owner_limits(context.node_config)
+    if math.isfinite(max_eps):
+        after = planned_epsilon(state, dp, instr.train, len(data))
+        if after > max_eps:
+            raise ClientError(f"this round would bring this data's local epsilon to {after:.4g}, past its owner's "
+                              f"--max-local-epsilon {max_eps:g}: refused before training.")
     _, stats, state = train_local_dp(model, data, instr.train, dp, None, state)
+    if store is not None:
+        store.save(state)
     context.state.config_records[DP_LEDGER] = ConfigRecord({"state": json.dumps(state)})
     return {"train-loss": stats["train-loss"], "train-time-s": stats["train-time-s"], "local-epsilon": stats["epsilon"]}
 
@@ -116,6 +130,7 @@ def local_update(msg: Message, context: Context) -> tuple[torch.Tensor, dict[str
     gen = torch.Generator().manual_seed(hash((instr.seed, instr.round, who)) & 0x7FFFFFFF)
     local_dp = msg.content.config_records.get(LOCAL_DP)
     if local_dp is None:
+        check_owner_limits(context.node_config, None)
         stats = train_local(model, data, instr.train, gen)
     else:
         stats = train_with_local_dp(model, data, instr, local_dp, context)

@@ -539,6 +539,16 @@ def accountant_to_state(accountant: Any) -> dict[str, Any]:
             "history": [[float(z), float(q), int(s)] for z, q, s in accountant.history]}
 
 
+def planned_epsilon(accountant_state: Mapping[str, Any] | None, dp: LocalDpSettings, settings: TrainSettings,
+                    n: int) -> float:
+    """The epsilon (at ``dp.delta``) the ledger would reach after ``train_local_dp`` over ``n`` examples:
+    the same batches per epoch (``ceil(n / batch)``, sample rate one over that) and steps."""
+    batches = math.ceil(n / max(1, min(settings.batch_size, n)))
+    accountant = accountant_from_state(accountant_state)
+    accountant.history.append((dp.noise_multiplier, 1.0 / batches, settings.local_epochs * batches))
+    return float(accountant.get_epsilon(dp.delta))
+
+
 def train_local_dp(
     model: nn.Module, data: Dataset, settings: TrainSettings, dp: LocalDpSettings,
     generator: torch.Generator | None, accountant_state: Mapping[str, Any] | None = None,

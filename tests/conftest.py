@@ -6,6 +6,10 @@ import os
 
 os.environ.setdefault("FEDSHIELD_DEVICE", "cpu")
 os.environ.setdefault("FEDSHIELD_TORCH_THREADS", "1")
+if "FEDSHIELD_AGENT_STATE_DIR" not in os.environ:  # agents started by tests keep their ledgers here, not in ~
+    import tempfile
+
+    os.environ["FEDSHIELD_AGENT_STATE_DIR"] = tempfile.mkdtemp(prefix="fedshield-agent-state-")
 
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402

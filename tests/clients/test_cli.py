@@ -217,3 +217,23 @@ def test_agent_checks_the_environment_its_clientapps_read_before_it_starts(monke
     assert main(["agent", "start", "--insecure", "--coordinator", "127.0.0.1:1", "--partition", "0/2"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith("fedshield: error: " + line)
 
+
+
+def test_agent_passes_its_ledger_dir_and_owner_limits_to_its_clientapps(tmp_path, monkeypatch, capsys):
+    from flwr.common.config import parse_config_args
+
+    from clients import cli
+    from simulations.cli import build_parser
+
+    monkeypatch.setattr(cli, "check_reachable", lambda host, port: None)
+    base = ["agent", "start", "--coordinator", "127.0.0.1:1", "--insecure", "--partition", "0/2"]
+    args = build_parser().parse_args([*base, "--state-dir", str(tmp_path / "s"), "--min-local-noise", "1.5",
+                                      "--max-local-epsilon", "8"])
+    cmd = cli.supernode_command(args)
+    node = parse_config_args([cmd[cmd.index("--node-config") + 1]])
+    assert node == {"partition-id": 0, "num-partitions": 2, "min-local-noise": 1.5, "max-local-epsilon": 8.0,
+                    "state-dir": str((tmp_path / "s").resolve())}
+    assert (tmp_path / "s").is_dir()
+    assert main([*base, "--min-local-noise", "-1"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "fedshield: error: --min-local-noise must be a finite number >= 0 (0: none). Found -1.0.")

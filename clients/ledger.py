@@ -1,0 +1,96 @@
+"""A device's local-DP ledger on disk, and the owner's own limits on local DP.
+
+Why on disk: the ledger in ``Context.state`` lives as long as one Flower run on one SuperNode. A
+coordinator that restarts (a resumed run is a new Flower run) or an agent that restarts started a
+fresh accountant on the same data, and ``local-epsilon`` then understated what the data had spent.
+``fedshield agent start`` gives each node a ``state-dir``; the ledger is kept there, one file per
+dataset (keyed by a hash of its contents, so the same data under another path shares it), written
+atomically after every round.
+
+Why limits of the owner's own: under local DP the coordinator is the party the noise protects
+against, yet it chooses the noise. ``--min-local-noise`` makes the device train only under local DP
+with at least that noise multiplier (a coordinator that sends none, or less, is refused);
+``--max-local-epsilon`` refuses a round that would take the data's epsilon past that bound,
+decided before training from the planned steps.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ._errors import ClientError, ConfigError
+from .tasks import Dataset
+
+STATE_DIR, MIN_NOISE, MAX_EPSILON = "state-dir", "min-local-noise", "max-local-epsilon"
+PREFIX = "local-dp-ledger-"
+
+
+def data_key(data: Dataset) -> str:
+    """A hash of the data's contents (shapes, dtypes, bytes): what the ledger is about."""
+    h = hashlib.sha256()
+    for a in (data.x, data.y):
+        h.update(f"{a.dtype.str}{a.shape}".encode())
+        h.update(memoryview(a.tobytes()))
+    return h.hexdigest()[:32]
+
+
+class LedgerFile:
+    """The ledger of one dataset in ``state_dir`` (an accountant state, see ``dp_training``)."""
+
+    def __init__(self, state_dir: str | os.PathLike, data: Dataset) -> None:
+        self.path = Path(state_dir) / f"{PREFIX}{data_key(data)}.json"
+
+    def load(self) -> dict[str, Any] | None:
+        """The stored state (None: no file yet). A file that cannot be read as a ledger is an error,
+        not a fresh start: a lost ledger under-reports epsilon."""
+        from .dp_training import accountant_from_state
+
+        if not self.path.exists():
+            return None
+        try:
+            state = json.loads(self.path.read_text(encoding="utf-8"))
+            accountant_from_state(state)  # validates every event
+        except (OSError, ValueError, ConfigError) as exc:
+            raise ClientError(f"local DP ledger {self.path} must be readable (a lost ledger under-reports epsilon; "
+                              f"move it away only to start this data's accounting afresh). Found: {exc}") from None
+        return state
+
+    def save(self, state: Mapping[str, Any]) -> None:
+        """Write ``state`` atomically (a crash leaves the old ledger or the new one, never half of one)."""
+        try:
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".ledger-")
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                json.dump(state, fh)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            raise ClientError(f"local DP ledger {self.path} must be writable. Found: {exc.strerror or exc}.") from None
+
+
+def owner_limits(node_config: Mapping[str, Any]) -> tuple[float, float]:
+    """(min noise multiplier, max epsilon) the device's owner set (0 and inf: none)."""
+    out = []
+    for key, default in ((MIN_NOISE, 0.0), (MAX_EPSILON, math.inf)):
+        value = node_config.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+            raise ClientError(f"node config {key} must be a number >= 0. Found {value!r}.")
+        out.append(float(value))
+    return out[0], out[1]
+
+
+def check_owner_limits(node_config: Mapping[str, Any], noise_multiplier: float | None) -> None:
+    """Refuse training that breaks the owner's ``min-local-noise`` (``noise_multiplier``: the
+    coordinator's local DP noise, None when it sent no local DP)."""
+    min_noise, _ = owner_limits(node_config)
+    if min_noise > 0 and (noise_multiplier is None or noise_multiplier < min_noise):
+        found = "no local DP" if noise_multiplier is None else f"noise multiplier {noise_multiplier:g}"
+        raise ClientError(f"this node trains only under local DP with a noise multiplier >= {min_noise:g} (its "
+                          f"owner's --min-local-noise). Found {found} in the coordinator's train message.")

@@ -1,0 +1,99 @@
+"""The device's local-DP ledger on disk, and its owner's limits on local DP (clients.ledger)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
+
+from aggregation import tensor_to_array
+from clients import ClientError, TaskSpec, TrainInstruction, TrainSettings
+from clients.client_app import run_train
+from clients.ledger import PREFIX, LedgerFile
+from clients.protocol import ARRAYS, CONFIG, LOCAL_DP, MESSAGE_TYPE_TRAIN, WEIGHTS
+from clients.tasks import get_task
+
+TASK = TaskSpec(task="synthetic", partitioning="iid", data_seed=4)
+NODE = {"partition-id": 0, "num-partitions": 40}
+
+
+def _message(rnd: int, z: float | None = 1.0, epochs: int = 1) -> Message:
+    instr = TrainInstruction(round=rnd, version=rnd - 1, seed=11, task=TASK,
+                             train=TrainSettings(local_epochs=epochs, batch_size=16, lr=0.1, momentum=0.0))
+    numel = sum(p.numel() for p in get_task(TASK).build_model().parameters())
+    content = RecordDict({CONFIG: instr.to_record(), ARRAYS: ArrayRecord({WEIGHTS: tensor_to_array(torch.zeros(numel))})})
+    if z is not None:
+        content[LOCAL_DP] = ConfigRecord({"noise-multiplier": z, "max-grad-norm": 1.0, "delta": 1e-5})
+    return Message(content, dst_node_id=1001, message_type=MESSAGE_TYPE_TRAIN)
+
+
+def _context(**node) -> Context:
+    return Context(run_id=1, node_id=1001, node_config={**NODE, **node}, state=RecordDict(), run_config={})
+
+
+def _epsilon(reply: Message) -> float:
+    return float(reply.content.metric_records["metrics"]["local-epsilon"])
+
+
+def test_the_ledger_outlives_the_run_so_epsilon_goes_on_after_a_restart(tmp_path):
+    """A resumed coordinator (a new Flower run) or a restarted agent gave the node a fresh Context,
+    and local-epsilon started again from its first-round value on the same data."""
+    first = _context(**{"state-dir": str(tmp_path)})
+    eps = [_epsilon(run_train(_message(1), first))]
+    (path,) = tmp_path.glob(f"{PREFIX}*.json")
+    steps = _steps(path)
+    eps.append(_epsilon(run_train(_message(2), first)))
+    fresh = _context(**{"state-dir": str(tmp_path)})  # a new run: nothing in its Context.state
+    eps.append(_epsilon(run_train(_message(3), fresh)))
+    assert eps[0] < eps[1] < eps[2]
+    assert list(tmp_path.glob(f"{PREFIX}*.json")) == [path] and _steps(path) == 3 * steps
+    # without a state dir (a simulation), the ledger lives in the Context only: a fresh one starts again
+    assert _epsilon(run_train(_message(1), _context())) == pytest.approx(eps[0], rel=1e-9)
+
+
+def _steps(path) -> int:
+    """DP-SGD steps a ledger file holds (the accountant merges like events into one)."""
+    return sum(int(e[2]) for e in json.loads(path.read_text())["history"])
+
+
+def test_the_ledger_is_keyed_by_the_data_not_the_node(tmp_path):
+    data = get_task(TASK).partition(0, 40)
+    other = get_task(TASK).partition(1, 40)
+    assert LedgerFile(tmp_path, data).path == LedgerFile(tmp_path, data).path != LedgerFile(tmp_path, other).path
+
+
+def test_an_unreadable_ledger_refuses_training_instead_of_starting_afresh(tmp_path):
+    ctx = _context(**{"state-dir": str(tmp_path)})
+    run_train(_message(1), ctx)
+    (path,) = tmp_path.glob(f"{PREFIX}*.json")
+    path.write_text('{"mechanism": "rdp", "history": [[1.0, 2.0, 3]]}')  # a sample rate > 1
+    with pytest.raises(ClientError, match="local DP ledger .* must be readable"):
+        run_train(_message(2), _context(**{"state-dir": str(tmp_path)}))
+
+
+@pytest.mark.parametrize(("z", "found"), [(None, "no local DP"), (0.5, "noise multiplier 0.5")])
+def test_the_owner_s_min_local_noise_refuses_less_from_the_coordinator(z, found):
+    with pytest.raises(ClientError, match=f"noise multiplier >= 1 .*min-local-noise.*Found {found}"):
+        run_train(_message(1, z=z), _context(**{"min-local-noise": 1.0}))
+    assert _epsilon(run_train(_message(1, z=1.0), _context(**{"min-local-noise": 1.0}))) > 0
+
+
+def test_the_owner_s_max_local_epsilon_refuses_a_round_before_it_trains(tmp_path, monkeypatch):
+    from clients import dp_training
+
+    ctx = _context(**{"state-dir": str(tmp_path)})
+    once = _epsilon(run_train(_message(1), ctx))
+    twice = _epsilon(run_train(_message(2), ctx))
+    limit = (twice + once) / 2
+    trained = []
+    real = dp_training.train_local_dp
+    monkeypatch.setattr(dp_training, "train_local_dp", lambda *a, **k: trained.append(1) or real(*a, **k))
+    fresh = _context(**{"state-dir": str(tmp_path / "fresh"), "max-local-epsilon": limit})
+    (tmp_path / "fresh").mkdir()
+    assert _epsilon(run_train(_message(1), fresh)) == pytest.approx(once, rel=1e-9)  # within the limit: trains
+    with pytest.raises(ClientError, match=f"would bring this data's local epsilon to {twice:.4g}, past"):
+        run_train(_message(2), fresh)
+    assert trained == [1]  # refused before training (the planned epsilon is what training then reports)
+    assert _steps(next((tmp_path / "fresh").glob(f"{PREFIX}*.json"))) == _steps(next(tmp_path.glob(f"{PREFIX}*.json"))) // 2
