@@ -125,8 +125,14 @@ class BufferedAsyncWorkflow(SyncWorkflow):
         self.inflight: dict[str, Flight] = {}
         self.ledger: list[LedgerEntry] = []
         self.dispatched = 0
-        self._seq = 0
+        # dispatches so far: keys each dispatch's sample and its messages' round; resumed, so a resumed run does
+        # not draw the same samples and training seeds again
+        seq = self.resumed_extra.get("dispatch-seq", 0)
+        self._seq = seq if isinstance(seq, int) and not isinstance(seq, bool) and seq >= 0 else 0
         self._resolved: set[str] = set()
+
+    def _extra_state(self) -> dict[str, Any]:
+        return {"dispatch-seq": self._seq}
 
     def fingerprint(self) -> dict[str, Any]:
         return {**super().fingerprint(), "workflow": "fedbuff"}

@@ -133,6 +133,7 @@ class SyncWorkflow:
         self.simulated = not isinstance(self.clock, WallClock)
         self.wall_start = time.monotonic()
         self.wall_before = 0.0  # wall seconds earlier sessions of this run spent (set on resume)
+        self.resumed_extra: dict[str, Any] = {}  # a subclass's ``_extra_state`` from the checkpoint resumed
         self._resume()
 
     def _codec_plan(self, codec: Any) -> tuple[Any, dict[str, Any], int]:
@@ -189,8 +190,13 @@ class SyncWorkflow:
                                        f"virtual engine's. Found it unreadable ({type(exc).__name__}: "
                                        f"{shown(str(exc), 60)}); use another run-dir.") from None
         self.wall_before = self._spent("wall_time_s")
+        self.resumed_extra = dict(ckpt.get("extra") or {})
         log(INFO, "[fedshield] resuming from %s at round %d (version %d, model sha256 %s)",
             self.run_dir.path, self.round + 1, self.version, weights_digest(self.weights))
+
+    def _extra_state(self) -> dict[str, Any]:
+        """A subclass's own state to checkpoint (read back as ``self.resumed_extra``)."""
+        return {}
 
     def _checkpoint(self) -> None:
         self.run_dir.save_checkpoint({
@@ -200,6 +206,7 @@ class SyncWorkflow:
             "privacy": self.dp.state_dict() if self.dp is not None else {},
             "profiles": self.profiles.state_dict(),
             "engine": self.grid.state_dict() if hasattr(self.grid, "state_dict") else {},
+            "extra": self._extra_state(),
         })
         self.run_dir.write_metrics(self.history)
 

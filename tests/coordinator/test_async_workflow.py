@@ -168,12 +168,16 @@ def test_sim_time_only_on_a_simulated_clock_and_a_resumed_run_goes_on_from_its_t
                       config=cfg(**{"num-rounds": rounds}), concurrency=3, buffer_size=2)
         return wf, wf.run()
 
-    run(2)
+    first, _ = run(2)
     run_dir = RunDirectory(tmp_path / "virtual")
     ckpt = run_dir.load_checkpoint()
+    assert ckpt["extra"] == {"dispatch-seq": first._seq} and first._seq > 0
     for row in ckpt["history"]:  # as if the first session had taken 1000 s longer
         row["wall_time_s"] += 1000.0
     run_dir.save_checkpoint(ckpt)
+    resumed = BufferedAsyncWorkflow(cfg(**{"num-rounds": 4}), InProcessGrid(constant_client({}), 3), run_dir,
+                                    concurrency=3, buffer_size=2)
+    assert resumed._seq == first._seq  # its dispatches go on: no sample or training seed drawn again
     wf, s = run(4)
     rows = wf.history
     sim, wall = [r["sim_time_s"] for r in rows], [r["wall_time_s"] for r in rows]
