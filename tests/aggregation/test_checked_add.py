@@ -24,6 +24,8 @@ import aggregation.robust as robust
 from aggregation import AggregationError, UpdateRejected, WeightedAccumulator, create_aggregator
 from aggregation.codecs import create_codec
 
+from .helpers import sent
+
 EPS = float(torch.finfo(torch.float32).eps)
 NUMEL = 1000  # not a multiple of the patched blocks: every path has a short last block
 CODECS = [
@@ -51,7 +53,7 @@ def _codec(config):
 
 
 def _parsed(codec, x: torch.Tensor, seed: int = 0):
-    enc, _ = codec.encode(x, generator=torch.Generator().manual_seed(seed))
+    enc = sent(codec, x, torch.Generator().manual_seed(seed))
     return codec.parse(enc.arrays, enc.header, x.numel(), 10**9)
 
 

@@ -19,6 +19,8 @@ from hypothesis import strategies as st
 from aggregation import AggregationError, UpdateRejected, WeightedAccumulator, create_aggregator, kernels
 from aggregation.codecs import create_codec
 
+from .helpers import sent
+
 pytestmark = pytest.mark.skipif(not kernels.enabled(), reason="numba kernels unavailable")
 
 CODECS = [("dense", {}), ("qsgd", {"bits": 8, "chunk": 64}), ("qsgd", {"bits": 4, "chunk": 128}),
@@ -26,7 +28,7 @@ CODECS = [("dense", {}), ("qsgd", {"bits": 8, "chunk": 64}), ("qsgd", {"bits": 4
 
 
 def _parse(codec, x: torch.Tensor, seed: int = 0):
-    enc, _ = codec.encode(x, None, torch.Generator().manual_seed(seed))
+    enc = sent(codec, x, torch.Generator().manual_seed(seed))
     return codec.parse(dict(enc.arrays), enc.header, x.numel(), 1 << 40)
 
 

@@ -23,6 +23,8 @@ from aggregation._errors import AggregationError, UpdateRejected
 from aggregation.codecs import create_codec
 from aggregation.staging import ALIGN, DeviceStager
 
+from .helpers import sent
+
 
 class _Op:
     def __init__(self, fn, waits):
@@ -236,7 +238,7 @@ def test_aggregator_batches_through_the_stager_like_without(rule, params):
     batch = _updates(codec, 6, 400, 5)
     bad = torch.randn(400)
     bad[7] = math.nan
-    enc, _ = codec.encode(bad)
+    enc = sent(codec, bad)
     batch.insert(2, codec.parse(enc.arrays, enc.header, 400, 1 << 30))  # non-finite: rejected
     huge, _ = codec.encode(torch.full((400,), 50.0))
     batch.insert(4, codec.parse(huge.arrays, huge.header, 400, 1 << 30))  # norm 1000 > 100: rejected
