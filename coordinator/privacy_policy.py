@@ -112,7 +112,8 @@ class DistributedDp(CentralDp):
     The coordinator sees only the noised sum. Noise is sized so the survivors' total has
     std ``z * C`` when at least ``(1 - secagg-dropout-rate)`` of the selected clients survive
     (each adds variance ``(z C)^2 / (n (1 - r))``); a round with fewer survivors is not
-    unmasked (nothing is released, nothing spent). Each round is accounted as a Gaussian with
+    unmasked (nothing is released, nothing spent); one unmasked and then failed by a later check
+    is charged all the same (the coordinator saw its noised sum). Each round is accounted as a Gaussian with
     ``z_eff = z * sqrt(survivors / (n (1 - r))) >= z`` and no sampling amplification (the
     coordinator, the party this protects against, chooses the sample): Skellam noise of that
     variance, at the scale of the quantization grid here (std of 1e4+ levels), is within a

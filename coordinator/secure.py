@@ -117,6 +117,7 @@ class SecureRound:
         self.wf = wf
         self.settings = wf.cfg.secure
         self.ahead: _Round | None = None  # the next round, already set up during this one
+        self.unmasked = 0  # survivors whose sum the last round unmasked (0: nothing was unmasked)
 
     def planned(self, rnd: int) -> list[int] | None:
         """The nodes round ``rnd`` was set up for during the previous round (None: it was not)."""
@@ -283,7 +284,7 @@ class SecureRound:
         wf, st = self.wf, self.settings
         numel = wf.numel
         cur = self.ahead if self.ahead is not None and self.ahead.rnd == rnd and self.ahead.selected == selected else None
-        self.ahead = None
+        self.ahead, self.unmasked = None, 0
         if cur is None:
             try:  # parameters that cannot work for this many nodes fail the round, not the run
                 cur = self._prepare(rnd, selected)
@@ -391,17 +392,24 @@ class SecureRound:
                 nxt = None
             t0 = time.perf_counter()
             result = server.finish()
+            self.unmasked = len(result.survivors)  # the coordinator has seen this (noised) sum, whatever follows
             weighted, weight = decode_sum(result)
             stats["server_s"]["finish"] = time.perf_counter() - t0
-            # The weight coordinate and every value are bounded for honest clients; a client that sent
-            # out-of-range ring elements shows here, and the round fails instead of scaling the model.
+            # The weights are public (each reply's example count): the mean divides by their sum, and the
+            # weight coordinate only checks it. Both it and every value are bounded for honest clients; a
+            # client that sent out-of-range ring elements shows here, and the round fails instead of
+            # scaling the model.
             expected = sum(weights[u] for u in result.survivors)
-            slack = len(result.survivors) * params.step / params.clip + 1e-9
+            slack = len(result.survivors) * params.step / params.clip + 1e-9  # the ring's worst-case rounding
+            if not expected >= 4 * slack:
+                raise SecAggAborted(f"the survivors' summed weight {expected:.6g} is within 4x of the ring's rounding "
+                                    f"({slack:.3g}): the mean would be mostly rounding error; raise secagg-bits or "
+                                    "lower secagg-max-weight")
             if not abs(weight - expected) <= slack:
                 raise SecAggAborted(f"the survivors' summed weight {weight:.6g} must be {expected:.6g}: a client sent an "
                                     "out-of-range weight")
-            mean64 = weighted / weight
-            bound = params.clip + len(result.survivors) * params.step / weight
+            mean64 = weighted / expected
+            bound = params.clip + len(result.survivors) * params.step / expected
             if float(mean64.abs().max()) > bound:
                 raise SecAggAborted(f"the unmasked mean must lie within +-secagg-clip={params.clip:g}; found "
                                     f"{float(mean64.abs().max()):.4g}: a client sent out-of-range ring elements (or "

@@ -403,8 +403,10 @@ class SyncWorkflow:
             if update is not None:
                 self.weights = self.optimizer.step(self.weights, update)
                 self.version += 1
-                if isinstance(self.dp, DistributedDp):  # a released noised sum: account for the noise it had
-                    self.dp.after_secure_round(self._rate, secure_row["secagg_survivors"], len(selected))
+            if isinstance(self.dp, DistributedDp) and self.secure.unmasked:
+                # the coordinator saw the noised sum once it was unmasked, even if a check after that
+                # failed the round: account for the noise it had
+                self.dp.after_secure_round(self._rate, self.secure.unmasked, len(selected))
             if isinstance(self.dp, DistributedDp):
                 row["epsilon"] = self.dp.epsilon
         else:

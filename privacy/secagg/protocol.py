@@ -66,7 +66,7 @@ from .._errors import PrivacyError
 from .graph import Graph, check_threshold, complete_graph, harary_graph
 from .keys import KEY_BYTES, KeyPair, agree, decrypt_share, derive_key, encrypt_share
 from .masking import SEED_BYTES, mask_words, quantization_step, unmask_words
-from .shamir import Share, combine, split
+from .shamir import Share, combine, share_size, split
 
 STAGES = ("setup", "share-keys", "masked-input", "unmask")
 MAX_DIM = 1 << 31
@@ -209,17 +209,28 @@ def _seal(payload_sender: int, receiver: int, self_share: bytes, key_share: byte
     return _PAYLOAD.pack(payload_sender, receiver, len(self_share), len(key_share)) + self_share + key_share
 
 
-def _open(data: bytes, sender: int, receiver: int) -> tuple[Share, Share]:
+def _open(data: bytes, sender: int, receiver: int, holders: int) -> tuple[Share, Share]:
+    """Parse a neighbour's sealed shares: its self-seed share and its key share, both for 32-byte
+    secrets at one x-coordinate in 1..``holders`` (the sender's neighbour count). A share of another
+    shape is refused here, naming the sender, so it never reaches this node's unmask reply (where the
+    server would have to refuse the honest holder's whole answer)."""
     if len(data) < _PAYLOAD.size:
         raise SecAggRejected(sender, "bad-share", "share payload is shorter than its header")
     src, dst, n1, n2 = _PAYLOAD.unpack_from(data)
     if (src, dst) != (sender, receiver) or len(data) != _PAYLOAD.size + n1 + n2:
         raise SecAggRejected(sender, "bad-share", "share payload names other nodes or has a wrong length")
+    if (n1, n2) != (share_size(SEED_BYTES), share_size(KEY_BYTES)):
+        raise SecAggRejected(sender, "bad-share", f"shares must be of a {SEED_BYTES}-byte seed and a {KEY_BYTES}-byte "
+                                                  f"key ({share_size(SEED_BYTES)} bytes each); found {n1} and {n2} bytes")
     try:
-        return (Share.from_bytes(data[_PAYLOAD.size:_PAYLOAD.size + n1]),
-                Share.from_bytes(data[_PAYLOAD.size + n1:]))
+        seed, key = (Share.from_bytes(data[_PAYLOAD.size:_PAYLOAD.size + n1]),
+                     Share.from_bytes(data[_PAYLOAD.size + n1:]))
     except PrivacyError as exc:
         raise SecAggRejected(sender, "bad-share", str(exc)) from None
+    if seed.x != key.x or not 1 <= seed.x <= holders:
+        raise SecAggRejected(sender, "bad-share", f"both shares must sit at one x-coordinate in 1..{holders}; "
+                                                  f"found {seed.x} and {key.x}")
+    return seed, key
 
 
 # ---------------------------------------------------------------------------------------------- client
@@ -302,7 +313,7 @@ class SecAggClient:
         held = {}
         for u, ct in ciphertexts.items():
             plain = decrypt_share(self.transport[u], ct, sender=u, receiver=me, round=p.round, stage="share-keys")
-            bs, ss = _open(plain, u, me)
+            bs, ss = _open(plain, u, me, len(p.graph()[u]))
             held[u] = (bs.to_bytes(), ss.to_bytes())
         self.held = held
         self.maskers = tuple(sorted(ciphertexts))
@@ -530,9 +541,12 @@ class SecAggServer:
         if set(shares) != want:
             raise SecAggRejected(node, "wrong-share-count", f"exactly the {len(want)} shares asked for are required; "
                                                             f"found {len(shares)} under other names")
-        if any(not isinstance(b, bytes) or len(b) > 1 << 12 for b in shares.values()):
-            raise SecAggRejected(node, "bad-share", "each share must be bytes of at most 4096")
+        size = share_size(SEED_BYTES)  # == share_size(KEY_BYTES)
+        if not all(isinstance(b, bytes) for b in shares.values()):
+            raise SecAggRejected(node, "bad-share", "each share must be bytes")
         for name, b in shares.items():
+            if len(b) != size:  # one bad share is left out, not the holder's other answers: _rebuild
+                continue        # needs only t of each owner's shares (honest clients never send one)
             kind, who = name.split(":")
             (self.self_shares if kind == "self" else self.key_shares).setdefault(int(who), {})[node] = b
         self.responders.add(node)

@@ -90,6 +90,11 @@ def _n_chunks(secret_len: int) -> int:
     return -(-secret_len // CHUNK_BYTES)
 
 
+def share_size(secret_len: int) -> int:
+    """Bytes of :meth:`Share.to_bytes` for a ``secret_len``-byte secret."""
+    return _HEADER.size + 4 * _n_chunks(secret_len)
+
+
 def _to_chunks(secret: bytes) -> np.ndarray:
     padded = secret + bytes(-len(secret) % CHUNK_BYTES)
     b = np.frombuffer(padded, dtype=np.uint8).reshape(-1, CHUNK_BYTES).astype(np.int64)

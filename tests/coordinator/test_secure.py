@@ -392,6 +392,32 @@ def test_out_of_range_ring_elements_fail_the_round_instead_of_scaling_the_model(
     assert re.search(why, wf.history[0]["secagg_failure"]) and torch.equal(wf.weights, before)
 
 
+def test_a_distributed_dp_round_failed_after_its_unmask_is_still_charged(tmp_path):
+    """The coordinator saw the noised sum once it was unmasked: a check failing after that spends the round's budget."""
+    grid = InProcessGrid(misbehave(1002, "masked-input", _shift(-1, 2**31)), N)  # its weight coordinate
+    wf = SyncWorkflow(cfg(**DDP), grid, RunDirectory(tmp_path / "a"), clock=VirtualClock())
+    before = wf.weights.clone()
+    wf.run()
+    row = wf.history[0]
+    assert "summed weight" in row["secagg_failure"] and torch.equal(wf.weights, before)
+    assert len(wf.dp.accountant.events) == 1 and wf.dp.epsilon > 0 and row["epsilon"] == pytest.approx(wf.dp.epsilon)
+
+
+@pytest.mark.parametrize("bits,max_weight,fails", [(8, 10**6, True), (16, 10**4, False), (32, 10**6, False)])
+def test_example_weights_below_the_rings_resolution_fail_the_round_clearly(tmp_path, bits, max_weight, fails):
+    """With a coarse ring and a large weight cap, the summed weight (each client's examples / cap) can
+    round to zero or below: the round fails with the reason instead of dividing by it."""
+    kw = {"secure-aggregation": "secagg+", "secagg-bits": bits, "secagg-max-weight": max_weight}
+    wf = SyncWorkflow(cfg(**kw), InProcessGrid(app, N), RunDirectory(tmp_path / "a"), clock=VirtualClock())
+    before = wf.weights.clone()
+    wf.run()
+    row = wf.history[0]
+    if fails:
+        assert "is within 4x of the ring's rounding" in row["secagg_failure"] and torch.equal(wf.weights, before)
+    else:
+        assert "secagg_failure" not in row and wf.version == 1 and torch.isfinite(wf.weights).all()
+
+
 def test_only_public_metrics_travel_in_the_clear(tmp_path):
     seen = []
 

@@ -339,3 +339,57 @@ def test_node_ids_above_int64_work_like_flowers_uint64_ids():
     params = SecAggParams.create(1, [2**63 + 11 * i for i in range(8)], degree=4, threshold=3, bits=32, clip=1.0, dim=20)
     result, plain, _ = run(params, {"masked-input": {params.nodes[2]}})
     assert torch.equal(result.total, plain) and len(result.survivors) == 7
+
+
+def _shares_with(monkeypatch, shape):
+    """Make the next ``share_keys`` seal shares of another shape (as a malicious client would)."""
+    from privacy.secagg import protocol, shamir
+
+    def bad_split(secret, t, n):
+        return [shape(s) for s in shamir.split(secret, t, n)]
+
+    monkeypatch.setattr(protocol, "split", bad_split)
+
+
+@pytest.mark.parametrize("shape,found", [
+    (lambda s: s.__class__(s.x, 2000, np.zeros(667, dtype=np.int64)), "found 2680 and 2680 bytes"),  # 2 kB secrets
+    (lambda s: s.__class__(s.x + 40, s.secret_len, s.values), "x-coordinate in 1..5"),  # outside the holders
+])
+def test_a_neighbours_misshapen_shares_are_refused_on_receipt_naming_it(monkeypatch, shape, found):
+    """A share the holder would later have to hand back (at 2 kB, or at an x no holder has) is
+    refused when it arrives, naming its sender: it never reaches the honest holder's unmask reply."""
+    params, server, clients, keys = started(6, 5, 3)
+    reqs = server.share_keys_requests()
+    liar, honest = params.nodes[0], params.nodes[1]
+    with monkeypatch.context() as m:
+        _shares_with(m, shape)
+        server.on_shares(liar, clients[liar].share_keys(reqs[liar]))
+    for v in params.nodes[1:]:
+        server.on_shares(v, clients[v].share_keys(reqs[v]))
+    reqs = server.masked_input_requests()
+    with pytest.raises(SecAggRejected, match=found) as exc:
+        clients[honest].receive_shares(reqs[honest])
+    assert (exc.value.node_id, exc.value.rule) == (liar, "bad-share")
+
+
+def test_a_misshapen_share_in_an_unmask_reply_is_left_out_alone():
+    """One share of the wrong size costs the server that share, not the holder's whole answer."""
+    params, server, clients, keys = started(6, 5, 3)
+    reqs = server.share_keys_requests()
+    for v in params.nodes:
+        server.on_shares(v, clients[v].share_keys(reqs[v]))
+    reqs = server.masked_input_requests()
+    for v in params.nodes:
+        clients[v].receive_shares(reqs[v])
+        server.add_masked(v, clients[v].mask(torch.ones(params.dim, dtype=torch.int64)))
+    reqs = server.unmask_requests()
+    odd = params.nodes[0]
+    for v, (surv, dropped) in reqs.items():
+        shares = clients[v].unmask(surv, dropped)
+        if v == odd:
+            name = sorted(shares)[0]
+            shares[name] = shares[name] + b"\0" * 5000
+        server.on_unmask(v, shares)
+    assert odd in server.responders
+    result = server.finish()
+    assert torch.equal(result.total, torch.full((params.dim,), len(params.nodes), dtype=torch.int64))
