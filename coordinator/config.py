@@ -379,6 +379,15 @@ class RunConfig:
                 (self.asynchrony.workflow == "sync", "workflow", "be 'sync'", self.asynchrony.workflow),
             ):
                 check(ok, key, f"{rule} under secure-aggregation = {self.secure.secure_aggregation!r}", found)
+            # A round of min-nodes must be able to run: 3 nodes at least (the sum of two reveals each to the
+            # other), and an explicit secagg-threshold within the degree such a round gets.
+            check(self.server.min_nodes >= 3, "min-nodes", "be >= 3 under secure aggregation (with 2, the sum reveals "
+                  "each client's update to the other)", self.server.min_nodes)
+            try:
+                self.secure.graph(self.server.min_nodes)
+            except ConfigError as exc:
+                raise ConfigError(f"{exc} (a round of min-nodes = {self.server.min_nodes} nodes could never run: raise "
+                                  "min-nodes or lower secagg-threshold)") from None
         agg = self.aggregation
         if agg.aggregator in ("krum", "multi-krum"):  # else every round would end with too few updates to combine
             params = agg.aggregator_params()  # krum: f; multi-krum: f and m

@@ -38,7 +38,7 @@ def test_stoppable_clock_sleeps_until_stopped_then_raises():
 
 @pytest.mark.parametrize("secure", [False, True])
 def test_a_stopped_run_ends_within_a_poll_and_saves_nothing_more(tmp_path, secure):
-    kw = {"secure-aggregation": "secagg+", "secagg-clip": 10.0} if secure else {}
+    kw = {"secure-aggregation": "secagg+", "secagg-clip": 10.0, "min-nodes": 3} if secure else {}
     stop = threading.Event()
     wf = SyncWorkflow(_cfg(tmp_path, **kw), SilentGrid(app, 3), RunDirectory(tmp_path / "run"),
                       clock=StoppableClock(stop))

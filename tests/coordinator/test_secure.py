@@ -198,7 +198,7 @@ def test_tampered_ciphertext_makes_the_receiver_refuse_and_the_round_recovers(tm
     # 1002's share ciphertexts fail authentication at their receivers, which reply with an error:
     # they drop out at masked-input; the round still completes from the others (k = 5, t = 3 of 6).
     wf = run(tmp_path, InProcessGrid(misbehave(1002, "share-keys", _tampered_share), N),
-             **{"secure-aggregation": "secagg+", "secagg-degree": 5, "secagg-threshold": 3})
+             **{"secure-aggregation": "secagg+", "secagg-degree": 5, "secagg-threshold": 3, "min-nodes": N})
     row = wf.history[0]
     assert row["rejected_by_rule"].get("error-reply", 0) == 1 and row["secagg_survivors"] == N - 1
     assert wf.version == 1 and torch.isfinite(wf.weights).all()
@@ -268,6 +268,11 @@ def test_secagg_settings_are_checked():
     k, t = cfg(**{"secure-aggregation": "secagg+"}).secure.graph(100)
     assert k % 2 == 0 and k < 40 and t == k // 2 + 1  # log-degree graph at 10% dropout
     assert cfg(**{"secure-aggregation": "secagg+", "secagg-degree": 1000}).secure.graph(10) == (9, 5)
+    with pytest.raises(ConfigError, match="min-nodes must be >= 3 under secure aggregation.*Found 2"):
+        cfg(**{"secure-aggregation": "secagg+", "min-nodes": 2})
+    with pytest.raises(ConfigError, match="with 3 nodes k = 2. Found t = 3. \\(a round of min-nodes = 3 nodes could never run"):
+        cfg(**{"secure-aggregation": "secagg+", "secagg-threshold": 3})
+    assert cfg(**{"secure-aggregation": "secagg+", "secagg-threshold": 3, "min-nodes": 4}).secure.graph(4) == (3, 3)
 
 
 # -- distributed DP: clients add Skellam noise shares under SecAgg+ --------------------------------
