@@ -26,6 +26,7 @@ from typing import Any
 
 import tomli_w
 
+from aggregation._errors import shown
 from clients.cli import bind_probe
 from clients.config import ConfigError, build_config, check
 from privacy import CertificatePaths, check_public_key, make_dir
@@ -34,6 +35,7 @@ from ._errors import CoordinatorError
 from .config import RunConfig
 from .progress import accuracy_text
 from .rundir import SUMMARY, check_run_dir
+from .tls import check_server_certificate, connect_host, host_port
 
 FEDERATION = "fedshield"
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -54,8 +56,9 @@ class ServiceSettings:
         check(bool(self.host), "host", "be a host name or IP", self.host)
         check(0 < self.port < 65536, "port", "be in [1, 65535]", self.port)
         keys = self.enrolled_keys
-        check(isinstance(keys, list | tuple) and all(isinstance(k, str) for k in keys),
+        check(isinstance(keys, list | tuple) and all(isinstance(k, str) and k for k in keys),
               "enrolled-keys", "be a list of public key paths", keys)
+        check(all("\0" not in k for k in keys), "enrolled-keys", "hold paths without a NUL character", keys)
         object.__setattr__(self, "enrolled_keys", tuple(keys))
         check(self.start_timeout > 0, "start-timeout", "be > 0 seconds", self.start_timeout)
 
@@ -66,9 +69,28 @@ class CoordinatorFile:
     run: RunConfig
     base: Path
 
-    def path(self, p: str) -> Path:
-        q = Path(p).expanduser()
-        return (q if q.is_absolute() else self.base / q).resolve()
+    def path(self, p: str, key: str = "path") -> Path:
+        """``p`` (the value of ``key``) expanded and made absolute: a relative path is relative to the config file."""
+        return resolve_path(p, key, self.base)
+
+
+def resolve_path(value: Any, key: str, base: Path | None = None) -> Path:
+    """``value`` as an absolute path, ``~`` and ``~user`` expanded, relative to ``base`` (default: the
+    working directory). One ConfigError naming ``key`` for a value that is not a string, holds a NUL
+    character, names an unknown user (never a directory literally named ``~user``) or cannot be resolved."""
+    check(isinstance(value, str), key, "be a path (a string)", value)
+    check("\0" not in value, key, "not contain a NUL character", value)
+    expanded = os.path.expanduser(value)
+    if expanded.startswith("~"):  # expanduser leaves '~user' as it is when there is no such user (or no HOME)
+        user = value[1:].split(os.sep, 1)[0]
+        raise ConfigError(f"{key} must start with an existing user's home directory. Found {shown(value)}: "
+                          + (f"no user {shown(user)}." if user else "no home directory (HOME is not set)."))
+    try:
+        q = Path(expanded)
+        return (q if q.is_absolute() or base is None else base / q).resolve()
+    except (OSError, RuntimeError, ValueError) as exc:  # a symlink loop, a vanished working directory
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ConfigError(f"{key} must be a path that can be resolved. Found {shown(value)}: {reason}.") from None
 
 
 def load_coordinator_config(path: str | os.PathLike, run_dir: str | None = None) -> CoordinatorFile:
@@ -93,8 +115,10 @@ def load_coordinator_config(path: str | os.PathLike, run_dir: str | None = None)
     run_map = dict(run_map)
     base = p.parent.resolve()
     if run_dir is not None:  # the --run-dir flag: relative to where the command runs, like simulate's
-        run_map["run-dir"] = str(Path(run_dir).expanduser().resolve())
-    run_map["run-dir"] = str((base / Path(run_map.get("run-dir") or "runs/coordinator").expanduser()).resolve())
+        run_map["run-dir"] = str(resolve_path(run_dir, "--run-dir"))
+    given = run_map.get("run-dir", "")
+    check(isinstance(given, str), "run.run-dir", "be a path (a string)", given)
+    run_map["run-dir"] = str(resolve_path(given or "runs/coordinator", "run.run-dir", base))
     return CoordinatorFile(service=service, run=RunConfig.from_mapping(run_map), base=base)
 
 
@@ -127,16 +151,18 @@ class Coordinator:
     def __init__(self, cfg: CoordinatorFile, insecure: bool) -> None:
         self.cfg, self.insecure = cfg, insecure
         s = cfg.service
-        self.state = cfg.path(s.state_dir)
-        self.address = f"{s.host}:{s.port}"
+        self.state = cfg.path(s.state_dir, "coordinator.state-dir")
+        self.address = host_port(s.host, s.port)  # where the SuperLink listens
+        self.connect_address = host_port(connect_host(s.host), s.port)  # where this coordinator reaches it
         self.certs: CertificatePaths | None = None
         self.keys: list[Path] = []
         if not insecure:
-            self.certs = CertificatePaths.in_dir(cfg.path(s.certs_dir)).check()
+            self.certs = CertificatePaths.in_dir(cfg.path(s.certs_dir, "coordinator.certs-dir")).check()
+            check_server_certificate(self.certs, s.host)
             if not s.enrolled_keys:
                 raise ConfigError("coordinator.enrolled-keys must list at least one client public key (TLS with "
                                   "node authentication admits only enrolled keys). Found none.")
-            self.keys = [check_public_key(cfg.path(k)) for k in s.enrolled_keys]
+            self.keys = [check_public_key(cfg.path(k, "coordinator.enrolled-keys")) for k in s.enrolled_keys]
         self.superlink: subprocess.Popen | None = None
         self.log_path = self.state / "superlink.log"
 
@@ -175,25 +201,36 @@ class Coordinator:
         self._wait_healthy()
 
     def _wait_healthy(self) -> None:
-        url = f"{'http' if self.insecure else 'https'}://{self.address}/health"
+        """Until the SuperLink answers its health check, or ``start-timeout``: then a CoordinatorError
+        that, with TLS, quotes the last certificate verification error seen (a certificate the
+        SuperLink serves that does not fit the CA or the host)."""
+        url = f"{'http' if self.insecure else 'https'}://{self.connect_address}/health"
         ctx = None if self.insecure else ssl.create_default_context(cafile=str(self.certs.ca_cert))  # type: ignore[union-attr]
         deadline = time.monotonic() + self.cfg.service.start_timeout
-        while time.monotonic() < deadline:
+        tls_error = ""
+        while True:  # at least one try, however short the timeout
             if self.superlink is not None and self.superlink.poll() is not None:
                 raise CoordinatorError(f"the SuperLink must start. Found it exited with code {self.superlink.returncode}: "
                                        f"{self._log_tail()}")
             try:
                 with urllib.request.urlopen(url, context=ctx, timeout=2) as resp:
                     healthy = resp.status == 200
-            except OSError:
+            except OSError as exc:  # urllib wraps an SSL error in a URLError's reason
                 healthy = False
+                reason = getattr(exc, "reason", exc)
+                if isinstance(reason, ssl.SSLError):
+                    tls_error = getattr(reason, "verify_message", None) or reason.reason or str(reason)
             if healthy:  # and it is ours: a SuperLink that failed to bind exits within moments
                 time.sleep(0.5)
                 if self.superlink is None or self.superlink.poll() is None:
                     return
-                continue
+                continue  # it exited: said at the top of the loop
+            if time.monotonic() >= deadline:
+                break
             time.sleep(0.25)
-        raise CoordinatorError(f"the SuperLink must answer on {url} within {self.cfg.service.start_timeout} s. Found no answer.")
+        found = f"no answer; the last TLS error was: {tls_error} (the certificate in {self.certs.server_cert})" \
+            if tls_error and self.certs is not None else "no answer"
+        raise CoordinatorError(f"the SuperLink must answer on {url} within {self.cfg.service.start_timeout} s. Found {found}.")
 
     def _log_tail(self, lines: int = 3) -> str:
         """The SuperLink log's telling lines (an error or errno line if there is one, else its last
@@ -221,7 +258,7 @@ class Coordinator:
         return self.state / "cli-home"
 
     def write_cli_config(self) -> None:
-        conn: dict[str, Any] = {"address": self.address}
+        conn: dict[str, Any] = {"address": self.connect_address}
         if self.insecure:
             conn["insecure"] = True
         else:
@@ -230,7 +267,18 @@ class Coordinator:
         (self.cli_home / "config.toml").write_text(tomli_w.dumps({"superlink": {"default": FEDERATION, FEDERATION: conn}}))
 
     def _flwr(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-        return subprocess.run(["flwr", *args], capture_output=True, text=True, timeout=timeout, env=_flwr_env(self.cli_home))
+        """``flwr ARGS`` against this SuperLink; a CoordinatorError naming the command if it cannot
+        start or is still running after ``timeout`` seconds (then it is killed)."""
+        name = " ".join(["flwr", *(a for a in args[:2] if a.isalpha() and a != FEDERATION)])
+        try:
+            return subprocess.run(["flwr", *args], capture_output=True, text=True, timeout=timeout,
+                                  env=_flwr_env(self.cli_home))
+        except subprocess.TimeoutExpired:
+            raise CoordinatorError(f"`{name}` must finish within {timeout:g} s. Found it still running (stopped it); is "
+                                   f"the SuperLink at {self.connect_address} stuck? See {self.log_path}.") from None
+        except OSError as exc:
+            raise CoordinatorError(f"`{name}` must start. Found: {exc.strerror or exc} (is Flower installed in this "
+                                   "environment?).") from None
 
     def register_keys(self) -> None:
         for key in self.keys:
