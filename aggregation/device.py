@@ -30,3 +30,14 @@ def get_device(preference: str | None = None) -> torch.device:
             raise AggregationError(f"device must be available. Found {choice!r} but CUDA is not present.")
         return torch.device(choice)
     raise AggregationError(f"device must be 'auto', 'cpu' or 'cuda[:N]'. Found {choice!r}.")
+
+
+def memory_bytes(device: torch.device) -> int:
+    """Total memory of ``device`` in bytes: the GPU's for CUDA, the machine's physical memory for CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):  # not a POSIX system: no bound known here
+        return 1 << 62
+

@@ -44,6 +44,7 @@ import torch
 
 from ._errors import AggregationError, UpdateRejected, each_checked, shown
 from .accumulator import WeightedAccumulator
+from .device import memory_bytes
 from .staging import DeviceStager
 from ._registry import Registry
 
@@ -68,6 +69,10 @@ def create_aggregator(name: str, numel: int, device: torch.device | str, max_cli
     dropped robustness parameter would weaken the rule without a word).
     """
     return _REGISTRY.build(name, numel, device, max_clients, **params)
+
+
+MIN_WEIGHT = 1e-30  # a smaller weight vanishes in a float32 sum (and a sum of only such weights divides by 0)
+_WEIGHT_RULE = f"be finite and >= {MIN_WEIGHT:g}"
 
 
 def _check(ok: bool, what: str, rule: str, found: Any) -> None:
@@ -142,7 +147,7 @@ class Aggregator(ABC):
         ``norm``: the update's L2 norm when the caller has already computed it (the
         coordinator's validation has), so the hot path does not read the update twice.
         """
-        _check(_is_real(weight) and weight > 0, "weight", "be finite and > 0", weight)
+        _check(_is_real(weight) and weight >= MIN_WEIGHT, "weight", _WEIGHT_RULE, weight)
         _check(parsed.numel == self.numel, "update numel", f"be {self.numel}", parsed.numel)
         _check(self.count < self.max_clients, f"{self.name} updates", f"number at most max-clients={self.max_clients}",
                self.count + 1)
@@ -158,7 +163,7 @@ class Aggregator(ABC):
         Raises UpdateRejected (an AggregationError; ``rule`` "non-finite" or "norm-too-large")
         and leaves the aggregator as it was (nothing of the update in it, see the module docstring).
         """
-        _check(_is_real(weight) and weight > 0, "weight", "be finite and > 0", weight)
+        _check(_is_real(weight) and weight >= MIN_WEIGHT, "weight", _WEIGHT_RULE, weight)
         _check(parsed.numel == self.numel, "update numel", f"be {self.numel}", parsed.numel)
         _check(self.count < self.max_clients, f"{self.name} updates", f"number at most max-clients={self.max_clients}",
                self.count + 1)
@@ -180,7 +185,7 @@ class Aggregator(ABC):
         _check(isinstance(max_norm, Real) and not isinstance(max_norm, bool) and max_norm > 0, "max norm", "be > 0",
                max_norm)
         for parsed, weight in zip(batch, weights, strict=True):
-            _check(_is_real(weight) and weight > 0, "weight", "be finite and > 0", weight)
+            _check(_is_real(weight) and weight >= MIN_WEIGHT, "weight", _WEIGHT_RULE, weight)
             _check(parsed.numel == self.numel, "update numel", f"be {self.numel}", parsed.numel)
         if self.staging is not None:  # one update at a time, the next one's copy in flight meanwhile
             return each_checked(lambda p, w: self.add_checked(codec, p, w, max_norm), self.staging.pipeline(batch),
@@ -320,7 +325,15 @@ class _Buffered(Aggregator):
             chunk_size = max(1, _WORK_ELEMENTS // max_clients)
         _check(_is_int(chunk_size) and chunk_size > 0, "chunk-size", "be an int > 0", chunk_size)
         self.chunk_size = min(chunk_size, numel)
-        self._rows = torch.empty(max_clients, numel, dtype=torch.float32, device=self.device)
+        need, have = max_clients * numel * 4, memory_bytes(self.device)
+        _check(need <= have, "max-clients", f"let its ({max_clients} x {numel}) float32 buffer of {need / 2**30:.3g} GiB "
+               f"fit in the {self.device.type} memory of {have / 2**30:.3g} GiB (fewer updates per round or buffer)",
+               max_clients)
+        try:
+            self._rows = torch.empty(max_clients, numel, dtype=torch.float32, device=self.device)
+        except (RuntimeError, MemoryError) as exc:  # the allocator refused (other allocations, a cgroup limit)
+            raise AggregationError(f"{self.name} must allocate its ({max_clients} x {numel}) float32 buffer of "
+                                   f"{need / 2**30:.3g} GiB. Found: {shown(str(exc).splitlines()[0])}") from None
         self._weights: list[float] = []
 
     peak_bytes = property(lambda self: self._rows.numel() * 4)

@@ -25,6 +25,8 @@ from ._registry import Registry
 
 _REGISTRY = Registry("staleness function")
 _TINY = sys.float_info.min  # the smallest factor returned, so that a factor is never 0
+MIN_USEFUL_FACTOR = 1e-6  # a late update weighted less adds nothing a float32 sum keeps: workflows refuse it
+# ("too-stale"), which also keeps a buffer of only such updates from a sum of weights that underflows to 0
 _HUGE = 2**1000  # staleness beyond this does not fit a float comfortably
 
 

@@ -44,7 +44,15 @@ from .config import RunConfig
 from .progress import format_row
 from .rundir import CONFIG as CONFIG_FILE
 from .rundir import SUMMARY, RunDirectory
-from .validation import LossMean, RejectedReply, RoundExpectation, add_reply, validate_reply
+from .validation import (
+    LossMean,
+    RejectedReply,
+    RoundExpectation,
+    add_reply,
+    pushed,
+    staleness_factor,
+    validate_reply,
+)
 from .workflow import Clock, RoundCallback, SyncWorkflow
 
 __all__ = ["BufferedAsyncWorkflow", "Flight", "LedgerEntry"]
@@ -124,15 +132,20 @@ class BufferedAsyncWorkflow(SyncWorkflow):
             raise CoordinatorError(f"stall_timeout must be > 0 seconds. Found {stall_timeout!r}.")
         self.inflight: dict[str, Flight] = {}
         self.ledger: list[LedgerEntry] = []
-        self.dispatched = 0
         # dispatches so far: keys each dispatch's sample and its messages' round; resumed, so a resumed run does
         # not draw the same samples and training seeds again
-        seq = self.resumed_extra.get("dispatch-seq", 0)
-        self._seq = seq if isinstance(seq, int) and not isinstance(seq, bool) and seq >= 0 else 0
+        def count(key: str) -> int:
+            v = self.resumed_extra.get(key, 0)
+            return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else 0
+
+        self._seq = count("dispatch-seq")
+        # the counts of the sessions before a resume (the ledger itself is this session's)
+        self.dispatched, self._accepted_before, self._rejected_before = count("dispatched"), count("accepted"), count("rejected")
         self._resolved: set[str] = set()
 
     def _extra_state(self) -> dict[str, Any]:
-        return {"dispatch-seq": self._seq}
+        return {"dispatch-seq": self._seq, "dispatched": self.dispatched, "accepted": self.accepted_total,
+                "rejected": self.rejected_total}
 
     def fingerprint(self) -> dict[str, Any]:
         return {**super().fingerprint(), "workflow": "fedbuff"}
@@ -140,11 +153,11 @@ class BufferedAsyncWorkflow(SyncWorkflow):
     # -- counts --------------------------------------------------------------
     @property
     def accepted_total(self) -> int:
-        return sum(1 for e in self.ledger if e.outcome == "accepted")
+        return self._accepted_before + sum(1 for e in self.ledger if e.outcome == "accepted")
 
     @property
     def rejected_total(self) -> int:
-        return sum(1 for e in self.ledger if e.outcome != "accepted")
+        return self._rejected_before + sum(1 for e in self.ledger if e.outcome != "accepted")
 
     # -- dispatch ------------------------------------------------------------
     def _new_aggregator(self) -> Any:
@@ -174,12 +187,13 @@ class BufferedAsyncWorkflow(SyncWorkflow):
             msgs.append(Message(content, dst_node_id=node, message_type=MESSAGE_TYPE_TRAIN, group_id=str(self._seq),
                                 ttl=self.message_ttl))
             seqs.append(self._seq)
-        ids = list(self.grid.push_messages(msgs))
+        seq_of = {id(m): q for m, q in zip(msgs, seqs, strict=True)}
+        ids = pushed(self.grid, msgs)
         if len(ids) != len(msgs):
             log(WARNING, "[fedshield] async: %d of %d messages were not accepted by the grid", len(msgs) - len(ids), len(msgs))
         now = self.clock.now()
-        for mid, msg, seq in zip(ids, msgs, seqs, strict=False):
-            node = msg.metadata.dst_node_id
+        for mid, msg in ids:
+            node, seq = msg.metadata.dst_node_id, seq_of[id(msg)]
             exp = RoundExpectation(round=seq, version=self.version, numel=self.numel, max_examples=s.max_examples,
                                    max_bytes=self.max_update_bytes, max_norm=s.max_update_norm, codec=self.codec,
                                    codec_header=self.codec_header, sent={mid: node})
@@ -247,12 +261,9 @@ class BufferedAsyncWorkflow(SyncWorkflow):
         try:
             ok = validate_reply(reply, flight.expectation, check_norm=False)
             staleness = self.version - flight.base_version
-            if staleness > self.max_staleness:
-                raise RejectedReply(ok.node_id, "too-stale",
-                                    f"staleness must be <= max_staleness={self.max_staleness}; found {staleness}")
             # Under central DP a client's weight is its staleness factor (<= 1), so its influence on the
             # noised sum stays at most the clip norm.
-            factor = self.staleness_fn(staleness)
+            factor = staleness_factor(self.staleness_fn, staleness, self.max_staleness, ok.node_id)
             weight = factor if self.dp is not None else float(ok.num_examples) * factor
             ok = add_reply(acc, self.codec, ok, weight, flight.expectation)  # the norm rules, checked while adding
         except RejectedReply as rej:

@@ -155,8 +155,17 @@ class AggregationSettings:
     def aggregator_params(self) -> dict[str, Any]:
         return {k: getattr(self, attr) for k, attr in AGGREGATOR_PARAMS[self.aggregator].items()}
 
+    def min_updates(self) -> int:
+        """The fewest updates the aggregator can combine (Krum's 2f + 3, Multi-Krum's also m + f; else 1)."""
+        if self.aggregator in ("krum", "multi-krum"):
+            return krum_min_updates(**self.aggregator_params())
+        return 1
+
     def make_aggregator(self, numel: int, device: Any, max_clients: int) -> Any:
-        return create_aggregator(self.aggregator, numel, device, max_clients, **self.aggregator_params())
+        """An aggregator with room for ``max_clients`` updates, and never less than it needs to combine any
+        (a round that reached fewer nodes then keeps the model, with too_few_updates, instead of failing)."""
+        return create_aggregator(self.aggregator, numel, device, max(max_clients, self.min_updates()),
+                                 **self.aggregator_params())
 
 
 WORKFLOWS = ("sync", "fedbuff")
@@ -354,6 +363,20 @@ class RunConfig:
     secure: SecureAggSettings = SecureAggSettings()
 
     def __post_init__(self) -> None:
+        if self.asynchrony.workflow == "fedbuff":  # settings of synchronous rounds FedBuff would silently ignore
+            srv = self.server
+            for ok, key, rule, found in (
+                (srv.fraction_train == 1.0, "fraction-train", "be 1.0 (FedBuff keeps concurrency nodes busy)",
+                 srv.fraction_train),
+                (srv.close_after_replies == 0, "close-after-replies", "be 0 (FedBuff releases every buffer-size replies)",
+                 srv.close_after_replies),
+                (srv.late_replies == "drop", "late-replies", "be 'drop' (FedBuff weighs every late reply by its "
+                 "staleness)", srv.late_replies),
+                (srv.work_deadline == 0, "work-deadline", "be 0 (every node runs local-epochs)", srv.work_deadline),
+                (srv.selection == "uniform", "selection", "be 'uniform' (FedBuff gives work to idle nodes at random)",
+                 srv.selection),
+            ):
+                check(ok, key, f"{rule} under workflow = 'fedbuff'", found)
         if self.aggregation.slow_link_mbps > 0:
             check(self.asynchrony.workflow == "sync", "slow-link-mbps", "be 0 under workflow = 'fedbuff' (per-link "
                   "codecs are for synchronous rounds)", self.aggregation.slow_link_mbps)
@@ -391,7 +414,7 @@ class RunConfig:
         agg = self.aggregation
         if agg.aggregator in ("krum", "multi-krum"):  # else every round would end with too few updates to combine
             params = agg.aggregator_params()  # krum: f; multi-krum: f and m
-            need = krum_min_updates(**params)
+            need = agg.min_updates()
             why = (f"to give aggregator = {agg.aggregator!r} the {need} updates it needs with "
                    + " and ".join(f"krum-{k} = {v}" for k, v in params.items()))
             if self.asynchrony.workflow == "sync":

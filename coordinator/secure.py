@@ -68,7 +68,7 @@ from clients._errors import ClientError, ConfigError
 
 from ._errors import CoordinatorError
 from .privacy_policy import DistributedDp
-from .validation import RejectedReply, check_base_version, check_envelope, check_num_examples
+from .validation import RejectedReply, check_base_version, check_envelope, check_num_examples, pushed
 
 if TYPE_CHECKING:
     from .workflow import SyncWorkflow
@@ -136,9 +136,9 @@ class SecureRound:
         started = clock.now()
         msgs = [Message(content, dst_node_id=node, message_type=MESSAGE_TYPE_SECAGG, group_id=str(asks[node][0].rnd),
                         ttl=timeout + 60.0) for node, content in contents.items()]
-        ids = list(grid.push_messages(msgs))
-        sent = {mid: m.metadata.dst_node_id for mid, m in zip(ids, msgs, strict=False)}
-        stats["bytes_down"] += sum(message_nbytes(m) for m in msgs[:len(ids)])
+        ids = pushed(grid, msgs)
+        sent = {mid: m.metadata.dst_node_id for mid, m in ids}
+        stats["bytes_down"] += sum(message_nbytes(m) for _, m in ids)
         accepted: Counter[tuple[int, str]] = Counter()
         pending = dict.fromkeys(sent)
         # Messages of this stage keep the exchange open; one sent only to set a node up for the next round does

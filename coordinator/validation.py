@@ -21,6 +21,7 @@ from flwr.app import Array, Message
 
 from aggregation import AggregationError, UpdateRejected
 from aggregation._errors import shown
+from aggregation.staleness import MIN_USEFUL_FACTOR
 from aggregation.codecs import Codec, Parsed
 from clients.protocol import ARRAYS, CODEC, DELTA, METRICS
 
@@ -206,3 +207,29 @@ def add_reply(agg: Any, codec: Codec, ok: ValidReply, weight: float, exp: RoundE
     if isinstance(res, RejectedReply):
         raise res
     return res
+
+
+def pushed(grid: Any, msgs: list[Message]) -> list[tuple[str, Message]]:
+    """Push ``msgs`` and return ``(message id, message)`` for each one the grid took, in order.
+
+    A grid may take fewer than it was given (Flower's in-memory grid and ours leave out a message to a
+    node that has gone; its HTTP grid answers None or "" for one it could not push): each id is read
+    from its own message's metadata, never matched to the messages by position, so one left out
+    cannot shift the others' ids onto other nodes.
+    """
+    taken = {i for i in grid.push_messages(msgs) if isinstance(i, str) and i}
+    return [(m.metadata.message_id, m) for m in msgs if m.metadata.message_id in taken]
+
+
+def staleness_factor(fn: Any, staleness: int, max_staleness: int, node: int) -> float:
+    """``fn(staleness)`` for a reply from ``node``; RejectedReply ``too-stale`` past ``max_staleness``
+    or when the factor is below MIN_USEFUL_FACTOR (its weight would vanish in float32, and a release
+    of only such updates would divide by a sum of weights of 0)."""
+    if staleness > max_staleness:
+        raise RejectedReply(node, "too-stale", f"staleness must be <= max_staleness={max_staleness}; found {staleness}")
+    factor = fn(staleness)
+    if factor < MIN_USEFUL_FACTOR:
+        raise RejectedReply(node, "too-stale", f"staleness factor must be >= {MIN_USEFUL_FACTOR:g} (smaller adds "
+                                               f"nothing); found {factor:.3g} at staleness {staleness}")
+    return factor
+

@@ -39,7 +39,16 @@ from .progress import accuracy_text, format_row
 from .rundir import CONFIG as CONFIG_FILE
 from .rundir import SUMMARY, RunDirectory
 from .secure import SecureRound
-from .validation import LossMean, RejectedReply, RoundExpectation, ValidReply, add_replies, validate_reply
+from .validation import (
+    LossMean,
+    RejectedReply,
+    RoundExpectation,
+    ValidReply,
+    add_replies,
+    pushed,
+    staleness_factor,
+    validate_reply,
+)
 
 
 class Clock(Protocol):
@@ -127,7 +136,9 @@ class SyncWorkflow:
         # In flight only: a resumed run does not wait for them.
         self._late: dict[str, RoundExpectation] = {}
         self._epochs: dict[int, int] = {}  # local epochs each node was last asked for
-        self.staleness_fn = create_staleness(cfg.asynchrony.staleness, **cfg.asynchrony.workflow_kwargs()["staleness_params"])
+        if getattr(self, "staleness_fn", None) is None:  # a subclass given its own (FedBuff's argument) keeps it
+            self.staleness_fn = create_staleness(cfg.asynchrony.staleness,
+                                                 **cfg.asynchrony.workflow_kwargs()["staleness_params"])
         # Any clock but a wall clock is a simulation's: only then do rows carry sim_time_s (and the run
         # directory's plots say "simulated").
         self.simulated = not isinstance(self.clock, WallClock)
@@ -267,10 +278,10 @@ class SyncWorkflow:
         msgs = [Message(content(n), dst_node_id=n, message_type=MESSAGE_TYPE_TRAIN, group_id=str(rnd), ttl=ttl)
                 for n in selected]
 
-        ids = list(self.grid.push_messages(msgs))
+        ids = pushed(self.grid, msgs)
         if len(ids) != len(msgs):
             log(WARNING, "[fedshield] round %d: %d of %d messages were not accepted by the grid", rnd, len(msgs) - len(ids), len(msgs))
-        sent = {mid: m.metadata.dst_node_id for mid, m in zip(ids, msgs, strict=False)}
+        sent = {mid: m.metadata.dst_node_id for mid, m in ids}
         return sent, len(array.data) * len(ids)
 
     def _prune_late(self) -> None:
@@ -317,13 +328,14 @@ class SyncWorkflow:
                 try:
                     ok_exp = late_exp or exp_for.get(mid, exp)
                     ok = validate_reply(reply, ok_exp, check_norm=False)
+                    # Under central DP every client weighs 1: its influence on the sum is then at most the clip norm.
+                    weight = 1.0 if self.dp is not None else float(ok.num_examples)
+                    if late_exp is not None:  # a straggler from an earlier round: weighted by its staleness
+                        weight *= staleness_factor(self.staleness_fn, self.version - late_exp.version,
+                                                   self.cfg.asynchrony.max_staleness, ok.node_id)
                 except RejectedReply as rej:
                     reject(rej)
                     continue
-                # Under central DP every client weighs 1: its influence on the sum is then at most the clip norm.
-                weight = 1.0 if self.dp is not None else float(ok.num_examples)
-                if late_exp is not None:  # a straggler from an earlier round: weighted by its staleness
-                    weight *= self.staleness_fn(self.version - late_exp.version)
                 batch.append((reply, late_exp, ok, weight, ok_exp))
             # the norm rules, checked while adding: this pull's replies in one pass over the sum
             added = add_replies(acc, [(ok, weight, ok_exp) for _, _, ok, weight, ok_exp in batch])

@@ -171,7 +171,8 @@ def test_sim_time_only_on_a_simulated_clock_and_a_resumed_run_goes_on_from_its_t
     first, _ = run(2)
     run_dir = RunDirectory(tmp_path / "virtual")
     ckpt = run_dir.load_checkpoint()
-    assert ckpt["extra"] == {"dispatch-seq": first._seq} and first._seq > 0
+    assert ckpt["extra"] == {"dispatch-seq": first._seq, "dispatched": first.dispatched, "accepted": 4,
+                             "rejected": first.rejected_total} and first._seq > 0
     for row in ckpt["history"]:  # as if the first session had taken 1000 s longer
         row["wall_time_s"] += 1000.0
     run_dir.save_checkpoint(ckpt)
@@ -184,6 +185,8 @@ def test_sim_time_only_on_a_simulated_clock_and_a_resumed_run_goes_on_from_its_t
     assert [r["round"] for r in rows] == [1, 2, 3, 4]
     assert sim == sorted(sim) and sim[2] == sim[1] + rows[2]["round_time_s"] and s["sim_time_s"] == sim[-1]
     assert wall == sorted(wall) and wall[2] > 1000.0 and s["wall_time_s"] >= wall[-1]
+    # the summary's counts cover both sessions (they counted the last one only)
+    assert s["accepted_total"] == sum(r["accepted"] for r in rows) == 8 and s["dispatched"] > first.dispatched
 
 
 def _first_time_at(rows_times, threshold):
@@ -214,3 +217,47 @@ def test_digits_fedbuff_band_and_faster_than_sync_to_85(tmp_path):
     print(f"\nsimulated time to 0.85 accuracy: async {t_async:.2f} s, sync {t_sync:.2f} s; "
           f"async 30 releases {s['sim_time_s']:.2f} s sim, {async_wall:.2f} s wall; sync 8 rounds {sclock.now():.2f} s sim")
     assert t_async < t_sync < float("inf")
+
+
+def test_a_vanishing_staleness_factor_is_refused_as_too_stale_and_the_model_stays_finite(tmp_path):
+    """staleness-a = 100 makes a late update's factor ~1e-47 (0 in float32): refused, never a 0/0 release."""
+    wf, grid, _, snaps, _ = make(tmp_path, constant_client({1003: 1.0}), [FAST, FAST, SLOW], concurrency=3,
+                                 buffer_size=2, max_staleness=1000, staleness="polynomial", staleness_params={"a": 100.0})
+    s = wf.run()
+    stale = [e for e in wf.ledger if e.outcome == "too-stale"]
+    assert stale and all(e.node_id == 1003 for e in stale)
+    assert s["rejected_by_rule"]["too-stale"] == len(stale)
+    assert all(torch.isfinite(w).all() for w in snaps.values()) and torch.equal(snaps[len(wf.history)], snaps[0])
+    check_accounting(wf, grid)
+
+
+class GhostGrid(VirtualGrid):
+    """Lists a node that has left: the grid takes no message for it (as Flower's grids do), so it
+    returns fewer message ids than it was given."""
+
+    def get_node_ids(self):
+        return [999, *super().get_node_ids()]
+
+    def push_messages(self, messages):
+        messages = list(messages)
+        return super().push_messages([m for m in messages if m.metadata.dst_node_id != 999])
+
+
+def test_a_message_the_grid_leaves_out_does_not_shift_the_others_ids(tmp_path):
+    clock = VirtualClock()
+    grid = GhostGrid(constant_client({}), 3, clock, [FAST, FAST, FAST], seed=0)
+    wf = BufferedAsyncWorkflow(cfg(**{"num-rounds": 3}), grid, RunDirectory(tmp_path / "run"), clock, concurrency=3,
+                               buffer_size=2, stall_timeout=30.0)
+    wf.run()
+    assert {e.outcome for e in wf.ledger} == {"accepted"} and len(wf.history) == 3
+    assert all(r.outstanding_at_push == 0 for r in grid.records.values())
+
+
+@pytest.mark.parametrize("key,value", [("fraction-train", 0.1), ("close-after-replies", 3), ("late-replies", "carry"),
+                                       ("work-deadline", 5.0), ("selection", "fast-fair")])
+def test_settings_of_synchronous_rounds_are_refused_under_fedbuff_instead_of_ignored(key, value):
+    from clients.config import ConfigError
+
+    with pytest.raises(ConfigError, match=f"{key} must be .* under workflow = 'fedbuff'"):
+        cfg(**{"workflow": "fedbuff", key: value})
+    cfg(**{key: value, **({"min-nodes": 3} if key == "close-after-replies" else {})})  # fine for synchronous rounds

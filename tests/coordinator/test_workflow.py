@@ -132,6 +132,26 @@ def test_krum_left_with_too_few_updates_skips_the_round_instead_of_crashing(tmp_
     assert clean.version == 1 and "too_few_updates" not in clean.history[0]
 
 
+class GhostGrid(InProcessGrid):
+    """Lists node 999, which has left: the grid takes no message for it, as Flower's grids do."""
+
+    def get_node_ids(self):
+        return [999, *super().get_node_ids()]
+
+    def push_messages(self, messages):
+        return super().push_messages([m for m in messages if m.metadata.dst_node_id != 999])
+
+
+def test_a_round_that_reached_fewer_nodes_than_krum_needs_keeps_the_model_instead_of_crashing(tmp_path):
+    """Five nodes listed, four reached: Krum's aggregator still gets room for 2f + 3 (it raised, ending the run)."""
+    wf = SyncWorkflow(cfg(**{"num-rounds": 2, "min-nodes": 5, "aggregator": "krum", "krum-f": 1}),
+                      GhostGrid(mixed(set(), stock_flower_bad("nan")), 4), RunDirectory(tmp_path))
+    before = wf.weights.clone()
+    wf.run()
+    assert [(r["accepted"], r["too_few_updates"]) for r in wf.history] == [(4, 5)] * 2
+    assert torch.equal(wf.weights, before)
+
+
 def test_krum_needs_enough_nodes_or_buffered_updates_by_config():
     from clients import ConfigError
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import re
 from pathlib import Path
 
 import pytest
@@ -102,9 +103,9 @@ def test_simulate_compares_several_scenarios_with_one_accuracy_vs_time_plot(tmp_
                      .replace("num-rounds = 30", "num-rounds = 2").replace("min-nodes = 30", "min-nodes = 6")
                      .replace("close-after-replies = 20", "close-after-replies = 4"))
     fedbuff = tmp_path / "fedbuff.toml"
-    fedbuff.write_text(small.read_text().replace('name = "tiered-virtual"', 'name = "fedbuff"')
-                       .replace('late-replies = "carry"', 'late-replies = "drop"\nworkflow = "fedbuff"\n'
-                                                          'buffer-size = 3\nconcurrency = 6'))
+    sync_only = re.compile(r"^(fraction-train|close-after-replies|late-replies) = .*$", re.M)  # refused under FedBuff
+    fedbuff.write_text(sync_only.sub("", small.read_text().replace('name = "tiered-virtual"', 'name = "fedbuff"'))
+                       .replace("min-nodes = 6", 'min-nodes = 6\nworkflow = "fedbuff"\nbuffer-size = 3\nconcurrency = 6'))
     out = subprocess.run([sys.executable, "-m", "simulations.cli", "simulate", str(small), str(fedbuff), "--quiet",
                           "--run-dir", str(tmp_path / "cmp")], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
