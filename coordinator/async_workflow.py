@@ -142,6 +142,7 @@ class BufferedAsyncWorkflow(SyncWorkflow):
         # the counts of the sessions before a resume (the ledger itself is this session's)
         self.dispatched, self._accepted_before, self._rejected_before = count("dispatched"), count("accepted"), count("rejected")
         self._resolved: set[str] = set()
+        self._in_buffer: set[int] = set()  # nodes with an update in the buffer (not dispatched again under DP)
 
     def _extra_state(self) -> dict[str, Any]:
         return {"dispatch-seq": self._seq, "dispatched": self.dispatched, "accepted": self.accepted_total,
@@ -168,6 +169,8 @@ class BufferedAsyncWorkflow(SyncWorkflow):
     def _dispatch(self, nodes: list[int]) -> tuple[int, int]:
         """Send the current model to idle online nodes until C are busy; return (messages, bytes)."""
         busy = {f.node_id for f in self.inflight.values()}
+        if self.dp is not None:  # one update per node per release: the sum's sensitivity is one clip norm
+            busy |= self._in_buffer
         idle = [n for n in sorted(nodes) if n not in busy]
         room = self.concurrency - len(self.inflight)
         if room <= 0 or not idle:
@@ -239,6 +242,7 @@ class BufferedAsyncWorkflow(SyncWorkflow):
                     last_release = self.clock.now()
                     acc = self._new_aggregator()
                     window = self._fresh_window()
+                    self._in_buffer.clear()
             if self.round >= total or self.status == "budget-exhausted":
                 break
             if self.clock.now() - last_progress >= self.stall_timeout:
@@ -261,6 +265,9 @@ class BufferedAsyncWorkflow(SyncWorkflow):
         try:
             ok = validate_reply(reply, flight.expectation, check_norm=False)
             staleness = self.version - flight.base_version
+            if self.dp is not None and flight.node_id in self._in_buffer:
+                raise RejectedReply(ok.node_id, "duplicate-contributor", "a node adds at most one update to a release "
+                                                                         "under central DP")
             # Under central DP a client's weight is its staleness factor (<= 1), so its influence on the
             # noised sum stays at most the clip norm.
             factor = staleness_factor(self.staleness_fn, staleness, self.max_staleness, ok.node_id)
@@ -272,6 +279,7 @@ class BufferedAsyncWorkflow(SyncWorkflow):
             log(WARNING, "[fedshield] async: rejected reply from node %d (%s): %s", rej.node_id, rej.rule, rej.detail)
             return False
         window["norms"].append(ok.norm)
+        self._in_buffer.add(flight.node_id)
         self.ledger.append(LedgerEntry(mid, flight.node_id, flight.base_version, self.version, "accepted",
                                        staleness, weight, self.round + 1))
         window["staleness"].append(staleness)

@@ -197,6 +197,8 @@ class AsyncSettings:
 
 
 DP_MODES = ("none", "central", "local", "distributed")
+MIN_NOISE_MULTIPLIER = 1e-3  # below, epsilon overflows to infinity within a few rounds
+MAX_DP_CLIP = 1e9  # with z <= 1e6 the noise's std stays far inside float32
 COUNT_BUDGET_SHARE = 0.1  # clip-count-noise = 0 (auto): the noised count takes this share of a round's budget
 
 
@@ -219,8 +221,11 @@ class PrivacySettings:
 
     def __post_init__(self) -> None:
         check(self.dp in DP_MODES, "dp", f"be one of {list(DP_MODES)}", self.dp)
-        check(self.dp_clip > 0, "dp-clip", "be > 0 (it bounds each client's influence)", self.dp_clip)
-        check(self.dp_noise_multiplier >= 0, "dp-noise-multiplier", "be >= 0 (0: calibrate from target-epsilon)",
+        check(0 < self.dp_clip <= MAX_DP_CLIP, "dp-clip", f"be in (0, {MAX_DP_CLIP:g}] (it bounds each client's "
+              "influence; the noise's std z x dp-clip must stay a float32)", self.dp_clip)
+        check(self.dp_noise_multiplier == 0 or MIN_NOISE_MULTIPLIER <= self.dp_noise_multiplier <= MAX_NOISE_MULTIPLIER,
+              "dp-noise-multiplier", f"be 0 (calibrate from target-epsilon) or in [{MIN_NOISE_MULTIPLIER:g}, "
+              f"{MAX_NOISE_MULTIPLIER:g}] (below, epsilon is infinite; above, the accountant overflows)",
               self.dp_noise_multiplier)
         check(self.target_epsilon >= 0, "target-epsilon", "be >= 0 (0: no budget)", self.target_epsilon)
         check(0 < self.dp_delta < 1, "dp-delta", "be in (0, 1)", self.dp_delta)
@@ -238,9 +243,10 @@ class PrivacySettings:
             check(self.dp == "central", "adaptive-clipping", "be false unless dp = 'central' (it adapts the "
                   "coordinator's dp-clip; under other dp modes it would be ignored)", self.adaptive_clipping)
         check(0 < self.clip_target_quantile < 1, "clip-target-quantile", "be in (0, 1)", self.clip_target_quantile)
-        check(self.clip_learning_rate > 0, "clip-learning-rate", "be > 0", self.clip_learning_rate)
-        check(self.clip_count_noise >= 0, "clip-count-noise",
-              "be >= 0 (0: auto, sqrt(10)/2 x the noise multiplier)", self.clip_count_noise)
+        check(0 < self.clip_learning_rate <= 10, "clip-learning-rate", "be in (0, 10] (the clip moves by up to "
+              "exp(+-lr/2) a round; more drives it to 0 or infinity)", self.clip_learning_rate)
+        check(0 <= self.clip_count_noise <= MAX_NOISE_MULTIPLIER, "clip-count-noise",
+              f"be in [0, {MAX_NOISE_MULTIPLIER:g}] (0: auto, sqrt(10)/2 x the noise multiplier)", self.clip_count_noise)
         if self.adaptive_clipping and self.dp_noise_multiplier > 0:
             self.check_count_noise(self.dp_noise_multiplier, f"dp-noise-multiplier/2 = {self.dp_noise_multiplier / 2:g}")
         check(0 < self.local_noise_multiplier <= MAX_NOISE_MULTIPLIER, "local-noise-multiplier",
@@ -448,14 +454,12 @@ class RunConfig:
                   "cannot wrap around the ring", self.secure.secagg_clip)
 
     def dp_sampling_rate(self) -> float:
-        """The sampling rate central / distributed DP is calibrated at (here, when the config is checked,
-        and by the workflows' DP policy): ``fraction-train`` for synchronous central DP; 1 under FedBuff
-        (each release is a q = 1 event: which clients are in a buffer depends on their speed, not on a
-        random sample) and under distributed DP (the coordinator, the party it protects against, picks
-        the sample)."""
-        if self.privacy.dp == "distributed" or self.asynchrony.workflow == "fedbuff":
-            return 1.0
-        return self.server.fraction_train
+        """The sampling rate central / distributed DP is calibrated and accounted at: 1, no amplification
+        by sampling. Synchronous rounds pick a fixed-size sample that is a public function of the run's
+        seed and the round (fast-fair picks by speed), not the secret Poisson sample the subsampled
+        Gaussian's accounting assumes; under FedBuff which clients are in a buffer depends on their
+        speed; under distributed DP the coordinator, the party it protects against, picks the sample."""
+        return 1.0
 
     def check_first_round_fits(self, z: float) -> None:
         """A given ``dp-noise-multiplier`` must let at least one round run within ``target-epsilon``

@@ -9,7 +9,9 @@ The ledger, z and the clip norm live in the checkpoint.
 
 from __future__ import annotations
 
+import hashlib
 import math
+import os
 from logging import INFO
 from typing import Any
 
@@ -34,7 +36,7 @@ from .config import PrivacySettings, min_survivors
 class CentralDp:
     """Sensitivity bound + noise + accounting + budget for one run."""
 
-    def __init__(self, cfg: PrivacySettings, expected_rate: float, num_rounds: int, seed: int) -> None:
+    def __init__(self, cfg: PrivacySettings, expected_rate: float, num_rounds: int) -> None:
         self.cfg = cfg
         self.accountant = RdpAccountant(cfg.dp_delta)
         self.budget = PrivacyBudget(cfg.target_epsilon, cfg.dp_delta) if cfg.target_epsilon > 0 else None
@@ -45,17 +47,25 @@ class CentralDp:
             log(INFO, "[fedshield] central DP: noise multiplier %.4f calibrated for epsilon %.3g over %d rounds at q=%.3g",
                 self.z, cfg.target_epsilon, num_rounds, expected_rate)
         self.clip = cfg.dp_clip
+        # The seeded (fast) generators draw from a secret seed, never from the run's seed: clients get that in
+        # every train message (and config.json holds it), and could then subtract the noise. A fresh one per
+        # process, so a resumed run's noise is independent of the first session's too.
+        self._secret = os.urandom(32)
         # adaptive clipping: clip-count-noise, or when 0 (unset) a value derived from z (PrivacySettings.count_noise_std)
         self.count_noise_std = cfg.count_noise_std(self.z)
         self.adaptive = (AdaptiveClipping(cfg.dp_clip, cfg.clip_target_quantile, cfg.clip_learning_rate,
                                           count_noise_std=self.count_noise_std, secure=cfg.dp_secure_noise,
-                                          generator=None if cfg.dp_secure_noise else torch.Generator().manual_seed(seed + 7))
+                                          generator=None if cfg.dp_secure_noise else torch.Generator().manual_seed(self._seed("count", 0)))
                          if cfg.adaptive_clipping else None)
         if self.adaptive is not None and cfg.clip_count_noise == 0:
             log(INFO, "[fedshield] adaptive clipping: clip-count-noise %.4g (auto, from noise multiplier %.4g); the "
                 "update sum's noise multiplier is %.4g", self.count_noise_std, self.z,
                 effective_noise_multiplier(self.z, self.count_noise_std))
-        self.seed = seed
+
+    def _seed(self, what: str, rnd: int) -> int:
+        """A 63-bit generator seed for ``what`` in round ``rnd``, derived from the secret."""
+        digest = hashlib.sha256(self._secret + f"{what}:{rnd}".encode()).digest()
+        return int.from_bytes(digest[:8], "little") >> 1
 
     # -- per round -----------------------------------------------------------
     def event(self, sampling_rate: float) -> PrivacyEvent:
@@ -73,7 +83,7 @@ class CentralDp:
         """The noised mean delta: (sum of clipped updates + N(0, (z_sum*C)^2)) / asked."""
         total = agg.result().mul_(agg.total_weight) if agg.count else torch.zeros(agg.numel, device=agg.device)
         z_sum = effective_noise_multiplier(self.z, self.count_noise_std) if self.adaptive else self.z
-        gen = None if self.cfg.dp_secure_noise else torch.Generator().manual_seed(self.seed * 1_000_003 + rnd)
+        gen = None if self.cfg.dp_secure_noise else torch.Generator().manual_seed(self._seed("sum", rnd))
         CentralGaussianMechanism(self.clip, z_sum, secure=self.cfg.dp_secure_noise, generator=gen).noise_sum_(total)
         return total.div_(max(1, asked))
 
@@ -120,10 +130,9 @@ class DistributedDp(CentralDp):
     negligible margin of the Gaussian (Agarwal, Kairouz, Liu 2021, Thm 3.5).
     """
 
-    def __init__(self, cfg: PrivacySettings, expected_rate: float, num_rounds: int, seed: int,
-                 dropout_rate: float) -> None:
+    def __init__(self, cfg: PrivacySettings, expected_rate: float, num_rounds: int, dropout_rate: float) -> None:
         # The coordinator picks the sample and sees who took part: against it, sampling amplifies nothing.
-        super().__init__(cfg, 1.0, num_rounds, seed)
+        super().__init__(cfg, 1.0, num_rounds)
         self.dropout_rate = dropout_rate
 
     def event(self, sampling_rate: float) -> PrivacyEvent:

@@ -121,7 +121,7 @@ class SyncWorkflow:
         self.slow_link = (self._codec_plan(cfg.aggregation.make_codec(cfg.aggregation.slow_link_codec))
                           if cfg.aggregation.slow_link_mbps > 0 else None)
         self._slow_nodes: set[int] = set()
-        dp_args = (cfg.privacy, cfg.dp_sampling_rate(), cfg.server.num_rounds, cfg.server.seed)
+        dp_args = (cfg.privacy, cfg.dp_sampling_rate(), cfg.server.num_rounds)
         self.dp = (CentralDp(*dp_args) if cfg.privacy.dp == "central"
                    else DistributedDp(*dp_args, cfg.secure.secagg_dropout_rate) if cfg.privacy.dp == "distributed"
                    else None)
@@ -404,7 +404,10 @@ class SyncWorkflow:
         selected = self.secure.planned(rnd) if self.secure is not None else None
         if selected is None:
             selected = self.select(idle if len(idle) >= self.cfg.server.min_nodes else nodes, rnd)
-        self._rate = min(1.0, len(selected) / len(nodes))
+        # No amplification by sampling is claimed: the sample is a public function of the run's seed and
+        # the round (and fast-fair picks by speed), of fixed size, not the secret Poisson sample the
+        # subsampled-Gaussian accounting assumes. Every round is a q = 1 event.
+        self._rate = 1.0
         if self.dp is not None:
             self.dp.check_budget(self._rate)  # before any update is asked for (a pipelined setup releases nothing)
         row: dict[str, Any] = {"round": rnd, "nodes_online": len(nodes), "selected": len(selected)}

@@ -259,7 +259,8 @@ class AdaptiveClipping:
         below = int((norms <= self._clip).sum())
         centred = torch.tensor(below - 0.5 * norms.numel(), dtype=torch.float64)
         b = float(self._noise.add_(centred)) / expected + 0.5
-        self._clip = self._clip * math.exp(-self.learning_rate * (b - self.target_quantile))
+        # kept within [1e-12, 1e12]: a clip of 0 or inf would end the run (every norm bound must be finite, > 0)
+        self._clip = min(max(self._clip * math.exp(-self.learning_rate * (b - self.target_quantile)), 1e-12), 1e12)
         return self._clip
 
     def state_dict(self) -> dict[str, float]:

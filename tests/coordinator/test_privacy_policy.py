@@ -27,7 +27,7 @@ def test_central_dp_records_epsilon_equal_to_the_accountant(tmp_path):
     wf, s = run(tmp_path, "a", **{"num-rounds": 3, "dp": "central", "dp-noise-multiplier": 1.5, "dp-clip": 0.5})
     ref = RdpAccountant(1e-5)
     for _ in range(3):
-        ref.compose(PrivacyEvent(0.5, 1.5))
+        ref.compose(PrivacyEvent(1.0, 1.5))  # no amplification claimed: the sample is public (q = 1)
     assert s["epsilon"] == pytest.approx(ref.epsilon(), rel=1e-9)
     eps = [r["epsilon"] for r in wf.history]
     assert eps == sorted(eps) and eps[-1] == pytest.approx(s["epsilon"])
@@ -37,25 +37,27 @@ def test_central_dp_records_epsilon_equal_to_the_accountant(tmp_path):
     assert "epsilon" in header
 
 
-def test_noise_depends_on_seed_and_is_really_added(tmp_path):
+def test_noise_is_secret_from_the_run_seed_and_really_added(tmp_path):
+    """Clients get the run's seed in every train message: noise drawn from it could be subtracted.
+    Two runs with the same seed (same data, same training) must get different noise."""
     kw = {"num-rounds": 1, "dp": "central", "dp-noise-multiplier": 1.0, "dp-clip": 1.0}
     a, _ = run(tmp_path, "s0", **kw)
-    b, _ = run(tmp_path, "s1", **kw, **{"data-seed": 0, "seed": 1})
+    b, _ = run(tmp_path, "s1", **kw)
     assert not torch.equal(a.weights, b.weights)
     # With every update clipped to 0 norm impossible; instead: all clients honest, noise std z*C/asked
     # per coordinate. Compare with the same run and a negligible noise multiplier.
-    c, _ = run(tmp_path, "tiny", **{**kw, "dp-noise-multiplier": 1e-6})
+    c, _ = run(tmp_path, "tiny", **{**kw, "dp-noise-multiplier": 1e-3})
     diff = (a.weights - c.weights) * 5  # asked = 5 clients
     assert diff.std().item() == pytest.approx(1.0, rel=0.05)  # the noise on the sum has std z*C = 1
     assert abs(diff.mean().item()) < 5 * 1.0 / diff.numel() ** 0.5
 
 
 def test_budget_stops_before_it_is_exceeded(tmp_path):
-    # q=0.5, z=1.0: epsilon after 1/2/3 rounds is below/around/above 3.
+    # q=1 (no amplification claimed), z=1.0
     ref = RdpAccountant(1e-5)
     eps = []
     for _ in range(6):
-        ref.compose(PrivacyEvent(0.5, 1.0))
+        ref.compose(PrivacyEvent(1.0, 1.0))
         eps.append(ref.epsilon())
     target = (eps[2] + eps[3]) / 2  # rounds 1-3 fit, round 4 would exceed
     wf, s = run(tmp_path, "b", **{"num-rounds": 6, "dp": "central", "dp-noise-multiplier": 1.0, "target-epsilon": target})
@@ -116,6 +118,29 @@ def test_central_dp_under_fedbuff_accounts_per_release(tmp_path):
     assert s["status"] == "budget-exhausted" and s["rounds"] == 2 and s["epsilon"] <= eps[1] + 1e-12
 
 
+def test_central_dp_under_fedbuff_takes_one_update_per_node_per_release(tmp_path):
+    """Fast nodes are idle again before the buffer fills: without a hold they added two updates to one
+    release, whose sensitivity was then 2C while it was accounted as C."""
+    import dataclasses
+
+    from coordinator import BufferedAsyncWorkflow
+    from simulations.virtual import DeviceProfile, VirtualClock, VirtualGrid
+
+    fast = DeviceProfile("fast", compute_s_per_example=0.0001, uplink_mbps=100.0, downlink_mbps=100.0, latency_s=0.01)
+    slow = dataclasses.replace(fast, tier="slow", compute_s_per_example=0.01)
+    cfg = RunConfig.from_mapping({**BASE, "num-rounds": 3, "min-nodes": 1, "dp": "central", "dp-noise-multiplier": 2.0})
+    clock = VirtualClock()
+    wf = BufferedAsyncWorkflow(cfg, VirtualGrid(app, 6, clock, [fast, fast, slow, slow, slow, slow], seed=0),
+                               RunDirectory(tmp_path / "hold"), clock, concurrency=6, buffer_size=4)
+    wf.run()
+    per_release = {}
+    for e in wf.ledger:
+        if e.outcome == "accepted":
+            per_release.setdefault(e.released_in, []).append(e.node_id)
+    assert len(per_release) == 3 and all(len(nodes) == len(set(nodes)) == 4 for nodes in per_release.values())
+    assert not [e for e in wf.ledger if e.outcome == "duplicate-contributor"]  # held back, not sent work to waste
+
+
 def test_adaptive_clipping_runs_with_its_default_count_noise(tmp_path):
     """adaptive-clipping = true with clip-count-noise left unset validates and runs: the count's noise defaults
     to sqrt(10)/2 z, so the count takes 1/10 of the round's budget and the sum is noised with z / sqrt(0.9)."""
@@ -125,7 +150,7 @@ def test_adaptive_clipping_runs_with_its_default_count_noise(tmp_path):
     kw = {"num-rounds": 2, "dp": "central", "dp-noise-multiplier": 1.0, "dp-clip": 1.0, "adaptive-clipping": True}
     cfg = RunConfig.from_mapping({**BASE, **kw})
     assert cfg.privacy.clip_count_noise == 0  # unset
-    dp = CentralDp(cfg.privacy, 0.5, 2, 0)
+    dp = CentralDp(cfg.privacy, 0.5, 2)
     assert dp.count_noise_std == pytest.approx(10**0.5 / 2)
     assert effective_noise_multiplier(1.0, dp.count_noise_std) == pytest.approx(1 / 0.9**0.5)
     wf, s = run(tmp_path, "adaptive", **kw)
@@ -133,7 +158,7 @@ def test_adaptive_clipping_runs_with_its_default_count_noise(tmp_path):
     assert wf.dp.clip != 1.0  # the clip moved toward the quantile
     ref = RdpAccountant(1e-5)  # the count costs nothing extra in the ledger: it is paid for by z_sum > z
     for _ in range(2):
-        ref.compose(PrivacyEvent(0.5, 1.0))
+        ref.compose(PrivacyEvent(1.0, 1.0))
     assert s["epsilon"] == pytest.approx(ref.epsilon(), rel=1e-9)
 
 
@@ -147,7 +172,7 @@ def test_adaptive_clipping_with_a_calibrated_multiplier_is_checked_before_the_ru
     kw = {"dp": "central", "adaptive-clipping": True, "target-epsilon": 8.0}
     cfg = RunConfig.from_mapping(kw)  # the default clip-count-noise: valid whatever z is calibrated to
     z = cfg.calibrated_noise_multiplier()
-    dp = CentralDp(cfg.privacy, cfg.dp_sampling_rate(), cfg.server.num_rounds, 0)
+    dp = CentralDp(cfg.privacy, cfg.dp_sampling_rate(), cfg.server.num_rounds)
     assert dp.z == z and 2 * dp.count_noise_std > z
     with pytest.raises(ConfigError) as info:
         RunConfig.from_mapping({**kw, "clip-count-noise": z / 2})
@@ -164,9 +189,17 @@ def test_adaptive_clipping_with_a_calibrated_multiplier_is_checked_before_the_ru
      "run.clip-count-noise must be > dp-noise-multiplier/2 = 0.5 (the noised count is paid from the same budget; "
      "0 picks a valid value). Found 0.5."),
     ({"dp-noise-multiplier": 1.0, "clip-count-noise": -1.0},
-     "run.clip-count-noise must be >= 0 (0: auto, sqrt(10)/2 x the noise multiplier). Found -1.0."),
+     "run.clip-count-noise must be in [0, 1e+06] (0: auto, sqrt(10)/2 x the noise multiplier). Found -1.0."),
     ({"target-epsilon": 1e-4}, "run.target-epsilon must be reachable with a noise multiplier <= 1000 over "
      "num-rounds = 20 at sampling rate 1 with dp-delta = 1e-05"),
+    # values that overflowed float32 noise, the accountant, or drove the clip to 0 (tracebacks, or a run ended)
+    ({"dp-noise-multiplier": 1e200}, "run.dp-noise-multiplier must be 0 (calibrate from target-epsilon) or in "
+     "[0.001, 1e+06]"),
+    ({"dp-noise-multiplier": 1e-300}, "run.dp-noise-multiplier must be 0 (calibrate from target-epsilon) or in "
+     "[0.001, 1e+06]"),
+    ({"dp-noise-multiplier": 1.0, "dp-clip": 1e300}, "run.dp-clip must be in (0, 1e+09]"),
+    ({"dp-noise-multiplier": 1.0, "clip-count-noise": 1e308}, "run.clip-count-noise must be in [0, 1e+06]"),
+    ({"dp-noise-multiplier": 1.0, "clip-learning-rate": 1e4}, "run.clip-learning-rate must be in (0, 10]"),
 ])
 def test_bad_adaptive_clipping_and_budget_settings_are_refused_up_front(setting, message):
     from clients import ConfigError

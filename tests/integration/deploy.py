@@ -11,7 +11,7 @@ from .procs import free_port, wait_for
 
 
 def setup_deployment(tmp_path, fedshield_bin, num_rounds: int, keys: int = 4, nodes: int = 3, extra: str = "",
-                     min_nodes: int | None = None):
+                     min_nodes: int | None = None, round_timeout: float = 120.0):
     run = lambda *a: subprocess.run([fedshield_bin, *a], cwd=tmp_path, check=True, capture_output=True, text=True)  # noqa: E731
     run("certs", "init", "certs")
     for i in range(keys):
@@ -29,7 +29,7 @@ run-dir = "runs/deploy"
 num-rounds = {num_rounds}
 min-nodes = {min_nodes or nodes}
 wait-nodes-timeout = 120.0
-round-timeout = 120.0
+round-timeout = {round_timeout}
 {extra}""")
     return port
 
