@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -17,7 +19,7 @@ from aggregation._errors import shown
 
 from ._errors import ClientError
 from .data import client_data
-from .ledger import STATE_DIR, LedgerFile, check_owner_limits, owner_limits
+from .ledger import OWNER_DELTA, STATE_DIR, LedgerFile, check_owner_limits, owner_limits
 from .profile import measure_profile
 from .config import build_config
 from .protocol import CODEC, LOCAL_DP, WEIGHTS, codec_from_record, parse_train_message, train_reply_content
@@ -62,20 +64,25 @@ def train_with_local_dp(model, data, instr, record, context: Context) -> dict[st
 
     dp = build_config(LocalDpSettings, dict(record), "local-dp")
     check_owner_limits(context.node_config, dp.noise_multiplier)
+    min_noise, max_eps = owner_limits(context.node_config)
+    if min_noise > 0 or math.isfinite(max_eps):
+        # The owner's limits are the device's, not the coordinator's: Poisson sampling (what the accountant
+        # assumes) and epsilon at the owner's delta, whatever the coordinator's record says.
+        dp = dataclasses.replace(dp, delta=min(dp.delta, OWNER_DELTA), poisson_sampling=True)
     store = LedgerFile(context.node_config[STATE_DIR], data) if STATE_DIR in context.node_config else None
-    ledger = context.state.config_records.get(DP_LEDGER)
-    state = store.load() if store is not None else None  # the device's file outlives this run's Context
-    if state is None and ledger is not None:
-        state = json.loads(str(ledger["state"]))
-    _, max_eps = owner_limits(context.node_config)
-    if math.isfinite(max_eps):
-        after = planned_epsilon(state, dp, instr.train, len(data))
-        if after > max_eps:
-            raise ClientError(f"this round would bring this data's local epsilon to {after:.4g}, past its owner's "
-                              f"--max-local-epsilon {max_eps:g}: refused before training.")
-    _, stats, state = train_local_dp(model, data, instr.train, dp, None, state)
-    if store is not None:
-        store.save(state)
+    with store.locked() if store is not None else contextlib.nullcontext():
+        ledger = context.state.config_records.get(DP_LEDGER)
+        state = store.load() if store is not None else None  # the device's file outlives this run's Context
+        if state is None and ledger is not None:
+            state = json.loads(str(ledger["state"]))
+        if math.isfinite(max_eps):
+            after = planned_epsilon(state, dp, instr.train, len(data))
+            if after > max_eps:
+                raise ClientError(f"this round would bring this data's local epsilon to {after:.4g}, past its owner's "
+                                  f"--max-local-epsilon {max_eps:g}: refused before training.")
+        _, stats, state = train_local_dp(model, data, instr.train, dp, None, state)
+        if store is not None:
+            store.save(state)
     context.state.config_records[DP_LEDGER] = ConfigRecord({"state": json.dumps(state)})
     return {"train-loss": stats["train-loss"], "train-time-s": stats["train-time-s"], "local-epsilon": stats["epsilon"]}
 

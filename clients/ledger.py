@@ -16,12 +16,14 @@ decided before training from the planned steps.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import math
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,7 @@ from ._errors import ClientError, ConfigError
 from .tasks import Dataset
 
 STATE_DIR, MIN_NOISE, MAX_EPSILON = "state-dir", "min-local-noise", "max-local-epsilon"
+OWNER_DELTA = 1e-5  # the delta --max-local-epsilon is stated at (or the coordinator's, if smaller)
 PREFIX = "local-dp-ledger-"
 
 
@@ -46,6 +49,22 @@ class LedgerFile:
 
     def __init__(self, state_dir: str | os.PathLike, data: Dataset) -> None:
         self.path = Path(state_dir) / f"{PREFIX}{data_key(data)}.json"
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """Hold this dataset's lock (an flock on a file beside the ledger) from reading the ledger to
+        writing it back: two trainings of the same data at once (two nodes, two runs) then charge it
+        one after the other instead of one overwriting the other's charge."""
+        try:
+            fd = os.open(self.path.with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as exc:
+            raise ClientError(f"local DP ledger lock {self.path.with_suffix('.lock')} must be creatable. "
+                              f"Found: {exc.strerror or exc}.") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
 
     def load(self) -> dict[str, Any] | None:
         """The stored state (None: no file yet). A file that cannot be read as a ledger is an error,

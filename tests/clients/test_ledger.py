@@ -97,3 +97,35 @@ def test_the_owner_s_max_local_epsilon_refuses_a_round_before_it_trains(tmp_path
         run_train(_message(2), fresh)
     assert trained == [1]  # refused before training (the planned epsilon is what training then reports)
     assert _steps(next((tmp_path / "fresh").glob(f"{PREFIX}*.json"))) == _steps(next(tmp_path.glob(f"{PREFIX}*.json"))) // 2
+
+
+def test_the_owner_s_limits_hold_at_the_device_s_delta_and_with_poisson_sampling(tmp_path):
+    """A coordinator's local-dp record with delta 0.5 and Poisson sampling off reported (and checked) a
+    far smaller epsilon against --max-local-epsilon: under the owner's limits the device's own apply."""
+    def lax(rnd):
+        msg = _message(rnd)
+        msg.content[LOCAL_DP] = ConfigRecord({"noise-multiplier": 1.0, "max-grad-norm": 1.0, "delta": 0.5,
+                                              "poisson-sampling": False})
+        return msg
+
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    honest = _epsilon(run_train(_message(1), _context(**{"state-dir": str(tmp_path / "a"), "max-local-epsilon": 1e9})))
+    lax_eps = _epsilon(run_train(lax(1), _context(**{"state-dir": str(tmp_path / "b"), "max-local-epsilon": 1e9})))
+    assert lax_eps == pytest.approx(honest, rel=1e-9)
+    # without owner limits the coordinator's settings stand (and its report is its own business)
+    assert _epsilon(run_train(lax(1), _context())) < honest / 2
+
+
+def test_two_trainings_of_the_same_data_at_once_are_both_charged(tmp_path):
+    import threading
+
+    ctx = lambda: _context(**{"state-dir": str(tmp_path)})  # noqa: E731 - a fresh Context each: two runs
+    run_train(_message(1), ctx())
+    (path,) = tmp_path.glob(f"{PREFIX}*.json")
+    one = _steps(path)
+    threads = [threading.Thread(target=run_train, args=(_message(2), ctx())) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert _steps(path) == 3 * one
