@@ -247,6 +247,11 @@ class BufferedAsyncWorkflow(SyncWorkflow):
                 break
             if self.clock.now() - last_progress >= self.stall_timeout:
                 rejected = ", ".join(f"{rule} {n}" for rule, n in sorted(window["rejected"].items())) or "none"
+                if self.dp is not None and len(set(nodes)) < self.buffer_size:
+                    raise CoordinatorError(
+                        f"a release under central DP must take buffer-size = {self.buffer_size} updates from as many "
+                        f"nodes (one each). Found {len(set(nodes))} nodes online for {self.stall_timeout:g} s; lower "
+                        "buffer-size or start more nodes.")
                 raise CoordinatorError(
                     f"the async run must make progress: no update was accepted for {self.stall_timeout:g} s "
                     f"(rejected since the last release: {rejected}; {len(self.inflight)} in flight, {len(nodes)} nodes "

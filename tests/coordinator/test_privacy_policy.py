@@ -233,3 +233,14 @@ def test_adaptive_clipping_outside_central_dp_is_refused():
 
     with pytest.raises(ConfigError, match=r"^run\.adaptive-clipping must be false unless dp = 'central'"):
         RunConfig.from_mapping({"adaptive-clipping": True})
+
+
+def test_central_dp_under_fedbuff_with_fewer_nodes_than_the_buffer_says_so(tmp_path):
+    from coordinator import BufferedAsyncWorkflow, CoordinatorError
+    from simulations.virtual import VirtualClock
+
+    cfg = RunConfig.from_mapping({**BASE, "num-rounds": 2, "min-nodes": 1, "dp": "central", "dp-noise-multiplier": 2.0})
+    wf = BufferedAsyncWorkflow(cfg, InProcessGrid(app, 3), RunDirectory(tmp_path / "few"), VirtualClock(), concurrency=3,
+                               buffer_size=4, stall_timeout=30.0)
+    with pytest.raises(CoordinatorError, match="buffer-size = 4 updates from as many nodes .* Found 3 nodes online"):
+        wf.run()
