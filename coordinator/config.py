@@ -431,6 +431,8 @@ class RunConfig:
                 check(self.asynchrony.buffer_size >= need, "buffer-size", f"be >= {need} {why}",
                       self.asynchrony.buffer_size)
         if self.privacy.dp == "central":
+            check(self.server.selection == "uniform", "selection", "be 'uniform' under central DP (rounds take a "
+                  "secret Poisson sample, which is what the accounting assumes)", self.server.selection)
             check(self.aggregation.aggregator == "mean", "aggregator",
                   "be 'mean' under central DP (each update is clipped to dp-clip and weighted 1)", self.aggregation.aggregator)
         z = self.privacy.dp_noise_multiplier
@@ -454,11 +456,14 @@ class RunConfig:
                   "cannot wrap around the ring", self.secure.secagg_clip)
 
     def dp_sampling_rate(self) -> float:
-        """The sampling rate central / distributed DP is calibrated and accounted at: 1, no amplification
-        by sampling. Synchronous rounds pick a fixed-size sample that is a public function of the run's
-        seed and the round (fast-fair picks by speed), not the secret Poisson sample the subsampled
-        Gaussian's accounting assumes; under FedBuff which clients are in a buffer depends on their
-        speed; under distributed DP the coordinator, the party it protects against, picks the sample."""
+        """The sampling rate central / distributed DP is calibrated and accounted at: ``fraction-train``
+        for synchronous central DP, whose rounds then take a secret Poisson sample (each node with
+        that probability, from the OS's CSPRNG: ``SyncWorkflow.select``), the sample the subsampled
+        Gaussian's accounting assumes; 1 (no amplification) under FedBuff (which clients are in a
+        buffer depends on their speed) and under distributed DP (the coordinator, the party it
+        protects against, picks the sample)."""
+        if self.privacy.dp == "central" and self.asynchrony.workflow == "sync":
+            return self.server.fraction_train
         return 1.0
 
     def check_first_round_fits(self, z: float) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import random
 import threading
 import time
 from collections import Counter
@@ -49,6 +50,9 @@ from .validation import (
     staleness_factor,
     validate_reply,
 )
+
+
+_SECRET_RNG = random.SystemRandom()  # central DP's Poisson sampling: nothing a client knows predicts it
 
 
 class Clock(Protocol):
@@ -122,6 +126,8 @@ class SyncWorkflow:
                           if cfg.aggregation.slow_link_mbps > 0 else None)
         self._slow_nodes: set[int] = set()
         dp_args = (cfg.privacy, cfg.dp_sampling_rate(), cfg.server.num_rounds)
+        self.poisson = cfg.dp_sampling_rate() < 1.0  # secret Poisson sampling (see select)
+        self._online, self._rate = 0, 1.0
         self.dp = (CentralDp(*dp_args) if cfg.privacy.dp == "central"
                    else DistributedDp(*dp_args, cfg.secure.secagg_dropout_rate) if cfg.privacy.dp == "distributed"
                    else None)
@@ -241,9 +247,14 @@ class SyncWorkflow:
 
         ``uniform``: a seeded random sample. ``fast-fair``: fast nodes first, with
         priority for any node below its fair share / ``fairness`` (see
-        :func:`coordinator.profiles.select_fast_fair`).
+        :func:`coordinator.profiles.select_fast_fair`). Under central DP with ``fraction-train`` < 1:
+        secret Poisson sampling instead (each node independently, from the OS), the sample the
+        subsampled Gaussian's accounting (q = ``fraction-train``) assumes; its size varies, and may
+        be below ``min-nodes`` or 0 (the release is then noise only).
         """
         s = self.cfg.server
+        if self.poisson:  # central DP: each node in with probability fraction-train, from the OS's CSPRNG
+            return sorted(n for n in nodes if _SECRET_RNG.random() < s.fraction_train)
         k = min(len(nodes), max(s.min_nodes, math.ceil(s.fraction_train * len(nodes))))
         if s.selection == "fast-fair":
             return select_fast_fair(nodes, k, self.profiles, s.fairness, s.seed, rnd)
@@ -371,9 +382,11 @@ class SyncWorkflow:
         extra: dict[str, Any] = {}
         if self.dp is not None:  # noise is added even to an empty sum: the release is private either way
             extra["clip"] = self.dp.clip
-            self.weights = self.optimizer.step(self.weights, self.dp.release(acc, len(sent), rnd))
+            # Under Poisson sampling the mean divides by the expected sample size (public), not the drawn one
+            asked = max(1, round(self._rate * self._online)) if self.poisson else len(sent)
+            self.weights = self.optimizer.step(self.weights, self.dp.release(acc, asked, rnd))
             self.version += 1
-            self.dp.after_round(self._rate, norms, len(sent))
+            self.dp.after_round(self._rate, norms, asked)
             extra["epsilon"] = self.dp.epsilon
         elif acc.count >= acc.min_updates:
             self.weights = self.optimizer.step(self.weights, acc.result())
@@ -404,10 +417,9 @@ class SyncWorkflow:
         selected = self.secure.planned(rnd) if self.secure is not None else None
         if selected is None:
             selected = self.select(idle if len(idle) >= self.cfg.server.min_nodes else nodes, rnd)
-        # No amplification by sampling is claimed: the sample is a public function of the run's seed and
-        # the round (and fast-fair picks by speed), of fixed size, not the secret Poisson sample the
-        # subsampled-Gaussian accounting assumes. Every round is a q = 1 event.
-        self._rate = 1.0
+        # q: fraction-train under secret Poisson sampling (central DP), else 1 (no amplification claimed)
+        self._rate = self.cfg.dp_sampling_rate()
+        self._online = len(nodes)
         if self.dp is not None:
             self.dp.check_budget(self._rate)  # before any update is asked for (a pipelined setup releases nothing)
         row: dict[str, Any] = {"round": rnd, "nodes_online": len(nodes), "selected": len(selected)}

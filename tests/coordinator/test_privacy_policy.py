@@ -27,7 +27,7 @@ def test_central_dp_records_epsilon_equal_to_the_accountant(tmp_path):
     wf, s = run(tmp_path, "a", **{"num-rounds": 3, "dp": "central", "dp-noise-multiplier": 1.5, "dp-clip": 0.5})
     ref = RdpAccountant(1e-5)
     for _ in range(3):
-        ref.compose(PrivacyEvent(1.0, 1.5))  # no amplification claimed: the sample is public (q = 1)
+        ref.compose(PrivacyEvent(0.5, 1.5))  # q = fraction-train: a secret Poisson sample
     assert s["epsilon"] == pytest.approx(ref.epsilon(), rel=1e-9)
     eps = [r["epsilon"] for r in wf.history]
     assert eps == sorted(eps) and eps[-1] == pytest.approx(s["epsilon"])
@@ -47,17 +47,17 @@ def test_noise_is_secret_from_the_run_seed_and_really_added(tmp_path):
     # With every update clipped to 0 norm impossible; instead: all clients honest, noise std z*C/asked
     # per coordinate. Compare with the same run and a negligible noise multiplier.
     c, _ = run(tmp_path, "tiny", **{**kw, "dp-noise-multiplier": 1e-3})
-    diff = (a.weights - c.weights) * 5  # asked = 5 clients
+    diff = (a.weights - c.weights) * 5  # divided by the expected sample, 0.5 x 10 clients
     assert diff.std().item() == pytest.approx(1.0, rel=0.05)  # the noise on the sum has std z*C = 1
     assert abs(diff.mean().item()) < 5 * 1.0 / diff.numel() ** 0.5
 
 
 def test_budget_stops_before_it_is_exceeded(tmp_path):
-    # q=1 (no amplification claimed), z=1.0
+    # q=0.5, z=1.0
     ref = RdpAccountant(1e-5)
     eps = []
     for _ in range(6):
-        ref.compose(PrivacyEvent(1.0, 1.0))
+        ref.compose(PrivacyEvent(0.5, 1.0))
         eps.append(ref.epsilon())
     target = (eps[2] + eps[3]) / 2  # rounds 1-3 fit, round 4 would exceed
     wf, s = run(tmp_path, "b", **{"num-rounds": 6, "dp": "central", "dp-noise-multiplier": 1.0, "target-epsilon": target})
@@ -158,7 +158,7 @@ def test_adaptive_clipping_runs_with_its_default_count_noise(tmp_path):
     assert wf.dp.clip != 1.0  # the clip moved toward the quantile
     ref = RdpAccountant(1e-5)  # the count costs nothing extra in the ledger: it is paid for by z_sum > z
     for _ in range(2):
-        ref.compose(PrivacyEvent(1.0, 1.0))
+        ref.compose(PrivacyEvent(0.5, 1.0))
     assert s["epsilon"] == pytest.approx(ref.epsilon(), rel=1e-9)
 
 
@@ -244,3 +244,23 @@ def test_central_dp_under_fedbuff_with_fewer_nodes_than_the_buffer_says_so(tmp_p
                                buffer_size=4, stall_timeout=30.0)
     with pytest.raises(CoordinatorError, match="buffer-size = 4 updates from as many nodes .* Found 3 nodes online"):
         wf.run()
+
+
+def test_central_dp_rounds_take_a_secret_poisson_sample():
+    """Each node in with probability fraction-train, drawn from the OS: sizes vary, the run's seed
+    does not predict it, and selection other than uniform is refused under central DP."""
+    import statistics
+
+    from clients import ConfigError
+    from coordinator import SyncWorkflow as Wf
+
+    cfg = RunConfig.from_mapping({**BASE, "dp": "central", "dp-noise-multiplier": 1.0, "fraction-train": 0.3})
+    wf = Wf.__new__(Wf)  # select() needs only the config and the flag
+    wf.cfg, wf.poisson = cfg, True
+    nodes = list(range(1000, 1100))
+    samples = [wf.select(nodes, 1) for _ in range(200)]  # the same round: a seeded sample would repeat
+    sizes = [len(x) for x in samples]
+    assert len({tuple(x) for x in samples}) > 190 and abs(statistics.mean(sizes) - 30) < 2 and min(sizes) < 25
+    assert all(set(x) <= set(nodes) for x in samples)
+    with pytest.raises(ConfigError, match="selection must be 'uniform' under central DP"):
+        RunConfig.from_mapping({**BASE, "dp": "central", "dp-noise-multiplier": 1.0, "selection": "fast-fair"})

@@ -1,7 +1,7 @@
 """Learning under central DP: digits, 100 clients, 20% sampled per round, 20 rounds (in-process engine).
 
-Measured on this machine (seeds 0/1/2): non-private 0.869/0.900/0.894; epsilon 8 (clip 0.5)
-0.825/0.856/0.833; epsilon 1 0.256/0.286/0.458.
+Measured on this machine (seeds 0/1/2): non-private 0.869/0.900/0.894; epsilon 1 0.256/0.286/0.458 (before
+rounds took a secret Poisson sample); epsilon 8 (clip 0.5) with it: see the test.
 """
 
 from __future__ import annotations
@@ -30,10 +30,16 @@ def non_private() -> float:
     return acc
 
 
-def test_epsilon_8_within_6_points_of_non_private(non_private):
-    s = run(dp="central", **{"target-epsilon": 8.0, "dp-clip": 0.5})
-    assert s["epsilon"] <= 8.0 and s["rounds"] == 20
-    assert non_private - 0.06 <= s["final_test_accuracy"] <= non_private + 0.01
+def test_epsilon_8_stays_near_non_private(non_private):
+    """Rounds take a secret Poisson sample from the OS (what q = fraction-train's accounting assumes), so
+    runs differ: 10 runs gave 0.733-0.842, median 0.822, against 0.869 non-private (seed 0). The band is
+    on the median of 5 runs: within 12 points below (P(fail) ~1% at that spread), and not above the
+    non-private run (noise silently off would be)."""
+    import statistics
+
+    runs = [run(dp="central", **{"target-epsilon": 8.0, "dp-clip": 0.5}) for _ in range(5)]
+    assert all(s["epsilon"] <= 8.0 and s["rounds"] == 20 for s in runs)
+    assert non_private - 0.12 <= statistics.median(s["final_test_accuracy"] for s in runs) <= non_private + 0.01
 
 
 def test_strong_privacy_costs_accuracy(non_private):
