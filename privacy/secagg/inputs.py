@@ -22,7 +22,7 @@ import os
 import torch
 
 from .._errors import PrivacyError
-from .masking import SEED_BYTES, expand_seed, quantize
+from .masking import SEED_BYTES, expand_seed, round_levels
 from .protocol import SecAggParams, SecAggResult
 
 
@@ -57,12 +57,12 @@ def encode_input(values: torch.Tensor, weight: float, params: SecAggParams) -> t
     v = values.detach().reshape(-1).to(torch.float64)
     if not torch.isfinite(v).all():
         raise PrivacyError("update contains NaN or infinity; it cannot enter secure aggregation.")
-    clipped = int((v.abs() > c).sum())
+    clipped = int(torch.count_nonzero(v.abs() > c))
     y = torch.empty(params.dim, dtype=torch.float64)
     torch.mul(v.clamp_(-c, c), weight, out=y[:-1])
     y[-1] = weight * c
     gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little"))
-    return quantize(y, c, len(params.nodes), params.bits, generator=gen), clipped
+    return round_levels(y, c, len(params.nodes), params.bits, generator=gen), clipped  # y is in range
 
 
 def decode_sum(result: SecAggResult) -> tuple[torch.Tensor, float]:

@@ -130,10 +130,20 @@ def quantize(x: torch.Tensor, clip: float, n_clients: int, bits: int = 32, *,
                                f"{float(xf.abs().max()):.6g}); the overflow bound needs them clipped. "
                                f"Pass clipping='clip' to clip explicitly.")
         xf = xf.clamp(-clip, clip)
-    y = (xf + clip) / step
-    low = torch.floor(y)
+    shared = xf.untyped_storage().data_ptr() == x.untyped_storage().data_ptr()  # round_levels writes into it
+    return round_levels(xf.clone() if shared else xf, clip, n_clients, bits, generator=generator)
+
+
+def round_levels(y: torch.Tensor, clip: float, n_clients: int, bits: int = 32, *,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+    """:func:`quantize`'s rounding for a float64 ``y`` already known finite and within [-clip, clip]
+    (checked by the caller); ``y`` is used as scratch (overwritten). Six passes, in place where it can."""
+    step, levels = quantization_step(clip, n_clients, bits), _levels(n_clients, bits)
+    y.add_(clip).div_(step)
+    q = torch.floor(y)
+    frac = y.sub_(q)
     u = torch.rand(y.shape, generator=generator, dtype=torch.float64, device=y.device)
-    q = low + (u < (y - low)).to(torch.float64)
+    q.add_(torch.lt(u, frac, out=u.new_empty(y.shape, dtype=torch.bool)))  # 1 with probability frac
     return q.clamp_(0, levels).to(torch.int64)
 
 

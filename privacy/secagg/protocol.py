@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import math
 import os
 import struct
@@ -66,7 +67,7 @@ from .._errors import PrivacyError
 from .graph import Graph, check_threshold, complete_graph, harary_graph
 from .keys import KEY_BYTES, KeyPair, agree, decrypt_share, derive_key, encrypt_share
 from .masking import SEED_BYTES, mask_words, quantization_step, unmask_words
-from .shamir import Share, combine, share_size, split
+from .shamir import combine_values, parse_shares, share_size, share_x, split_bytes
 
 STAGES = ("setup", "share-keys", "masked-input", "unmask")
 MAX_DIM = 1 << 31
@@ -209,11 +210,11 @@ def _seal(payload_sender: int, receiver: int, self_share: bytes, key_share: byte
     return _PAYLOAD.pack(payload_sender, receiver, len(self_share), len(key_share)) + self_share + key_share
 
 
-def _open(data: bytes, sender: int, receiver: int, holders: int) -> tuple[Share, Share]:
-    """Parse a neighbour's sealed shares: its self-seed share and its key share, both for 32-byte
-    secrets at one x-coordinate in 1..``holders`` (the sender's neighbour count). A share of another
-    shape is refused here, naming the sender, so it never reaches this node's unmask reply (where the
-    server would have to refuse the honest holder's whole answer)."""
+def _open(data: bytes, sender: int, receiver: int, holders: int) -> tuple[bytes, bytes]:
+    """Check a neighbour's sealed shares: its self-seed share and its key share, both for 32-byte
+    secrets at one x-coordinate in 1..``holders`` (the sender's neighbour count); returns them
+    as sent. A share of another shape is refused here, naming the sender, so it never reaches this
+    node's unmask reply (where the server would have to refuse the honest holder's whole answer)."""
     if len(data) < _PAYLOAD.size:
         raise SecAggRejected(sender, "bad-share", "share payload is shorter than its header")
     src, dst, n1, n2 = _PAYLOAD.unpack_from(data)
@@ -222,14 +223,14 @@ def _open(data: bytes, sender: int, receiver: int, holders: int) -> tuple[Share,
     if (n1, n2) != (share_size(SEED_BYTES), share_size(KEY_BYTES)):
         raise SecAggRejected(sender, "bad-share", f"shares must be of a {SEED_BYTES}-byte seed and a {KEY_BYTES}-byte "
                                                   f"key ({share_size(SEED_BYTES)} bytes each); found {n1} and {n2} bytes")
+    seed, key = data[_PAYLOAD.size:_PAYLOAD.size + n1], data[_PAYLOAD.size + n1:]
     try:
-        seed, key = (Share.from_bytes(data[_PAYLOAD.size:_PAYLOAD.size + n1]),
-                     Share.from_bytes(data[_PAYLOAD.size + n1:]))
+        xs = share_x(seed, SEED_BYTES), share_x(key, KEY_BYTES)
     except PrivacyError as exc:
         raise SecAggRejected(sender, "bad-share", str(exc)) from None
-    if seed.x != key.x or not 1 <= seed.x <= holders:
+    if xs[0] != xs[1] or not 1 <= xs[0] <= holders:
         raise SecAggRejected(sender, "bad-share", f"both shares must sit at one x-coordinate in 1..{holders}; "
-                                                  f"found {seed.x} and {key.x}")
+                                                  f"found {xs[0]} and {xs[1]}")
     return seed, key
 
 
@@ -290,12 +291,12 @@ class SecAggClient:
         if len(set(pubs)) != len(pubs):
             raise SecAggRejected(me, "bad-keys", "two public keys are equal (a replayed or forged key)")
         holders = sorted(others)
-        self_shares = split(self.self_seed, p.threshold, len(holders))
-        key_shares = split(self.s.private_bytes(), p.threshold, len(holders))
+        self_shares = split_bytes(self.self_seed, p.threshold, len(holders))
+        key_shares = split_bytes(self.s.private_bytes(), p.threshold, len(holders))
         out, transport = {}, {}
         for v, bs, ss in zip(holders, self_shares, key_shares, strict=True):
             transport[v] = self._pair_key(self.c, others[v].c, v, "share-key")
-            out[v] = encrypt_share(transport[v], _seal(me, v, bs.to_bytes(), ss.to_bytes()),
+            out[v] = encrypt_share(transport[v], _seal(me, v, bs, ss),
                                    sender=me, receiver=v, round=p.round, stage="share-keys")
         self.peers, self.transport = others, transport  # the keys are kept: the shares coming back use them
         self.stage = "masked-input"
@@ -313,8 +314,7 @@ class SecAggClient:
         held = {}
         for u, ct in ciphertexts.items():
             plain = decrypt_share(self.transport[u], ct, sender=u, receiver=me, round=p.round, stage="share-keys")
-            bs, ss = _open(plain, u, me, len(p.graph()[u]))
-            held[u] = (bs.to_bytes(), ss.to_bytes())
+            held[u] = _open(plain, u, me, len(p.graph()[u]))
         self.held = held
         self.maskers = tuple(sorted(ciphertexts))
 
@@ -557,22 +557,17 @@ class SecAggServer:
         if len(shares) < t:
             raise SecAggAborted(f"{what} of node {owner} needs t={t} shares; only {len(shares)} of its neighbours answered")
         xs = {h: i + 1 for i, h in enumerate(sorted(self.graph[owner] & self.sharers))}
-        parsed = []
-        for holder, b in sorted(shares.items()):
-            try:
-                s = Share.from_bytes(b)
-            except PrivacyError:
-                continue
-            if s.x == xs.get(holder):  # a share must sit at its holder's x-coordinate
-                parsed.append(s)
-        # Fast path: t shares, verified by the check; then all of them, then all but one.
-        candidates = [parsed[:t], parsed] + ([parsed[:i] + parsed[i + 1:] for i in range(len(parsed))]
-                                             if len(parsed) > t else [])
+        holders = sorted(shares)
+        ok, got_x, values = parse_shares([shares[h] for h in holders], SEED_BYTES)  # == KEY_BYTES
+        keep = np.flatnonzero(ok & (got_x == np.array([xs.get(h, -1) for h in holders], dtype=np.int64)))
+        # (a share must sit at its holder's x-coordinate). Fast path: t shares, verified by the
+        # check; then all of them, then all but one.
+        candidates = itertools.chain([keep[:t], keep], (np.delete(keep, i) for i in range(len(keep) if len(keep) > t else 0)))
         for subset in candidates:
             if len(subset) < t:
                 continue
             try:
-                secret = combine(subset, t)
+                secret = combine_values(got_x[subset], values[subset], t, SEED_BYTES)
             except PrivacyError:
                 continue
             if check(secret):

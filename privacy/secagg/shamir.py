@@ -35,6 +35,7 @@ PRIME = (1 << 31) - 1
 CHUNK_BYTES = 3
 MAGIC = b"FSS1"
 _HEADER = struct.Struct("<4sII")  # magic, x, secret length in bytes
+_MAGIC_WORD = int.from_bytes(MAGIC, "little")
 MAX_SECRET_BYTES = 1 << 20
 
 
@@ -72,18 +73,59 @@ class Share:
     @classmethod
     def from_bytes(cls, data: bytes) -> "Share":
         """Parse :meth:`to_bytes` output; any deviation from the layout raises PrivacyError."""
-        if len(data) < _HEADER.size:
-            raise PrivacyError(f"share must be at least {_HEADER.size} bytes. Found {len(data)}.")
-        magic, x, secret_len = _HEADER.unpack_from(data)
-        if magic != MAGIC:
-            raise PrivacyError(f"share must start with {MAGIC!r}. Found {magic!r}.")
-        if not 0 < secret_len <= MAX_SECRET_BYTES:
-            raise PrivacyError(f"share secret length must be in [1, {MAX_SECRET_BYTES}]. Found {secret_len}.")
-        expected = _HEADER.size + 4 * _n_chunks(secret_len)
-        if len(data) != expected:
-            raise PrivacyError(f"share of a {secret_len}-byte secret must be {expected} bytes. Found {len(data)}.")
-        values = np.frombuffer(data, dtype="<u4", offset=_HEADER.size).astype(np.int64)
-        return cls(x=x, secret_len=secret_len, values=values)
+        x, secret_len = _check_layout(data)
+        return cls._trusted(x, secret_len, np.frombuffer(data, dtype="<u4", offset=_HEADER.size).astype(np.int64))
+
+    @classmethod
+    def _trusted(cls, x: int, secret_len: int, values: np.ndarray) -> "Share":
+        """A share whose fields are already checked (parsed by ``_check_layout`` or computed here)."""
+        share = object.__new__(cls)
+        values.setflags(write=False)
+        object.__setattr__(share, "x", x)
+        object.__setattr__(share, "secret_len", secret_len)
+        object.__setattr__(share, "values", values)
+        return share
+
+
+def _check_layout(data: bytes) -> tuple[int, int]:
+    """(x, secret length) of a share in :meth:`Share.to_bytes` form; any deviation raises PrivacyError."""
+    if len(data) < _HEADER.size:
+        raise PrivacyError(f"share must be at least {_HEADER.size} bytes. Found {len(data)}.")
+    magic, x, secret_len = _HEADER.unpack_from(data)
+    if magic != MAGIC:
+        raise PrivacyError(f"share must start with {MAGIC!r}. Found {magic!r}.")
+    if not 0 < secret_len <= MAX_SECRET_BYTES:
+        raise PrivacyError(f"share secret length must be in [1, {MAX_SECRET_BYTES}]. Found {secret_len}.")
+    expected = _HEADER.size + 4 * _n_chunks(secret_len)
+    if len(data) != expected:
+        raise PrivacyError(f"share of a {secret_len}-byte secret must be {expected} bytes. Found {len(data)}.")
+    if not 1 <= x < PRIME:
+        raise PrivacyError(f"share x-coordinate must be in [1, {PRIME - 1}]. Found {x}.")
+    if np.frombuffer(data, dtype="<u4", offset=_HEADER.size).max() >= PRIME:
+        raise PrivacyError(f"share values must be field elements in [0, {PRIME}). Found one out of range.")
+    return x, secret_len
+
+
+def share_x(data: bytes, secret_len: int) -> int:
+    """The x-coordinate of ``data``, checked to be a well-formed share of a ``secret_len``-byte secret."""
+    x, found = _check_layout(data)
+    if found != secret_len:
+        raise PrivacyError(f"share must be of a {secret_len}-byte secret. Found one of {found} bytes.")
+    return x
+
+
+def parse_shares(blobs: list[bytes], secret_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Many shares of ``secret_len``-byte secrets at once: ``(ok, xs, values)``, ``ok[i]`` whether
+    ``blobs[i]`` is a well-formed share (the same rules as :meth:`Share.from_bytes`; the other rows
+    are meaningless), ``xs`` int64 (m,), ``values`` int64 (m, chunks). One numpy pass, no objects."""
+    size = share_size(secret_len)
+    fits = np.array([isinstance(b, bytes) and len(b) == size for b in blobs], dtype=bool)
+    blank = bytes(size)
+    rows = np.frombuffer(b"".join(b if f else blank for b, f in zip(blobs, fits)), dtype="<u4").reshape(len(blobs), -1)
+    head = rows[:, :3].astype(np.int64)
+    ok = (fits & (head[:, 0] == _MAGIC_WORD) & (head[:, 2] == secret_len) & (head[:, 1] >= 1)
+          & (head[:, 1] < PRIME) & (rows[:, 3:] < PRIME).all(axis=1))
+    return ok, head[:, 1], rows[:, 3:].astype(np.int64)
 
 
 def _n_chunks(secret_len: int) -> int:
@@ -135,11 +177,8 @@ def _check_t_n(t: int, n: int) -> None:
         raise PrivacyError(f"Shamir n must be below {PRIME}. Found {n}.")
 
 
-def split(secret: bytes, t: int, n: int, rng: np.random.Generator | None = None) -> list[Share]:
-    """Split ``secret`` into ``n`` shares (x = 1..n); any ``t`` recover it, ``t - 1`` reveal nothing.
-
-    ``rng`` defaults to ``os.urandom``; a numpy Generator is for reproducible tests only.
-    """
+def _split_values(secret: bytes, t: int, n: int, rng: np.random.Generator | None) -> np.ndarray:
+    """(n, chunks) int64: the shares' values at x = 1..n."""
     _check_t_n(t, n)
     if not 0 < len(secret) <= MAX_SECRET_BYTES:
         raise PrivacyError(f"secret must be 1..{MAX_SECRET_BYTES} bytes. Found {len(secret)}.")
@@ -149,8 +188,25 @@ def split(secret: bytes, t: int, n: int, rng: np.random.Generator | None = None)
     acc = np.broadcast_to(coeffs[-1], (n, chunks.size)).copy()
     for c in coeffs[-2::-1]:
         acc = (acc * xs + c) % PRIME
-    acc = (acc * xs + chunks) % PRIME
-    return [Share(x=int(x), secret_len=len(secret), values=row) for x, row in zip(xs[:, 0], acc)]
+    return (acc * xs + chunks) % PRIME
+
+
+def split(secret: bytes, t: int, n: int, rng: np.random.Generator | None = None) -> list[Share]:
+    """Split ``secret`` into ``n`` shares (x = 1..n); any ``t`` recover it, ``t - 1`` reveal nothing.
+
+    ``rng`` defaults to ``os.urandom``; a numpy Generator is for reproducible tests only.
+    """
+    acc = _split_values(secret, t, n, rng)
+    return [Share._trusted(x, len(secret), row) for x, row in enumerate(acc, start=1)]
+
+
+def split_bytes(secret: bytes, t: int, n: int, rng: np.random.Generator | None = None) -> list[bytes]:
+    """:func:`split` with each share in :meth:`Share.to_bytes` form, all serialised in one buffer."""
+    acc = _split_values(secret, t, n, rng)
+    rows = np.empty((n, 3 + acc.shape[1]), dtype="<u4")
+    rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3:] = _MAGIC_WORD, np.arange(1, n + 1), len(secret), acc
+    blob, step = rows.tobytes(), rows.shape[1] * 4
+    return [blob[i:i + step] for i in range(0, len(blob), step)]
 
 
 def _powmod(a: np.ndarray, e: int) -> np.ndarray:
@@ -185,21 +241,27 @@ def _interpolate(xs: np.ndarray, ys: np.ndarray, ats: np.ndarray) -> np.ndarray:
 
 def combine(shares: list[Share], t: int) -> bytes:
     """Recover the secret from at least ``t`` shares; extra shares are checked for consistency."""
+    lengths = {s.secret_len for s in shares}
+    if len(lengths) > 1:
+        raise PrivacyError(f"shares must come from one secret length. Found lengths {sorted(lengths)}.")
+    return combine_values(np.array([s.x for s in shares], dtype=np.int64),
+                          np.stack([s.values for s in shares]) if shares else np.empty((0, 0), np.int64),
+                          t, lengths.pop() if lengths else 0)
+
+
+def combine_values(xs: np.ndarray, ys: np.ndarray, t: int, secret_len: int) -> bytes:
+    """:func:`combine` on parsed shares: x-coordinates ``xs`` (m,) and values ``ys`` (m, chunks)
+    of a ``secret_len``-byte secret (e.g. rows of :func:`parse_shares`)."""
     if t < 2:
         raise PrivacyError(f"Shamir threshold t must be >= 2. Found {t}.")
-    if len(shares) < t:
-        raise PrivacyError(f"need at least t={t} shares to recover the secret. Found {len(shares)}.")
-    xs = np.array([s.x for s in shares], dtype=np.int64)
+    if len(xs) < t:
+        raise PrivacyError(f"need at least t={t} shares to recover the secret. Found {len(xs)}.")
     if np.unique(xs).size != xs.size:
         raise PrivacyError(f"shares must have distinct x-coordinates. Found duplicates in {sorted(xs.tolist())}.")
-    lengths = {s.secret_len for s in shares}
-    if len(lengths) != 1:
-        raise PrivacyError(f"shares must come from one secret length. Found lengths {sorted(lengths)}.")
-    ys = np.stack([s.values for s in shares])
     secret_chunks = _interpolate(xs[:t], ys[:t], np.zeros(1, dtype=np.int64))[0]
-    if len(shares) > t:
+    if len(xs) > t:
         bad = np.flatnonzero((_interpolate(xs[:t], ys[:t], xs[t:]) != ys[t:]).any(axis=1))
         if bad.size:
             raise PrivacyError(f"share x={int(xs[t + bad[0]])} is inconsistent with the first t={t} shares "
                                f"(mixed secrets or a corrupted share).")
-    return _from_chunks(secret_chunks, lengths.pop())
+    return _from_chunks(secret_chunks, secret_len)

@@ -11,7 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from privacy import PrivacyError
+from privacy.secagg import shamir
 from privacy.secagg.masking import apply_masks_, keystream
+from privacy.secagg.shamir import split_bytes
 from privacy.secagg import (
     PRIME,
     KeyPair,
@@ -355,3 +357,58 @@ def test_choose_degree_grows_slowly_and_satisfies_the_threshold_rule():
     assert choose_degree(8, 0.3) == (7, 4)
     with pytest.raises(PrivacyError, match="dropout_rate"):
         choose_degree(100, 0.5)
+
+
+def test_split_bytes_is_split_serialised_and_combines():
+    secret = os.urandom(32)
+    blobs = split_bytes(secret, 4, 7)
+    assert [shamir.share_x(b, 32) for b in blobs] == list(range(1, 8))
+    assert {len(b) for b in blobs} == {shamir.share_size(32)}
+    shares = [Share.from_bytes(b) for b in blobs]
+    assert [s.to_bytes() for s in shares] == blobs
+    assert combine(shares[2:6], 4) == secret
+    ok, xs, values = shamir.parse_shares(blobs[1:5], 32)
+    assert ok.all() and xs.tolist() == [2, 3, 4, 5]
+    assert shamir.combine_values(xs, values, 4, 32) == secret
+
+
+def _mutations(blob: bytes) -> list[bytes]:
+    return [blob[:-1], blob + b"\0", b"XXXX" + blob[4:], blob[:4] + bytes(4) + blob[8:],
+            blob[:8] + (33).to_bytes(4, "little") + blob[12:], blob[:12] + b"\xff\xff\xff\xff" + blob[16:],
+            blob[:4] + (PRIME).to_bytes(4, "little") + blob[8:], b"", blob]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.binary(max_size=60), max_size=4), st.integers(0, 2**32 - 1))
+def test_parse_shares_accepts_exactly_what_from_bytes_accepts_for_the_length(noise, seed):
+    """The vectorised parser (the server's unmasking) and the one-share parser agree on every blob:
+    valid shares, each single-field corruption of one, and random bytes."""
+    blob = split_bytes(bytes(np.random.default_rng(seed).integers(0, 256, 32, dtype=np.uint8)), 2, 3)[1]
+    blobs = _mutations(blob) + noise
+    ok, xs, values = shamir.parse_shares(blobs, 32)
+    for i, b in enumerate(blobs):
+        try:
+            s = Share.from_bytes(b)
+            good = s.secret_len == 32
+        except PrivacyError:
+            good = False
+        assert ok[i] == good, (i, b[:16])
+        if good:
+            assert xs[i] == s.x and np.array_equal(values[i], s.values)
+            assert shamir.share_x(b, 32) == s.x
+        else:
+            with pytest.raises(PrivacyError):
+                shamir.share_x(b, 32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_quantize_leaves_its_input_alone_and_rounds_as_specified(dtype):
+    """The rounding works in place on scratch: never on the caller's tensor (a float64 input is
+    not copied by ``.to``); and q = floor(y) + [u < frac(y)], y = (x + clip) / step, exactly."""
+    x = (torch.rand(5000, dtype=torch.float64, generator=torch.Generator().manual_seed(1)) * 2 - 1).to(dtype)
+    before = x.clone()
+    q = quantize(x, 1.0, 10, 32, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(x, before)
+    y = (x.to(torch.float64) + 1.0) / quantization_step(1.0, 10, 32)
+    u = torch.rand(5000, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(q, (torch.floor(y) + (u < y - torch.floor(y)).to(torch.float64)).to(torch.int64))

@@ -346,9 +346,9 @@ def _shares_with(monkeypatch, shape):
     from privacy.secagg import protocol, shamir
 
     def bad_split(secret, t, n):
-        return [shape(s) for s in shamir.split(secret, t, n)]
+        return [shape(s).to_bytes() for s in shamir.split(secret, t, n)]
 
-    monkeypatch.setattr(protocol, "split", bad_split)
+    monkeypatch.setattr(protocol, "split_bytes", bad_split)
 
 
 @pytest.mark.parametrize("shape,found", [
