@@ -22,7 +22,7 @@ import threading
 from pathlib import Path
 
 from ._errors import ClientError
-from .config import TaskSpec, build_config
+from .config import TaskSpec, build_config, resolve_path
 from .data import load_npz, save_npz
 from .tasks import get_task
 
@@ -165,7 +165,7 @@ def _ledger_config(args: argparse.Namespace) -> str:
             raise ClientError(f"{flag} must be a finite number >= 0 (0: none). Found {value!r}.")
         if value > 0:
             out += f" {key}={float(value)}"
-    state = Path(getattr(args, "state_dir", None) or "~/.fedshield/agent").expanduser().resolve()
+    state = resolve_path(getattr(args, "state_dir", None) or "~/.fedshield/agent", "--state-dir")
     value = _literal_path(state, "--state-dir")
     make_dir(state, "--state-dir", ClientError)
     return out + f" {STATE_DIR}={value}"
@@ -235,7 +235,13 @@ def supernode_command(args: argparse.Namespace) -> list[str]:
     return cmd
 
 
-_FATAL = re.compile(r"Exit Code: (\d+)|Giving up reconnection|\[code: (\d+)\]")
+# Flower's own lines: its console prefix ("ERROR :     ", with colours or a timestamp), then the
+# message; an exit's message starts with its whole "Exit Code: N" line. Text that merely contains
+# these words (an error quoting a coordinator's value, in a ClientApp's traceback) is not one.
+_FATAL = re.compile(r"^(?:DEBUG|INFO|WARNING|ERROR|CRITICAL)[\d\-:, ]*:\s+"
+                    r"(?:Exit Code: (\d+)\s*$|Giving up reconnection\b)")
+_REFUSAL = re.compile(r"\[code: (\d+)\]")  # a SuperLink's refusal, in the line of the failure it ended
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # Exit codes of the processes a SuperNode starts per message (a ClientApp that raised: 800; one that lost
 # its SuperNode: 250). Their log reaches ours, but the SuperNode has answered with an error reply and
 # serves the next message: the node stays in the run (a bad message must not take it out).
@@ -270,7 +276,7 @@ def _watch(proc: subprocess.Popen) -> Watched:
     """
     seen = Watched()
     assert proc.stdout is not None
-    stopping = skipping = False
+    stopping = skipping = traceback = False
     for line in proc.stdout:
         if line.startswith(_IGNORED_START):
             skipping = True
@@ -278,13 +284,20 @@ def _watch(proc: subprocess.Popen) -> Watched:
             sys.stderr.write(line)
         elif line.startswith(_IGNORED_END):
             skipping = False
-        seen.served += bool(_SENT.search(line))
-        m = _FATAL.search(line)
+        text = _ANSI.sub("", line)
+        if text.startswith("Traceback (most recent call last):"):  # a ClientApp's error: its frames and
+            traceback = True                                       # its exception line quote message text
+            continue
+        if traceback:
+            traceback = text[:1].isspace()  # the first line not indented is the exception's: skipped too
+            continue
+        seen.served += bool(_SENT.search(text))
+        m, refused = _FATAL.match(text), _REFUSAL.search(text)
         if m and m.group(1) and any(int(m.group(1)) in codes for codes in _TASK_CODES):
             continue
-        if m:
-            seen.exit_code = int(m.group(1)) if m.group(1) else (seen.exit_code or 305)
-            seen.refusal = int(m.group(2)) if m.group(2) else seen.refusal
+        if m or refused:
+            seen.exit_code = int(m.group(1)) if m and m.group(1) else (seen.exit_code or 305)
+            seen.refusal = int(refused.group(1)) if refused else seen.refusal
             if not stopping:
                 stopping = True
                 timer = threading.Timer(5.0, _stop_group, (proc,))

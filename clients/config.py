@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import types
 import typing
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, TypeVar
 
 from aggregation._errors import shown
@@ -33,6 +35,25 @@ def check(ok: bool, key: str, rule: str, found: Any) -> None:
     """Raise ``ConfigError("<key> must <rule>. Found <found>.")`` unless ``ok``."""
     if not ok:
         raise ConfigError(f"{key} must {rule}. Found {shown(found)}.")
+
+
+def resolve_path(value: Any, key: str, base: Path | None = None) -> Path:
+    """``value`` as an absolute path, ``~`` and ``~user`` expanded, relative to ``base`` (default: the
+    working directory). One ConfigError naming ``key`` for a value that is not a string, holds a NUL
+    character, names an unknown user (never a directory literally named ``~user``) or cannot be resolved."""
+    check(isinstance(value, str), key, "be a path (a string)", value)
+    check("\0" not in value, key, "not contain a NUL character", value)
+    expanded = os.path.expanduser(value)
+    if expanded.startswith("~"):  # expanduser leaves '~user' as it is when there is no such user (or no HOME)
+        user = value[1:].split(os.sep, 1)[0]
+        raise ConfigError(f"{key} must start with an existing user's home directory. Found {shown(value)}: "
+                          + (f"no user {shown(user)}." if user else "no home directory (HOME is not set)."))
+    try:
+        q = Path(expanded)
+        return (q if q.is_absolute() or base is None else base / q).resolve()
+    except (OSError, RuntimeError, ValueError) as exc:  # a symlink loop, a vanished working directory
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ConfigError(f"{key} must be a path that can be resolved. Found {shown(value)}: {reason}.") from None
 
 
 def _coerce(value: Any, typ: Any, key: str) -> Any:

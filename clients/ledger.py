@@ -76,7 +76,7 @@ class LedgerFile:
         try:
             state = json.loads(self.path.read_text(encoding="utf-8"))
             accountant_from_state(state)  # validates every event
-        except (OSError, ValueError, ConfigError) as exc:
+        except (OSError, ValueError, RecursionError, ConfigError) as exc:  # RecursionError: deep nesting
             raise ClientError(f"local DP ledger {self.path} must be readable (a lost ledger under-reports epsilon; "
                               f"move it away only to start this data's accounting afresh). Found: {exc}") from None
         return state
@@ -106,9 +106,13 @@ def owner_limits(node_config: Mapping[str, Any]) -> tuple[float, float]:
 
 
 def check_owner_limits(node_config: Mapping[str, Any], noise_multiplier: float | None) -> None:
-    """Refuse training that breaks the owner's ``min-local-noise`` (``noise_multiplier``: the
-    coordinator's local DP noise, None when it sent no local DP)."""
-    min_noise, _ = owner_limits(node_config)
+    """Refuse training that breaks the owner's ``min-local-noise``, or that would be without local
+    DP under a ``max-local-epsilon`` (``noise_multiplier``: the coordinator's local DP noise, None
+    when it sent no local DP). The epsilon bound itself is checked against the ledger before training."""
+    min_noise, max_epsilon = owner_limits(node_config)
+    if noise_multiplier is None and math.isfinite(max_epsilon):  # no DP: an unbounded epsilon
+        raise ClientError(f"this node trains only under local DP (its owner's --max-local-epsilon "
+                          f"{max_epsilon:g}). Found no local DP in the coordinator's train message.")
     if min_noise > 0 and (noise_multiplier is None or noise_multiplier < min_noise):
         found = "no local DP" if noise_multiplier is None else f"noise multiplier {noise_multiplier:g}"
         raise ClientError(f"this node trains only under local DP with a noise multiplier >= {min_noise:g} (its "

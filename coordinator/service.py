@@ -26,9 +26,8 @@ from typing import Any
 
 import tomli_w
 
-from aggregation._errors import shown
 from clients.cli import bind_probe
-from clients.config import ConfigError, build_config, check
+from clients.config import ConfigError, build_config, check, resolve_path
 from privacy import CertificatePaths, check_public_key, make_dir
 
 from ._errors import CoordinatorError
@@ -72,25 +71,6 @@ class CoordinatorFile:
     def path(self, p: str, key: str = "path") -> Path:
         """``p`` (the value of ``key``) expanded and made absolute: a relative path is relative to the config file."""
         return resolve_path(p, key, self.base)
-
-
-def resolve_path(value: Any, key: str, base: Path | None = None) -> Path:
-    """``value`` as an absolute path, ``~`` and ``~user`` expanded, relative to ``base`` (default: the
-    working directory). One ConfigError naming ``key`` for a value that is not a string, holds a NUL
-    character, names an unknown user (never a directory literally named ``~user``) or cannot be resolved."""
-    check(isinstance(value, str), key, "be a path (a string)", value)
-    check("\0" not in value, key, "not contain a NUL character", value)
-    expanded = os.path.expanduser(value)
-    if expanded.startswith("~"):  # expanduser leaves '~user' as it is when there is no such user (or no HOME)
-        user = value[1:].split(os.sep, 1)[0]
-        raise ConfigError(f"{key} must start with an existing user's home directory. Found {shown(value)}: "
-                          + (f"no user {shown(user)}." if user else "no home directory (HOME is not set)."))
-    try:
-        q = Path(expanded)
-        return (q if q.is_absolute() or base is None else base / q).resolve()
-    except (OSError, RuntimeError, ValueError) as exc:  # a symlink loop, a vanished working directory
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise ConfigError(f"{key} must be a path that can be resolved. Found {shown(value)}: {reason}.") from None
 
 
 def load_coordinator_config(path: str | os.PathLike, run_dir: str | None = None) -> CoordinatorFile:

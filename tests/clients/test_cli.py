@@ -133,6 +133,26 @@ def test_a_clientapp_that_failed_on_one_message_does_not_stop_the_agent(monkeypa
     assert seen.exit_code == 305 and len(started) == 1
 
 
+def test_text_quoting_flowers_exit_words_does_not_stop_the_agent(monkeypatch):
+    """A refused message's error quotes the coordinator's value ("Exit Code: 302", "[code: 2004]"); in
+    the ClientApp's traceback (and its exception line) that is text, not Flower's exit or refusal:
+    the node stays in the run. Flower's own lines (with colours) still end it."""
+    from clients import cli
+
+    started = []
+    monkeypatch.setattr(cli.threading, "Timer", lambda *a, **k: started.append(a) or type("T", (), {"start": lambda self: None})())
+    lines = ["\x1b[91mERROR \x1b[0m:      ClientApp raised an exception\n", "Traceback (most recent call last):\n",
+             '  File "client_app.py", line 9, in run_train\n', "    raise ClientError(f'... Found {x!r}')\n",
+             "clients._errors.ClientError: codec must be one of ['dense']. Found 'Exit Code: 302'.\n",
+             "INFO :      Sent successfully\n", "Traceback (most recent call last):\n", "  File \"x.py\", line 1\n",
+             "clients._errors.ClientError: codec must be one of ['dense']. Found 'x [code: 2004] Giving up reconnection'.\n",
+             "INFO :      quoted: Exit Code: 302\n", "INFO :      Sent successfully\n"]
+    seen = cli._watch(_FakeSuperNode(lines))
+    assert (seen.exit_code, seen.refusal, seen.served) == (None, None, 2) and started == []
+    seen = cli._watch(_FakeSuperNode(["\x1b[91mERROR \x1b[0m:      Exit Code: 302\n"]))
+    assert seen.exit_code == 302 and len(started) == 1
+
+
 def _agent_error(tmp_path, capsys, *args) -> list[str]:
     assert main(["agent", "start", "--coordinator", "127.0.0.1:1", "--insecure", *args]) == 2
     return capsys.readouterr().err.strip().splitlines()
@@ -204,6 +224,15 @@ def test_agent_data_path_reaches_flower_unchanged_or_is_refused(tmp_path, capsys
     np.savez(quoted / "d.npz", x=np.zeros((20, 64)), y=np.zeros(20, int))
     err = _agent_error(tmp_path, capsys, "--data", str(quoted / "d.npz"))
     assert err[-1].startswith("fedshield: error: --data must be a path without ' or line breaks")
+
+
+def test_agent_state_dir_that_cannot_be_resolved_is_one_line(tmp_path, capsys):
+    np.savez(tmp_path / "d.npz", x=np.zeros((20, 64)), y=np.zeros(20, int))
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    for state, rule in (("~nosuchuser_fs/agent", "must start with an existing user's home directory"),
+                        (str(tmp_path / "loop" / "x"), "must be a path that can be resolved")):
+        err = _agent_error(tmp_path, capsys, "--data", str(tmp_path / "d.npz"), "--state-dir", state)
+        assert err[-1].startswith("fedshield: error: --state-dir ") and rule in err[-1], err
 
 
 @pytest.mark.parametrize(("env", "line"), [

@@ -68,9 +68,10 @@ def test_an_unreadable_ledger_refuses_training_instead_of_starting_afresh(tmp_pa
     ctx = _context(**{"state-dir": str(tmp_path)})
     run_train(_message(1), ctx)
     (path,) = tmp_path.glob(f"{PREFIX}*.json")
-    path.write_text('{"mechanism": "rdp", "history": [[1.0, 2.0, 3]]}')  # a sample rate > 1
-    with pytest.raises(ClientError, match="local DP ledger .* must be readable"):
-        run_train(_message(2), _context(**{"state-dir": str(tmp_path)}))
+    for bad in ('{"mechanism": "rdp", "history": [[1.0, 2.0, 3]]}', "[" * 200_000):  # a sample rate > 1; deep nesting
+        path.write_text(bad)
+        with pytest.raises(ClientError, match="local DP ledger .* must be readable"):
+            run_train(_message(2), _context(**{"state-dir": str(tmp_path)}))
 
 
 @pytest.mark.parametrize(("z", "found"), [(None, "no local DP"), (0.5, "noise multiplier 0.5")])
@@ -78,6 +79,15 @@ def test_the_owner_s_min_local_noise_refuses_less_from_the_coordinator(z, found)
     with pytest.raises(ClientError, match=f"noise multiplier >= 1 .*min-local-noise.*Found {found}"):
         run_train(_message(1, z=z), _context(**{"min-local-noise": 1.0}))
     assert _epsilon(run_train(_message(1, z=1.0), _context(**{"min-local-noise": 1.0}))) > 0
+
+
+def test_the_owner_s_max_local_epsilon_refuses_a_round_without_local_dp(tmp_path):
+    """A coordinator that leaves the local-DP record out would get the raw update (epsilon unbounded)."""
+    ctx = _context(**{"state-dir": str(tmp_path), "max-local-epsilon": 1e9})
+    with pytest.raises(ClientError, match="only under local DP .*--max-local-epsilon 1e\\+09.*Found no local DP"):
+        run_train(_message(1, z=None), ctx)
+    assert _epsilon(run_train(_message(1), ctx)) > 0
+    assert run_train(_message(1, z=None), _context()).content.array_records  # no limits: trains without DP
 
 
 def test_the_owner_s_max_local_epsilon_refuses_a_round_before_it_trains(tmp_path, monkeypatch):
