@@ -30,6 +30,11 @@ if TYPE_CHECKING:
 POISON_FRESH = False
 
 
+# Weights are multiplied in float32: a smaller one vanishes from the sum (and a sum of only such weights
+# divides by 0); a larger one becomes inf (1e39 is finite in float64) and its products NaN or inf.
+MIN_WEIGHT, MAX_WEIGHT = 1e-30, 1e38  # float32 holds up to 3.4e38
+WEIGHT_RULE = f"finite and in [{MIN_WEIGHT:g}, {MAX_WEIGHT:g}]"
+
 class WeightedAccumulator:
     """Running weighted sum ``sum_i w_i * x_i`` and ``sum_i w_i`` over flat tensors.
 
@@ -142,8 +147,8 @@ class WeightedAccumulator:
 
     @staticmethod
     def _check_weight(weight: float) -> None:
-        if isinstance(weight, bool) or not (math.isfinite(weight) and weight > 0):
-            raise AggregationError(f"weight must be finite and > 0. Found {weight}.")
+        if isinstance(weight, bool) or not (math.isfinite(weight) and MIN_WEIGHT <= weight <= MAX_WEIGHT):
+            raise AggregationError(f"weight must be {WEIGHT_RULE}. Found {weight}.")
 
     def _ready(self) -> torch.Tensor:
         """The sum, zeroed first if it is still fresh and unwritten."""

@@ -128,6 +128,11 @@ class _Stateful(ServerOptimizer):
         if self._state and tensors and shapes != {tuple(self._state[self._slots[0]].shape)}:
             raise AggregationError(f"optimizer state {sorted(tensors)} must have the current state's shape "
                                    f"{tuple(self._state[self._slots[0]].shape)}. Found {shapes.pop()}.")
+        for k, v in tensors.items():  # a damaged checkpoint would turn the model into NaN at the next step
+            if not bool(torch.isfinite(v).all()):
+                raise AggregationError(f"optimizer state {k!r} must be finite. Found NaN or infinity.")
+            if k == "v" and bool((v < 0).any()):  # second moments: the step divides by sqrt(v) + tau
+                raise AggregationError(f"optimizer state 'v' must be >= 0. Found {float(v.min()):g}.")
         self.t = t
         self._state = {k: v.detach().clone() for k, v in tensors.items()}
 

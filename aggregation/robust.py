@@ -43,7 +43,7 @@ from typing import Any, ClassVar
 import torch
 
 from ._errors import AggregationError, UpdateRejected, each_checked, shown
-from .accumulator import WeightedAccumulator
+from .accumulator import MAX_WEIGHT, MIN_WEIGHT, WEIGHT_RULE, WeightedAccumulator
 from .device import memory_bytes
 from .staging import DeviceStager
 from ._registry import Registry
@@ -71,8 +71,7 @@ def create_aggregator(name: str, numel: int, device: torch.device | str, max_cli
     return _REGISTRY.build(name, numel, device, max_clients, **params)
 
 
-MIN_WEIGHT = 1e-30  # a smaller weight vanishes in a float32 sum (and a sum of only such weights divides by 0)
-_WEIGHT_RULE = f"be finite and >= {MIN_WEIGHT:g}"
+_WEIGHT_RULE = f"be {WEIGHT_RULE}"
 
 
 def _check(ok: bool, what: str, rule: str, found: Any) -> None:
@@ -147,7 +146,7 @@ class Aggregator(ABC):
         ``norm``: the update's L2 norm when the caller has already computed it (the
         coordinator's validation has), so the hot path does not read the update twice.
         """
-        _check(_is_real(weight) and weight >= MIN_WEIGHT, "weight", _WEIGHT_RULE, weight)
+        _check(_is_real(weight) and MIN_WEIGHT <= weight <= MAX_WEIGHT, "weight", _WEIGHT_RULE, weight)
         _check(parsed.numel == self.numel, "update numel", f"be {self.numel}", parsed.numel)
         _check(self.count < self.max_clients, f"{self.name} updates", f"number at most max-clients={self.max_clients}",
                self.count + 1)
@@ -163,7 +162,7 @@ class Aggregator(ABC):
         Raises UpdateRejected (an AggregationError; ``rule`` "non-finite" or "norm-too-large")
         and leaves the aggregator as it was (nothing of the update in it, see the module docstring).
         """
-        _check(_is_real(weight) and weight >= MIN_WEIGHT, "weight", _WEIGHT_RULE, weight)
+        _check(_is_real(weight) and MIN_WEIGHT <= weight <= MAX_WEIGHT, "weight", _WEIGHT_RULE, weight)
         _check(parsed.numel == self.numel, "update numel", f"be {self.numel}", parsed.numel)
         _check(self.count < self.max_clients, f"{self.name} updates", f"number at most max-clients={self.max_clients}",
                self.count + 1)
@@ -185,7 +184,7 @@ class Aggregator(ABC):
         _check(isinstance(max_norm, Real) and not isinstance(max_norm, bool) and max_norm > 0, "max norm", "be > 0",
                max_norm)
         for parsed, weight in zip(batch, weights, strict=True):
-            _check(_is_real(weight) and weight >= MIN_WEIGHT, "weight", _WEIGHT_RULE, weight)
+            _check(_is_real(weight) and MIN_WEIGHT <= weight <= MAX_WEIGHT, "weight", _WEIGHT_RULE, weight)
             _check(parsed.numel == self.numel, "update numel", f"be {self.numel}", parsed.numel)
         if self.staging is not None:  # one update at a time, the next one's copy in flight meanwhile
             return each_checked(lambda p, w: self.add_checked(codec, p, w, max_norm), self.staging.pipeline(batch),

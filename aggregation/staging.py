@@ -135,7 +135,7 @@ class DeviceStager:
         for name, t, off, nbytes in layout:
             tensors[name] = slot.dev[off:off + nbytes].view(t.dtype) if nbytes else torch.empty(0, dtype=t.dtype,
                                                                                                    device=self.device)
-        return dataclasses.replace(parsed, tensors=tensors, host={}), i
+        return dataclasses.replace(parsed, tensors=tensors), i  # ``host`` arrays stay (small reads on the host)
 
     def consumed(self, i: int) -> None:
         """The caller has queued every operation that reads slot ``i``'s update."""

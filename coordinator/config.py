@@ -72,7 +72,8 @@ class ServerSettings:
         except AggregationError as exc:
             raise ConfigError(str(exc)) from None
         check(0 <= self.seed < 2**32, "seed", "be in [0, 2**32)", self.seed)
-        check(self.max_examples >= 1, "max-examples", "be >= 1", self.max_examples)
+        check(1 <= self.max_examples <= 10**38, "max-examples", "be in [1, 1e38] (weights are multiplied in float32)",
+              self.max_examples)
         check(0 < self.max_update_mb <= 1e6, "max-update-mb", "be in (0, 1e6]", self.max_update_mb)
         check(self.max_update_norm > 0, "max-update-norm", "be > 0", self.max_update_norm)
         check(self.selection in SELECTION_POLICIES, "selection", f"be one of {list(SELECTION_POLICIES)}", self.selection)

@@ -151,12 +151,13 @@ class QSGDCodec(Codec):
             require(False, "scales", "be >= 0", float(s_np.min()))
         if not padding_is_zero(codes, bits, numel):
             require(False, "codes", "have zero padding bits in the last byte", int(codes[-1]))
-        return Parsed(self.name, numel, {CODES: codes, SCALES: scales}, {"bits": bits, "chunk": chunk}, nbytes)
+        return Parsed(self.name, numel, {CODES: codes, SCALES: scales}, {"bits": bits, "chunk": chunk}, nbytes,
+                      host={SCALES: s_np})  # stays on the host when the tensors are staged to a GPU
 
     @staticmethod
     def _factors(parsed: Parsed, out: torch.Tensor, weight: float) -> torch.Tensor:
         """``weight * s`` per chunk (rounded once, in float64, to ``out``'s dtype), a column on its device."""
-        s64 = parsed.tensors[SCALES].numpy().astype(np.float64)
+        s64 = _host_scales(parsed).astype(np.float64)
         factors = torch.from_numpy(s64 * weight).to(out.dtype)
         return factors.to(out.device, non_blocking=True)[:, None]
 
@@ -190,10 +191,10 @@ class QSGDCodec(Codec):
 
     def _sq_norm(self, parsed: Parsed) -> float:
         chunk = parsed.params["chunk"]
-        row_norms = torch.empty(-(-parsed.numel // chunk), dtype=torch.float32)
+        row_norms = torch.empty(-(-parsed.numel // chunk), dtype=torch.float64)
         for start, rows, levels in self._blocks(parsed, torch.device("cpu")):
             _row_norms(levels, chunk, rows, row_norms[start // chunk : start // chunk + rows])
-        return _sq_from_rows(row_norms, parsed.tensors[SCALES])
+        return _sq_from_rows(row_norms, _host_scales(parsed))
 
     def add_into_checked(self, parsed: Parsed, out: torch.Tensor, weight: float, max_norm: float) -> float:
         """Scales are finite (parse), so every decoded value is bounded by its chunk's scale: if
@@ -201,7 +202,7 @@ class QSGDCodec(Codec):
         overflow and one pass decodes each block once for both its row norms and its add.
         Otherwise the norm is computed first (two passes, nothing written before deciding)."""
         chunk = parsed.params["chunk"]
-        s64 = parsed.tensors[SCALES].numpy().astype(np.float64)
+        s64 = _host_scales(parsed).astype(np.float64)
         bound_sq = chunk * float(np.dot(s64, s64))
         if not (math.isfinite(bound_sq) and bound_sq <= FLT_MAX and math.sqrt(bound_sq) <= max_norm):
             return checked_add_two_pass(self, parsed, out, weight, max_norm)
@@ -209,13 +210,13 @@ class QSGDCodec(Codec):
         # per-chunk factors: one pass less per block; the result differs from ``add_into``'s by
         # float32 rounding only (each product rounded once either way, factors rounded once).
         unit = [_unit(parsed.params["bits"])]
-        row_norms = torch.empty(s64.size, dtype=torch.float32, device=out.device)
+        row_norms = torch.empty(s64.size, dtype=torch.float64, device=out.device)
         factors = self._factors(parsed, out, weight * unit[0])
         for start, rows, levels in self._blocks(parsed, out.device, unit):
             r0 = start // chunk
             _row_norms(levels, chunk, rows, row_norms[r0 : r0 + rows])
             _add_rows(out, start, chunk, rows, levels, factors[r0 : r0 + rows])
-        return math.sqrt(_sq_from_rows(row_norms, parsed.tensors[SCALES])) * unit[0]
+        return math.sqrt(_sq_from_rows(row_norms, _host_scales(parsed))) * unit[0]
 
     def add_batch_checked(self, batch, out, weights, max_norm, budget, zero=False):
         """The fused kernel (``aggregation.kernels``): codes decoded once per chunk for both the
@@ -309,19 +310,25 @@ def level_codes(codes: torch.Tensor, bits: int, start: int, stop: int, buf: torc
     return dst.mul_(r)[: stop - start]
 
 
-def _sq_from_rows(row_norms: torch.Tensor, scales: torch.Tensor) -> float:
-    """``sum_r (s_r * |levels_r|)^2`` in float64 (|level| <= 1: a row norm is <= 256 in float32)."""
-    per_row = row_norms.cpu().numpy().astype(np.float64) * scales.numpy()
+def _host_scales(parsed: Parsed) -> np.ndarray:
+    """The scales as a host array: parse's (kept when the tensors were staged to a GPU), else read back."""
+    s = parsed.host.get(SCALES)
+    return s if s is not None else parsed.tensors[SCALES].cpu().numpy()
+
+
+def _sq_from_rows(row_norms: torch.Tensor, scales: np.ndarray) -> float:
+    """``sum_r (s_r * |levels_r|)^2`` in float64."""
+    per_row = row_norms.cpu().numpy() * scales
     return float(np.dot(per_row, per_row))
 
 
 def _row_norms(levels: torch.Tensor, chunk: int, rows: int, out: torch.Tensor) -> None:
-    """L2 norm of each chunk of ``levels`` (the last may be short) into ``out`` (float32, rows)."""
+    """L2 norm of each chunk of ``levels`` (the last may be short) into ``out`` (float64, rows)."""
     full = levels.numel() // chunk
-    if full:
-        torch.linalg.vector_norm(levels[: full * chunk].view(full, chunk), dim=1, out=out[:full])
+    if full:  # accumulated in float64: float32 over 2^16 unscaled levels was off by 6e-5 (the kernel's is not)
+        torch.linalg.vector_norm(levels[: full * chunk].view(full, chunk), dim=1, dtype=torch.float64, out=out[:full])
     if rows > full:
-        torch.linalg.vector_norm(levels[full * chunk :], out=out[full])
+        torch.linalg.vector_norm(levels[full * chunk :], dtype=torch.float64, out=out[full])
 
 
 def _add_rows(out: torch.Tensor, start: int, chunk: int, rows: int, levels: torch.Tensor, factors: torch.Tensor) -> None:

@@ -154,10 +154,13 @@ def test_load_state_dict_checks_keys_types_and_shapes(name):
         {**good, "m": torch.zeros(3, 1)},
         {**good, "m": torch.zeros(3, dtype=torch.int64)},
     ]
+    nan_m = good["m"].clone()
+    nan_m[1] = math.nan
+    bad_states.append({**good, "m": nan_m})  # a damaged checkpoint: the next step would make the model NaN
     if name == "fedavgm":
         bad_states.append({**good, "v": torch.zeros(3)})
     else:
-        bad_states += [{"t": 2, "m": good["m"]}, {**good, "m": torch.zeros(4)}]
+        bad_states += [{"t": 2, "m": good["m"]}, {**good, "m": torch.zeros(4)}, {**good, "v": -good["v"] - 1}]
     for state in bad_states:
         fresh = create_server_optimizer(name, **PARAMS[name])
         with pytest.raises(AggregationError, match="optimizer state"):

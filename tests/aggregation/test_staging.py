@@ -163,7 +163,7 @@ def test_staged_tensors_keep_dtype_shape_and_values():
         assert dev.tensors[name].data_ptr() != t.data_ptr(), "the staged copy must not alias the record"
         offset = dev.tensors[name].data_ptr() - dev.tensors["indices"].data_ptr()
         assert offset % ALIGN == 0, "each tensor starts at an aligned offset of the slot"
-    assert dev.host == {} and dev.params == p.params and dev.numel == p.numel
+    assert dev.host.keys() == p.host.keys() and dev.params == p.params and dev.numel == p.numel  # host arrays stay
 
 
 def test_slots_grow_for_a_larger_update_after_their_work_is_done():
@@ -223,6 +223,28 @@ def test_device_tensors_and_duck_typed_sources_pass_through():
 
     src = Source()
     assert stager.stage(src)[0] is src
+
+
+def test_every_codec_adds_an_update_staged_to_a_non_cpu_device():
+    """On CUDA the stager swaps each tensor for a device view; QSGD read its scales with ``.numpy()``,
+    which a device tensor refuses (TypeError: the first batch ended the run). ``meta`` stands in for
+    CUDA here (it refuses ``.numpy()`` alike); host arrays made by parse stay with the update."""
+    class MetaOps:
+        def host_buffer(self, n): return torch.empty(n, dtype=torch.uint8)
+        def device_buffer(self, n): return torch.empty(n, dtype=torch.uint8, device="meta")
+        def event(self): return object()
+        def host_wait(self, e): pass
+        def copy_async(self, dst, src, after, done): dst.copy_(src)
+        def compute_wait(self, e): pass
+        def compute_record(self, e): pass
+
+    for name, params in [("dense", {}), ("topk", {"ratio": 0.1}), ("sign", {}), ("qsgd", {"bits": 4, "chunk": 64})]:
+        codec = create_codec(name, **params)
+        (p,) = _updates(codec, 1, 300, 1)
+        staged = next(iter(DeviceStager("meta", ops=MetaOps()).pipeline([p])))
+        assert all(t.device.type == "meta" for t in staged.tensors.values()) and staged.host.keys() == p.host.keys()
+        out = torch.zeros(300, device="meta")
+        codec.add_into(staged, out, 2.0)  # (meta has no values to compare: test_aggregator_batches... does)
 
 
 def test_slots_must_be_at_least_two():
