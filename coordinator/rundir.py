@@ -7,6 +7,8 @@ half-written checkpoint; a restart resumes from the last complete round.
 from __future__ import annotations
 
 import csv
+import errno
+import hashlib
 import io
 import json
 import os
@@ -74,6 +76,33 @@ _CHECKPOINT_PARTS = {"version": (int, "an int"), "weights": (torch.Tensor, "a 1-
                      "fingerprint": (dict, "a dict")}
 
 
+def _digest(weights: torch.Tensor) -> str:
+    return hashlib.sha256(weights.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def _inconsistency(state: dict[str, Any]) -> str | None:
+    """What in a checkpoint (its parts' types already checked) disagrees with the rest, or None."""
+    w, rnd, fp = state["weights"], state["round"], state["fingerprint"]
+    digest = state.get("weights-sha256")
+    if digest is not None and digest != _digest(w):  # absent from checkpoints of earlier fedshield versions
+        return "its weights do not match their SHA-256: changed or damaged since it was written"
+    if not bool(torch.isfinite(w).all()):
+        return "its weights hold NaN or infinity"
+    if "numel" in fp and fp["numel"] != w.numel():
+        return f"{w.numel()} weights for a model of {fp['numel']}"
+    if rnd < 0 or state["version"] < 0:
+        return f"round {rnd} and version {state['version']} must be >= 0"
+    rows = [row.get("round") for row in state["history"]]
+    if not all(isinstance(r, int) and not isinstance(r, bool) and 1 <= r <= rnd for r in rows):
+        return f"every history row must name a round in [1, {rnd}]"
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in state["rejections"].values()):
+        return "rejection counts must be integers >= 0"
+    for key in ("privacy", "profiles", "engine", "extra"):
+        if not isinstance(state.get(key, {}), dict):
+            return f"{key!r} must be a dict"
+    return None
+
+
 def check_run_dir(run_dir: Path, flag: str = "--run-dir") -> tuple[int, dict[str, Any] | None]:
     """Before a run starts: the rounds ``run_dir``'s checkpoint holds (0 when new) and the checkpoint.
     One CoordinatorError, creating nothing, when a file is in the way or the checkpoint is not one."""
@@ -84,6 +113,10 @@ def check_run_dir(run_dir: Path, flag: str = "--run-dir") -> tuple[int, dict[str
     if not existing.is_dir():
         raise CoordinatorError(f"{flag} must be a directory. Found a file at {existing}; pick another {flag}.")
     if not (run_dir / CHECKPOINT).exists():
+        results = [name for name in (METRICS, SUMMARY, MODEL) if (run_dir / name).exists()]
+        if results:  # a run's results without the checkpoint to resume it: starting afresh would overwrite them
+            raise CoordinatorError(f"{flag} {run_dir} holds results ({', '.join(results)}) but no {CHECKPOINT} to "
+                                   f"resume from; pick another {flag}, or move them away to start a new run there.")
         return 0, None
     ckpt = RunDirectory(run_dir).load_checkpoint()
     assert ckpt is not None  # the file exists: a checkpoint, or the CoordinatorError above
@@ -102,7 +135,8 @@ class RunDirectory:
 
     def save_checkpoint(self, state: dict[str, Any]) -> None:
         buf = io.BytesIO()
-        torch.save(state, buf)
+        w = state.get("weights")
+        torch.save({**state, **({"weights-sha256": _digest(w)} if isinstance(w, torch.Tensor) else {})}, buf)
         _atomic_write(self.file(CHECKPOINT), buf.getvalue())
 
     def load_checkpoint(self) -> dict[str, Any] | None:
@@ -113,7 +147,10 @@ class RunDirectory:
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
         except OSError as exc:
-            raise CoordinatorError(f"checkpoint {path} must be readable. Found: {exc.strerror or exc}.") from None
+            if exc.errno in (errno.ENOENT, errno.EACCES, errno.EPERM, errno.EISDIR):
+                raise CoordinatorError(f"checkpoint {path} must be readable. Found: {exc.strerror or exc}.") from None
+            raise CoordinatorError(f"{path} is not a fedshield checkpoint (truncated or corrupted: "
+                                   f"{exc.strerror or exc}); move it away or pick another --run-dir.") from None
         except Exception as exc:  # torch/pickle raise many kinds (UnpicklingError, RuntimeError, EOFError, KeyError...)
             text = str(exc).strip().splitlines()
             if "Weights only load failed" in str(exc):  # torch's long explanation: what it means here, in a few words
@@ -135,6 +172,10 @@ class RunDirectory:
             if not ok:
                 raise CoordinatorError(f"{path} is not a complete fedshield checkpoint ({key!r} is missing or not "
                                        f"{what}); move it away or pick another --run-dir.")
+        problem = _inconsistency(state)
+        if problem:
+            raise CoordinatorError(f"{path} is not a consistent fedshield checkpoint ({problem}); move it away or "
+                                   "pick another --run-dir.")
         return state
 
     def write_json(self, name: str, obj: Any) -> None:

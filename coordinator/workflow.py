@@ -31,7 +31,7 @@ from clients.tasks import get_task
 from clients.training import evaluate, load_flat
 
 from ._errors import CoordinatorError
-from privacy import BudgetExhausted
+from privacy import BudgetExhausted, PrivacyError
 
 from .config import RunConfig
 from .privacy_policy import CentralDp, DistributedDp
@@ -94,6 +94,45 @@ def weights_digest(weights: torch.Tensor) -> str:
 
 
 RoundCallback = Callable[[dict[str, Any]], None]
+
+
+# Settings a resumed run may change: how long to wait and where, not what is computed.
+RESUMABLE_CHANGES = frozenset({"num-rounds", "run-dir", "device", "poll-interval", "round-timeout", "wait-nodes-timeout",
+                               "secagg-stage-timeout", "secagg-pipeline", "min-nodes", "max-update-mb", "target-epsilon"})
+FINGERPRINT_VERSION = 2
+
+
+def run_fingerprint(cfg: RunConfig, numel: int, nodes: int | None = None) -> dict[str, Any]:
+    """What a run directory's checkpoint must agree with to be resumed: every setting but those in
+    RESUMABLE_CHANGES, the model's size and (simulations) the node count. Resuming non-private rounds
+    under DP would claim a guarantee for rounds that had none, another codec, learning rate or data
+    split would make the run a mix of two experiments; ``target-epsilon`` counts only where it sets
+    the noise (a budget that only stops the run may be raised to go on)."""
+    out = {k: v for k, v in cfg.to_mapping().items() if k not in RESUMABLE_CHANGES}
+    p = cfg.privacy
+    if p.dp in ("central", "distributed") and p.dp_noise_multiplier == 0:  # calibrated from the budget
+        out["target-epsilon"] = p.target_epsilon
+    out.update({"numel": numel, "fingerprint-version": FINGERPRINT_VERSION})
+    if nodes is not None:
+        out["nodes"] = nodes
+    return out
+
+
+def check_fingerprint(ckpt: dict[str, Any], want: dict[str, Any], path: Any) -> None:
+    """One CoordinatorError naming each setting that differs between the checkpoint and ``want``. A
+    checkpoint of an earlier fedshield (no ``fingerprint-version``) recorded fewer settings: those it has
+    must agree."""
+    have = ckpt["fingerprint"]
+    keys = set(have) | set(want) if have.get("fingerprint-version") == FINGERPRINT_VERSION else set(have)
+    diff = ", ".join(f"{k} = {shown(have.get(k, '(unset)'), 40)} there, {shown(want.get(k, '(unset)'), 40)} now"
+                     for k in sorted(keys, key=str) if have.get(k) != want.get(k))
+    if diff:
+        raise CoordinatorError(f"run directory {path} must hold a checkpoint of this configuration to resume. "
+                               f"Found {diff}; use another run-dir, or the settings it was run with.")
+
+
+def _has_privacy_state(state: Any) -> bool:
+    return isinstance(state, dict) and bool(state)
 
 
 class SyncWorkflow:
@@ -164,39 +203,31 @@ class SyncWorkflow:
 
     # -- state -------------------------------------------------------------
     def fingerprint(self) -> dict[str, Any]:
-        """What a run directory's checkpoint must agree with to be resumed. The privacy settings are
-        part of it: resuming non-private rounds under DP would claim a guarantee for rounds that had
-        none (the accountant starts at zero), and a changed noise or clip would be overridden by the
-        checkpoint's without a word."""
-        s, p = self.cfg.server, self.cfg.privacy
-        out = {"task": self.cfg.task.task, "numel": self.numel, "seed": s.seed, "server-optimizer": s.server_optimizer,
-               "dp": p.dp}
-        if p.dp in ("central", "distributed"):
-            out.update({"dp-clip": p.dp_clip, "dp-noise-multiplier": p.dp_noise_multiplier, "dp-delta": p.dp_delta,
-                        "adaptive-clipping": p.adaptive_clipping, "dp-secure-noise": p.dp_secure_noise})
-            if p.dp_noise_multiplier == 0:  # calibrated from the budget
-                out["target-epsilon"] = p.target_epsilon
-        elif p.dp == "local":
-            out.update({"local-noise-multiplier": p.local_noise_multiplier, "local-max-grad-norm": p.local_max_grad_norm})
-        return out
+        """What a run directory's checkpoint must agree with to be resumed: see :func:`run_fingerprint`."""
+        nodes = len(self.grid.contexts) if isinstance(getattr(self.grid, "contexts", None), dict) else None
+        return run_fingerprint(self.cfg, self.numel, nodes)
 
     def _resume(self) -> None:
         ckpt = self.run_dir.load_checkpoint()
         if ckpt is None:
             return
-        have, want = ckpt["fingerprint"], self.fingerprint()
-        if have != want:
-            diff = ", ".join(f"{k} = {shown(have.get(k, '(unset)'), 40)} there, {shown(want.get(k, '(unset)'), 40)} now"
-                             for k in sorted(set(have) | set(want), key=str) if have.get(k) != want.get(k))
-            raise CoordinatorError(f"run directory {self.run_dir.path} must hold a checkpoint of this configuration to "
-                                   f"resume. Found {diff}; use another run-dir, or the settings it was run with.")
+        check_fingerprint(ckpt, self.fingerprint(), self.run_dir.path)
+        if self.dp is not None and not _has_privacy_state(ckpt.get("privacy")):
+            raise CoordinatorError(f"run directory {self.run_dir.path}: the checkpoint of this DP run must hold its "
+                                   "privacy accounting ('privacy'); without it the spent budget would start again "
+                                   "at zero. Use another run-dir.")
         self.round, self.version = int(ckpt["round"]), int(ckpt["version"])
         self.weights = ckpt["weights"].to(self.device)
         self.optimizer.load_state_dict(ckpt["optimizer"])
         self.history = list(ckpt["history"])
         self.rejections = Counter(ckpt["rejections"])
-        if self.dp is not None and ckpt.get("privacy"):
-            self.dp.load_state_dict(ckpt["privacy"])  # the spent budget carries over
+        if self.dp is not None:
+            try:
+                self.dp.load_state_dict(ckpt["privacy"])  # the spent budget carries over
+            except (KeyError, TypeError, ValueError, AttributeError, PrivacyError) as exc:
+                raise CoordinatorError(f"run directory {self.run_dir.path}: the checkpoint's privacy accounting must "
+                                       f"be readable. Found it is not ({type(exc).__name__}: {shown(str(exc), 60)}); "
+                                       "use another run-dir.") from None
         if ckpt.get("profiles"):
             self.profiles.load_state_dict(ckpt["profiles"])
         if ckpt.get("engine") and hasattr(self.grid, "load_state_dict"):

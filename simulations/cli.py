@@ -61,6 +61,9 @@ def _simulate(args: argparse.Namespace) -> int:
     for (scn, _), path in zip(runs, paths, strict=True):
         _in_file(path, len(paths) > 1, check_partitions, scn)  # the data split for this many clients: before any run
     resumed = [check_run_dir(run_dir) for _, run_dir in runs]  # a file in the way or a bad checkpoint: before any run
+    for (scn, run_dir), (_, ckpt) in zip(runs, resumed, strict=True):
+        if ckpt is not None:  # another scenario's run there: refused, not resumed (nor reported as this one's result)
+            _check_same_run(scn, ckpt, run_dir)
     for scn, _ in runs:
         check_ray_cluster(scn)  # a Ray cluster that does not answer: before any run too
     results = []
@@ -101,6 +104,16 @@ def _simulate(args: argparse.Namespace) -> int:
                   f"({time_label([rows])})  wall {wall:.1f} s")
         print(f"comparison plot: {parent / TIME_PLOT}")
     return 0
+
+
+def _check_same_run(scn, ckpt: dict, run_dir: Path) -> None:
+    """CoordinatorError naming each setting in which ``run_dir``'s checkpoint differs from ``scn``."""
+    from clients.tasks import get_task
+    from coordinator.workflow import check_fingerprint, run_fingerprint
+
+    numel = sum(p.numel() for p in get_task(scn.run.task).build_model().parameters())
+    nodes = scn.sim.num_supernodes if scn.sim.engine in ("inprocess", "virtual") else None  # as the workflow sees it
+    check_fingerprint(ckpt, run_fingerprint(scn.run, numel, nodes), run_dir)
 
 
 def _in_file(path: str | None, name_it: bool, fn, *args):

@@ -39,6 +39,62 @@ def test_a_checkpoint_that_loads_but_is_incomplete_is_one_error(tmp_path, key, b
         rd.load_checkpoint()
 
 
+def _state(**changes):
+    state = {"round": 2, "version": 2, "weights": torch.ones(3), "history": [{"round": 1}, {"round": 2}],
+             "optimizer": {}, "rejections": {"bad-array": 1}, "fingerprint": {"numel": 3}}
+    return {**state, **changes}
+
+
+@pytest.mark.parametrize("changes, problem", [
+    ({"weights": torch.tensor([1.0, float("nan"), 1.0])}, "its weights hold NaN or infinity"),
+    ({"weights": torch.ones(100)}, "100 weights for a model of 3"),
+    ({"round": -5, "history": []}, "round -5 and version 2 must be >= 0"),
+    ({"round": 1}, r"every history row must name a round in \[1, 1\]"),
+    ({"history": [{"foo": 1}]}, r"every history row must name a round in \[1, 2\]"),
+    ({"rejections": {"x": "y"}}, "rejection counts must be integers >= 0"),
+    ({"extra": [1]}, "'extra' must be a dict"),
+    ({"privacy": "spent"}, "'privacy' must be a dict"),
+])
+def test_a_checkpoint_whose_parts_disagree_is_one_error(tmp_path, changes, problem):
+    """Each of these loaded and then ended in a traceback, or ran on silently (NaN weights: every reply refused)."""
+    rd = RunDirectory(tmp_path / "run")
+    rd.save_checkpoint(_state(**changes))
+    with pytest.raises(CoordinatorError, match=rf"is not a consistent fedshield checkpoint \({problem}\)"):
+        rd.load_checkpoint()
+
+
+def test_a_checkpoint_changed_after_it_was_written_is_refused(tmp_path):
+    rd = RunDirectory(tmp_path / "run")
+    rd.save_checkpoint(_state())
+    state = torch.load(rd.file(CHECKPOINT), weights_only=True)
+    state["weights"][1] = 1.0000001  # one flipped low bit loaded silently
+    torch.save(state, rd.file(CHECKPOINT))
+    with pytest.raises(CoordinatorError, match="weights do not match their SHA-256"):
+        rd.load_checkpoint()
+    del state["weights-sha256"]  # a checkpoint of an earlier fedshield: no digest to check
+    torch.save(state, rd.file(CHECKPOINT))
+    assert rd.load_checkpoint()["round"] == 2
+
+
+def test_results_without_a_checkpoint_are_not_overwritten(tmp_path):
+    from coordinator.rundir import check_run_dir
+
+    (tmp_path / "metrics.csv").write_text("precious\n")
+    with pytest.raises(CoordinatorError, match=r"holds results \(metrics.csv\) but no checkpoint.pt to resume from"):
+        check_run_dir(tmp_path)
+    assert check_run_dir(tmp_path / "new") == (0, None)
+
+
+def test_a_truncated_checkpoint_is_called_corrupted_not_unreadable(tmp_path):
+    rd = RunDirectory(tmp_path / "run")
+    rd.save_checkpoint(_state(weights=torch.ones(50_000)))
+    data = rd.file(CHECKPOINT).read_bytes()
+    for cut in (len(data) // 2, len(data) - 10, 100):
+        rd.file(CHECKPOINT).write_bytes(data[:cut])
+        with pytest.raises(CoordinatorError, match="is not a fedshield checkpoint"):
+            rd.load_checkpoint()
+
+
 @pytest.mark.parametrize("content", [b"junk\n", b"", b"\x80\x02}q\x00.", b"PK\x03\x04garbage"])
 def test_corrupt_checkpoint_is_one_clear_error(tmp_path, content):
     (tmp_path / CHECKPOINT).write_bytes(content)

@@ -238,6 +238,47 @@ def test_resume_refuses_other_configuration(tmp_path):
         SyncWorkflow(cfg(**{"num-rounds": 2, "task": "synthetic"}), InProcessGrid(app, 2), RunDirectory(tmp_path))
 
 
+def test_resume_refuses_any_changed_setting_but_operational_ones(tmp_path):
+    """Only task, seed, optimizer and DP were compared: another lr, codec, data split or node count
+    resumed without a word (the run a mix of two experiments, config.json rewritten to claim the new one)."""
+    import torch
+
+    from clients.client_app import app
+    from coordinator import CoordinatorError
+
+    SyncWorkflow(cfg(**{"num-rounds": 1}), InProcessGrid(app, 3), RunDirectory(tmp_path)).run()
+    with pytest.raises(CoordinatorError, match="checkpoint of this configuration") as info:
+        SyncWorkflow(cfg(**{"num-rounds": 2, "lr": 0.01, "codec": "sign", "partitioning": "iid"}), InProcessGrid(app, 4),
+                     RunDirectory(tmp_path))
+    for named in ("codec = 'dense' there, 'sign' now", "lr = ", "partitioning = 'dirichlet' there, 'iid' now",
+                  "nodes = 3 there, 4 now"):
+        assert named in str(info.value), named
+    ops = {"num-rounds": 3, "round-timeout": 99.0, "poll-interval": 0.02, "wait-nodes-timeout": 5.0}
+    assert SyncWorkflow(cfg(**ops), InProcessGrid(app, 3), RunDirectory(tmp_path)).round == 1
+    # a checkpoint of an earlier fedshield recorded fewer settings: those it has must agree
+    path = tmp_path / "checkpoint.pt"
+    state = torch.load(path, weights_only=True)
+    state["fingerprint"] = {k: state["fingerprint"][k] for k in ("task", "numel", "seed", "server-optimizer", "dp")}
+    torch.save(state, path)
+    assert SyncWorkflow(cfg(**{**ops, "lr": 0.01}), InProcessGrid(app, 4), RunDirectory(tmp_path)).round == 1
+
+
+def test_a_dp_checkpoint_without_its_accounting_is_refused(tmp_path):
+    """Resumed with exit 0 and epsilon started again from zero (or a KeyError traceback)."""
+    import torch
+
+    from clients.client_app import app
+    from coordinator import CoordinatorError
+
+    SyncWorkflow(cfg(**{"num-rounds": 1, **CENTRAL}), InProcessGrid(app, 2), RunDirectory(tmp_path)).run()
+    path = tmp_path / "checkpoint.pt"
+    state = torch.load(path, weights_only=True)
+    for privacy, rule in (({}, "must hold its privacy accounting"), ({"x": 1}, "privacy accounting must be readable")):
+        torch.save({**state, "privacy": privacy}, path)
+        with pytest.raises(CoordinatorError, match=rule):
+            SyncWorkflow(cfg(**{"num-rounds": 2, **CENTRAL}), InProcessGrid(app, 2), RunDirectory(tmp_path))
+
+
 CENTRAL = {"dp": "central", "dp-noise-multiplier": 1.0, "dp-clip": 1.0}
 
 

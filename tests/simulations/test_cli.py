@@ -127,6 +127,20 @@ def test_resume_with_no_rounds_left_says_so_and_trains_nothing(tmp_path, capsys,
     assert (d / CHECKPOINT).read_bytes() == before and sorted(p.name for p in d.iterdir()) == [CHECKPOINT, SUMMARY]
 
 
+def test_another_scenarios_run_directory_is_refused_not_reported_as_this_ones(tmp_path, capsys):
+    """It printed the digits run's accuracy as the synthetic scenario's result ("none trained now")."""
+    d = tmp_path / "a1"
+    small = ["--engine", "inprocess", "--quiet", "--set", "simulation.num-supernodes=3", "--set", "run.min-nodes=2",
+             "--set", "run.local-epochs=1", "--rounds", "1", "--run-dir", str(d)]
+    assert main(["simulate", *small]) == 0
+    capsys.readouterr()
+    before = (d / CHECKPOINT).read_bytes()
+    assert main(["simulate", str(EXAMPLES / "synthetic-iid.toml"), *small]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "must hold a checkpoint of this configuration" in err[0]
+    assert "task = 'digits' there, 'synthetic' now" in err[0] and (d / CHECKPOINT).read_bytes() == before
+
+
 def _recording_runs(monkeypatch) -> list[Path]:
     seen: list[Path] = []
     monkeypatch.setattr("simulations.runner.run_scenario",
