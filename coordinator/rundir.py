@@ -211,7 +211,8 @@ class RunDirectory:
         ax.set_ylabel("epsilon")
         ax.set_title(title)
         ax.grid(alpha=0.3)
-        ax.legend()
+        if ax.get_legend_handles_labels()[0]:  # no epsilon reported (every reply refused): no empty legend
+            ax.legend()
         self._save(fig, EPSILON_PLOT)
 
     def plot_accuracy_vs_time(self, runs: dict[str, list[dict[str, Any]]], title: str) -> None:

@@ -20,6 +20,8 @@ from coordinator import CoordinatorError, RunDirectory
 from coordinator.rundir import SUMMARY
 from coordinator.progress import RoundProgress
 from coordinator.server_app import make_server_app, make_workflow
+from clients.ledger import STATE_DIR
+from privacy import make_dir
 from coordinator.workflow import RoundCallback
 
 from .inprocess import InProcessGrid
@@ -318,8 +320,22 @@ def run_inprocess_engine(scn: Scenario, on_round: RoundCallback | None) -> dict[
     """The same workflow on an in-process Grid (clients run one by one, no Ray)."""
     from clients.client_app import app as client_app
 
-    grid = InProcessGrid(client_app, scn.sim.num_supernodes)
+    grid = InProcessGrid(client_app, scn.sim.num_supernodes, _node_config(scn))
     return make_workflow(scn.run, grid, RunDirectory(scn.run.server.run_dir), on_round=on_round).run()
+
+
+def _node_config(scn: Scenario) -> Callable[[int], dict[str, Any]]:
+    """Simulated node ``i``'s node config: its partition and, under local DP, a state directory in the
+    run directory for its ledger (as an agent's --state-dir): the epsilon it spent outlives a resume."""
+    n, local = scn.sim.num_supernodes, scn.run.privacy.dp == "local"
+    ledgers = Path(scn.run.server.run_dir) / "clients"
+
+    def config(i: int) -> dict[str, Any]:
+        if not local:
+            return {"partition-id": i, "num-partitions": n}
+        make_dir(ledgers / f"partition-{i}", "a simulated client's state directory", CoordinatorError)
+        return {"partition-id": i, "num-partitions": n, STATE_DIR: str(ledgers / f"partition-{i}")}
+    return config
 
 
 def run_virtual_engine(scn: Scenario, on_round: RoundCallback | None) -> dict[str, Any]:
@@ -328,7 +344,7 @@ def run_virtual_engine(scn: Scenario, on_round: RoundCallback | None) -> dict[st
 
     clock = VirtualClock()
     profiles = tiered_profiles(scn.sim.num_supernodes, scn.tiers or None, seed=scn.run.server.seed)
-    grid = VirtualGrid(client_app, scn.sim.num_supernodes, clock, profiles, seed=scn.run.server.seed)
+    grid = VirtualGrid(client_app, scn.sim.num_supernodes, clock, profiles, _node_config(scn), seed=scn.run.server.seed)
     return make_workflow(scn.run, grid, RunDirectory(scn.run.server.run_dir), clock=clock, on_round=on_round).run()
 
 
@@ -356,6 +372,11 @@ def run_scenario(scn: Scenario, run_dir: str | Path, show_progress: bool = True)
     if done >= scn.run.server.num_rounds and summary.is_file():  # finished: nothing to train, no engine to start
         return json.loads(summary.read_text())
     check_partitions(scn)
+    if done and scn.sim.engine == "flower" and scn.run.privacy.dp == "local":
+        raise CoordinatorError(f"{run_dir} holds a local-DP run; on Flower's engine the simulated clients keep their "
+                               "privacy ledgers in memory only, so a resumed run would start their epsilon again at "
+                               "zero. Resume it with --engine inprocess or virtual (ledgers in the run directory), "
+                               "or use another --run-dir.")
     engine = {"flower": run_flower_engine, "inprocess": run_inprocess_engine, "virtual": run_virtual_engine}[scn.sim.engine]
     if not show_progress:
         return engine(scn, None)
