@@ -227,6 +227,7 @@ class VirtualGrid(InProcessGrid):
         self._node_free: dict[int, float] = dict.fromkeys(self.profiles, clock.now())
         self._node_count: dict[int, int] = dict.fromkeys(self.profiles, 0)
         self._counter = 0
+        self._wakeups: list[float] = []  # from a checkpoint: arrivals of replies the resumed run does not await
         clock.add_source(self.next_event_after)
 
     # -- availability ----------------------------------------------------------
@@ -258,9 +259,14 @@ class VirtualGrid(InProcessGrid):
         """What a resumed run needs to go on as the uninterrupted one would: the clock (availability
         windows are keyed by time), each node's message count (its draws are keyed by it), when each node
         is next free (one may still be working on a reply the run no longer waits for) and the message count
-        (message ids). Replies still pending are not kept: a resumed workflow does not wait for them."""
-        return {"clock": self.clock.now(), "node_count": dict(self._node_count), "node_free": dict(self._node_free),
-                "messages": self._counter}
+        (message ids). Replies still pending are not kept (a resumed workflow does not wait for them), only
+        when they would have arrived: the clock wakes up then as it did in the uninterrupted run, and the
+        workflow's polls land at the same times."""
+        now = self.clock.now()
+        wakeups = sorted({when for when, mid in self._heap if mid in self._pending and when > now}
+                         | {w for w in self._wakeups if w > now})
+        return {"clock": now, "node_count": dict(self._node_count), "node_free": dict(self._node_free),
+                "messages": self._counter, "wakeups": wakeups}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Go on from ``state`` (of :meth:`state_dict`); nodes this grid does not have are ignored."""
@@ -269,15 +275,17 @@ class VirtualGrid(InProcessGrid):
             self._node_count[node] = int(state["node_count"][node])
             self._node_free[node] = float(state["node_free"][node])
         self._counter = int(state["messages"])
+        self._wakeups = sorted(float(w) for w in state.get("wakeups", ()))  # (absent from earlier checkpoints)
 
     # -- events ----------------------------------------------------------------
     def next_event_after(self, t: float) -> float | None:
         while self._heap and self._heap[0][1] not in self._pending:
             heapq.heappop(self._heap)
+        wake = next((w for w in self._wakeups if w > t), None)  # a resumed run's replies nobody awaits
         for when, mid in sorted(self._heap):  # few entries are due already; stop at the first in the future
             if mid in self._pending and when > t:
-                return when
-        return None
+                return when if wake is None else min(when, wake)
+        return wake
 
     def _message_id(self) -> str:
         self._counter += 1
