@@ -407,6 +407,11 @@ class RunConfig:
                 (self.privacy.dp != "central", "dp", "not be 'central' (the coordinator cannot clip updates it cannot see)",
                  self.privacy.dp),
                 (self.asynchrony.workflow == "sync", "workflow", "be 'sync'", self.asynchrony.workflow),
+                # a SecAgg+ round's stages wait for their quorum, its nodes are not profiled: these would be ignored
+                (self.server.selection == "uniform", "selection", "be 'uniform'", self.server.selection),
+                (self.server.work_deadline == 0, "work-deadline", "be 0", self.server.work_deadline),
+                (self.server.close_after_replies == 0, "close-after-replies", "be 0 (a stage waits for its own "
+                 "quorum: secagg-stage-timeout)", self.server.close_after_replies),
             ):
                 check(ok, key, f"{rule} under secure-aggregation = {self.secure.secure_aggregation!r}", found)
             # A round of min-nodes must be able to run: 3 nodes at least (the sum of two reveals each to the

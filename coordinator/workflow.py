@@ -26,7 +26,8 @@ from flwr.serverapp import Grid
 from aggregation import create_server_optimizer, get_device, tensor_to_array
 from aggregation._errors import shown
 from aggregation.staleness import create_staleness
-from clients.protocol import ARRAYS, CODEC, CONFIG, LOCAL_DP, MESSAGE_TYPE_TRAIN, METRICS, WEIGHTS, TrainInstruction
+from clients.protocol import (ARRAYS, CODEC, CONFIG, LOCAL_DP, MESSAGE_TYPE_TRAIN, METRICS, WEIGHTS, TrainInstruction,
+                              message_nbytes)
 from clients.tasks import get_task
 from clients.training import evaluate, load_flat
 
@@ -180,6 +181,7 @@ class SyncWorkflow:
         # late-replies = "carry": messages a round closed without, still awaited (id -> that round's expectation).
         # In flight only: a resumed run does not wait for them.
         self._late: dict[str, RoundExpectation] = {}
+        self._late_sent_at: dict[str, float] = {}  # when each carried message was sent
         self._epochs: dict[int, int] = {}  # local epochs each node was last asked for
         if getattr(self, "staleness_fn", None) is None:  # a subclass given its own (FedBuff's argument) keeps it
             self.staleness_fn = create_staleness(cfg.asynchrony.staleness,
@@ -331,6 +333,7 @@ class SyncWorkflow:
         bound = self.cfg.asynchrony.max_staleness
         for mid in [m for m, e in self._late.items() if self.version - e.version > bound]:
             e = self._late.pop(mid)
+            self._late_sent_at.pop(mid, None)
             log(INFO, "[fedshield] node %d's reply to round %d would now be too stale; no longer waited for",
                 e.sent[mid], e.round)
 
@@ -354,6 +357,7 @@ class SyncWorkflow:
         sent_at = self.clock.now()
         deadline = sent_at + s.round_timeout
         late_in, stalenesses = 0, []
+        asked_at: dict[str, float] = {}  # message id -> when it was sent (a carried one: in its own round)
 
         def reject(rej: RejectedReply) -> None:
             rejected[rej.rule] += 1
@@ -364,9 +368,11 @@ class SyncWorkflow:
             for reply in self.grid.pull_messages(list(pending) + list(self._late)):
                 mid = reply.metadata.reply_to_message_id
                 late_exp = self._late.pop(mid, None)
+                asked_at[mid] = self._late_sent_at.pop(mid, sent_at)  # a carried reply: its own round's send time
                 if late_exp is None:
                     pending.pop(mid, None)
                 replies += 1
+                bytes_up += message_nbytes(reply)  # what came up, refused or not
                 try:
                     ok_exp = late_exp or exp_for.get(mid, exp)
                     ok = validate_reply(reply, ok_exp, check_norm=False)
@@ -389,27 +395,28 @@ class SyncWorkflow:
                     stalenesses.append(self.version - late_exp.version)
                     late_in += 1
                 norms.append(ok.norm)
-                self.profiles.update(ok.node_id, reply.content.metric_records[METRICS], self.clock.now() - sent_at)
+                took = self.clock.now() - asked_at[reply.metadata.reply_to_message_id]
+                self.profiles.update(ok.node_id, reply.content.metric_records[METRICS], took)
                 if late_exp is None:
                     self.profiles.observe_epochs(ok.node_id, self.clock.now() - sent_at, self._epochs.get(ok.node_id, 1))
                 self.profiles.participated(ok.node_id)
                 if ok.local_epsilon is not None:
                     local_eps.append(ok.local_epsilon)
                 loss.add(ok)
-                bytes_up += ok.nbytes
-            if pending and s.close_after_replies and acc.count >= s.close_after_replies:
+            if pending and s.close_after_replies and acc.count - late_in >= s.close_after_replies:  # its own replies
                 log(INFO, "[fedshield] round %d: %d updates in; closing, %d late replies %s", rnd, acc.count, len(pending),
                     "carried into later rounds" if s.late_replies == "carry" else "dropped")
                 break
             if pending and self.clock.now() >= deadline:
                 log(WARNING, "[fedshield] round %d: deadline of %.1f s passed with %d replies missing", rnd, s.round_timeout, len(pending))
                 break
-            if pending:
-                self.clock.sleep(s.poll_interval)
+            if pending:  # not past the deadline: a reply after it is late, not counted in this round
+                self.clock.sleep(min(s.poll_interval, max(0.0, deadline - self.clock.now())))
         for mid in pending:  # no reply in time: the elapsed time is a lower bound on this node's round trip
             self.profiles.observe_time(sent[mid], self.clock.now() - sent_at)
             if s.late_replies == "carry":
                 self._late[mid] = exp_for[mid]
+                self._late_sent_at[mid] = sent_at
         extra: dict[str, Any] = {}
         if self.dp is not None:  # noise is added even to an empty sum: the release is private either way
             extra["clip"] = self.dp.clip

@@ -261,6 +261,10 @@ def test_secagg_settings_are_checked():
         cfg(**{"secure-aggregation": "secagg+", "secagg-degree": 6, "secagg-threshold": 3})
     with pytest.raises(ConfigError, match="codec must be 'dense'"):
         cfg(**{"secure-aggregation": "secagg+", "codec": "topk"})
+    # accepted and silently ignored before: a SecAgg+ round profiles no node and waits for its stages' quorums
+    for key, value in (("selection", "fast-fair"), ("work-deadline", 1.0), ("close-after-replies", 3)):
+        with pytest.raises(ConfigError, match=f"{key} must be .* under secure-aggregation = 'secagg\\+'"):
+            cfg(**{"secure-aggregation": "secagg+", key: value})
     with pytest.raises(ConfigError, match="secure-aggregation must be one of"):
         cfg(**{"secure-aggregation": "secagg"})
     with pytest.raises(ConfigError, match="dp must not be 'central'"):
