@@ -36,7 +36,8 @@ from flwr.serverapp import Grid
 from aggregation import tensor_to_array
 from privacy import BudgetExhausted
 from aggregation.staleness import StalenessFunction, create_staleness
-from clients.protocol import ARRAYS, CODEC, CONFIG, LOCAL_DP, MESSAGE_TYPE_TRAIN, WEIGHTS, TrainInstruction
+from clients.protocol import (ARRAYS, CODEC, CONFIG, LOCAL_DP, MESSAGE_TYPE_TRAIN, WEIGHTS, TrainInstruction,
+                              message_nbytes)
 from clients.training import evaluate, load_flat
 
 from ._errors import CoordinatorError
@@ -267,6 +268,7 @@ class BufferedAsyncWorkflow(SyncWorkflow):
 
     def _take(self, reply: Message, mid: str, flight: Flight, acc: Any, window: dict[str, Any]) -> bool:
         """Validate one reply and add it to the buffer; return whether it was accepted."""
+        window["bytes_up"] += message_nbytes(reply)  # what came up, refused or not (as the sync rows count)
         try:
             ok = validate_reply(reply, flight.expectation, check_norm=False)
             staleness = self.version - flight.base_version
@@ -289,7 +291,6 @@ class BufferedAsyncWorkflow(SyncWorkflow):
                                        staleness, weight, self.round + 1))
         window["staleness"].append(staleness)
         window["loss"].add(ok)
-        window["bytes_up"] += ok.nbytes
         if ok.local_epsilon is not None:
             window["local_eps"].append(ok.local_epsilon)
         return True

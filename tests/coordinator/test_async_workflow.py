@@ -261,3 +261,15 @@ def test_settings_of_synchronous_rounds_are_refused_under_fedbuff_instead_of_ign
     with pytest.raises(ConfigError, match=f"{key} must be .* under workflow = 'fedbuff'"):
         cfg(**{"workflow": "fedbuff", key: value})
     cfg(**{key: value, **({"min-nodes": 3} if key == "close-after-replies" else {})})  # fine for synchronous rounds
+
+
+def test_bytes_up_counts_refused_replies_too(tmp_path):
+    """Only accepted updates' bytes were counted: traffic looked smaller exactly when clients misbehaved."""
+    from .helpers import mixed, stock_flower_bad
+
+    client = mixed({1001}, stock_flower_bad("large-norm"))
+    wf, grid, *_ = make(tmp_path, client, [FAST] * 4, config=cfg(**{"num-rounds": 3}), buffer_size=2, concurrency=4)
+    wf.run()
+    assert wf.rejected_total > 0
+    came_up = sum(r.bytes_up for mid, r in grid.records.items() if mid not in wf.inflight)
+    assert sum(row["bytes_up"] for row in wf.history) == came_up
