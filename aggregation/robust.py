@@ -71,12 +71,13 @@ def create_aggregator(name: str, numel: int, device: torch.device | str, max_cli
     return _REGISTRY.build(name, numel, device, max_clients, **params)
 
 
-_WEIGHT_RULE = f"be {WEIGHT_RULE}"
-
-
 def _check(ok: bool, what: str, rule: str, found: Any) -> None:
     if not ok:
         raise AggregationError(f"{what} must {rule}. Found {shown(found)}.")
+
+
+def _check_weight(weight: Any) -> None:
+    _check(_is_real(weight) and MIN_WEIGHT <= weight <= MAX_WEIGHT, "weight", f"be {WEIGHT_RULE}", weight)
 
 
 def _is_int(x: Any) -> bool:
@@ -146,7 +147,7 @@ class Aggregator(ABC):
         ``norm``: the update's L2 norm when the caller has already computed it (the
         coordinator's validation has), so the hot path does not read the update twice.
         """
-        _check(_is_real(weight) and MIN_WEIGHT <= weight <= MAX_WEIGHT, "weight", _WEIGHT_RULE, weight)
+        _check_weight(weight)
         _check(parsed.numel == self.numel, "update numel", f"be {self.numel}", parsed.numel)
         _check(self.count < self.max_clients, f"{self.name} updates", f"number at most max-clients={self.max_clients}",
                self.count + 1)
@@ -162,7 +163,7 @@ class Aggregator(ABC):
         Raises UpdateRejected (an AggregationError; ``rule`` "non-finite" or "norm-too-large")
         and leaves the aggregator as it was (nothing of the update in it, see the module docstring).
         """
-        _check(_is_real(weight) and MIN_WEIGHT <= weight <= MAX_WEIGHT, "weight", _WEIGHT_RULE, weight)
+        _check_weight(weight)
         _check(parsed.numel == self.numel, "update numel", f"be {self.numel}", parsed.numel)
         _check(self.count < self.max_clients, f"{self.name} updates", f"number at most max-clients={self.max_clients}",
                self.count + 1)
@@ -184,7 +185,7 @@ class Aggregator(ABC):
         _check(isinstance(max_norm, Real) and not isinstance(max_norm, bool) and max_norm > 0, "max norm", "be > 0",
                max_norm)
         for parsed, weight in zip(batch, weights, strict=True):
-            _check(_is_real(weight) and MIN_WEIGHT <= weight <= MAX_WEIGHT, "weight", _WEIGHT_RULE, weight)
+            _check_weight(weight)
             _check(parsed.numel == self.numel, "update numel", f"be {self.numel}", parsed.numel)
         if self.staging is not None:  # one update at a time, the next one's copy in flight meanwhile
             return each_checked(lambda p, w: self.add_checked(codec, p, w, max_norm), self.staging.pipeline(batch),

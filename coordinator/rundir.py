@@ -76,7 +76,8 @@ _CHECKPOINT_PARTS = {"version": (int, "an int"), "weights": (torch.Tensor, "a 1-
                      "fingerprint": (dict, "a dict")}
 
 
-def _digest(weights: torch.Tensor) -> str:
+def weights_sha256(weights: torch.Tensor) -> str:
+    """SHA-256 of a flat tensor's bytes (a checkpoint's weights; shortened, a model version in the logs)."""
     return hashlib.sha256(weights.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
@@ -84,7 +85,7 @@ def _inconsistency(state: dict[str, Any]) -> str | None:
     """What in a checkpoint (its parts' types already checked) disagrees with the rest, or None."""
     w, rnd, fp = state["weights"], state["round"], state["fingerprint"]
     digest = state.get("weights-sha256")
-    if digest is not None and digest != _digest(w):  # absent from checkpoints of earlier fedshield versions
+    if digest is not None and digest != weights_sha256(w):  # absent from checkpoints of earlier fedshield versions
         return "its weights do not match their SHA-256: changed or damaged since it was written"
     if not bool(torch.isfinite(w).all()):
         return "its weights hold NaN or infinity"
@@ -136,7 +137,7 @@ class RunDirectory:
     def save_checkpoint(self, state: dict[str, Any]) -> None:
         buf = io.BytesIO()
         w = state.get("weights")
-        torch.save({**state, **({"weights-sha256": _digest(w)} if isinstance(w, torch.Tensor) else {})}, buf)
+        torch.save({**state, **({"weights-sha256": weights_sha256(w)} if isinstance(w, torch.Tensor) else {})}, buf)
         _atomic_write(self.file(CHECKPOINT), buf.getvalue())
 
     def load_checkpoint(self) -> dict[str, Any] | None:

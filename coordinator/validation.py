@@ -48,6 +48,7 @@ class RoundExpectation:
     codec_header: dict  # the header this codec writes for this model (fields a reply must match)
     sent: dict[str, int]  # message id -> node id it was sent to
     replied: set[str] = field(default_factory=set)
+    sent_at: float = 0.0  # when the round's messages went out (a carried reply is timed from it)
 
 
 @dataclass(frozen=True)

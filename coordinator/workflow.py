@@ -8,7 +8,6 @@ theirs (with a virtual clock).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 import random
 import threading
@@ -39,7 +38,7 @@ from .privacy_policy import CentralDp, DistributedDp
 from .profiles import ProfileRegistry, select_fast_fair, select_uniform
 from .progress import accuracy_text, format_row
 from .rundir import CONFIG as CONFIG_FILE
-from .rundir import SUMMARY, RunDirectory
+from .rundir import SUMMARY, RunDirectory, weights_sha256
 from .secure import SecureRound
 from .validation import (
     LossMean,
@@ -90,8 +89,8 @@ class StoppableClock(WallClock):
 
 
 def weights_digest(weights: torch.Tensor) -> str:
-    """Short SHA-256 of the flat float32 weights (identifies a model version in logs)."""
-    return hashlib.sha256(weights.detach().cpu().float().numpy().tobytes()).hexdigest()[:16]
+    """Short SHA-256 of the flat float32 weights (identifies a model version in logs; the checkpoint's in full)."""
+    return weights_sha256(weights.detach().float())[:16]
 
 
 RoundCallback = Callable[[dict[str, Any]], None]
@@ -130,10 +129,6 @@ def check_fingerprint(ckpt: dict[str, Any], want: dict[str, Any], path: Any) -> 
     if diff:
         raise CoordinatorError(f"run directory {path} must hold a checkpoint of this configuration to resume. "
                                f"Found {diff}; use another run-dir, or the settings it was run with.")
-
-
-def _has_privacy_state(state: Any) -> bool:
-    return isinstance(state, dict) and bool(state)
 
 
 class SyncWorkflow:
@@ -181,7 +176,6 @@ class SyncWorkflow:
         # late-replies = "carry": messages a round closed without, still awaited (id -> that round's expectation).
         # In flight only: a resumed run does not wait for them.
         self._late: dict[str, RoundExpectation] = {}
-        self._late_sent_at: dict[str, float] = {}  # when each carried message was sent
         self._epochs: dict[int, int] = {}  # local epochs each node was last asked for
         if getattr(self, "staleness_fn", None) is None:  # a subclass given its own (FedBuff's argument) keeps it
             self.staleness_fn = create_staleness(cfg.asynchrony.staleness,
@@ -214,7 +208,7 @@ class SyncWorkflow:
         if ckpt is None:
             return
         check_fingerprint(ckpt, self.fingerprint(), self.run_dir.path)
-        if self.dp is not None and not _has_privacy_state(ckpt.get("privacy")):
+        if self.dp is not None and not (isinstance(ckpt.get("privacy"), dict) and ckpt["privacy"]):
             raise CoordinatorError(f"run directory {self.run_dir.path}: the checkpoint of this DP run must hold its "
                                    "privacy accounting ('privacy'); without it the spent budget would start again "
                                    "at zero. Use another run-dir.")
@@ -333,15 +327,15 @@ class SyncWorkflow:
         bound = self.cfg.asynchrony.max_staleness
         for mid in [m for m, e in self._late.items() if self.version - e.version > bound]:
             e = self._late.pop(mid)
-            self._late_sent_at.pop(mid, None)
             log(INFO, "[fedshield] node %d's reply to round %d would now be too stale; no longer waited for",
                 e.sent[mid], e.round)
 
     def _collect(self, rnd: int, sent: dict[str, int]) -> dict[str, Any]:
         s = self.cfg.server
+        sent_at = self.clock.now()
         exp = RoundExpectation(round=rnd, version=self.version, numel=self.numel, max_examples=s.max_examples,
                                max_bytes=self.max_update_bytes, max_norm=s.max_update_norm, codec=self.codec,
-                               codec_header=self.codec_header, sent=sent)
+                               codec_header=self.codec_header, sent=sent, sent_at=sent_at)
         slow_exp = exp if self.slow_link is None else dataclasses.replace(  # shares sent and replied with exp
             exp, codec=self.slow_link[0], codec_header=self.slow_link[1], max_bytes=self.slow_link[2], replied=exp.replied)
         exp_for = {mid: slow_exp if node in self._slow_nodes else exp for mid, node in sent.items()}
@@ -354,10 +348,8 @@ class SyncWorkflow:
         rejected: Counter[str] = Counter()
         loss, bytes_up, replies = LossMean(), 0, 0
         pending = dict.fromkeys(sent)  # ordered: in-process engines then add in send order
-        sent_at = self.clock.now()
         deadline = sent_at + s.round_timeout
         late_in, stalenesses = 0, []
-        asked_at: dict[str, float] = {}  # message id -> when it was sent (a carried one: in its own round)
 
         def reject(rej: RejectedReply) -> None:
             rejected[rej.rule] += 1
@@ -368,7 +360,6 @@ class SyncWorkflow:
             for reply in self.grid.pull_messages(list(pending) + list(self._late)):
                 mid = reply.metadata.reply_to_message_id
                 late_exp = self._late.pop(mid, None)
-                asked_at[mid] = self._late_sent_at.pop(mid, sent_at)  # a carried reply: its own round's send time
                 if late_exp is None:
                     pending.pop(mid, None)
                 replies += 1
@@ -395,7 +386,7 @@ class SyncWorkflow:
                     stalenesses.append(self.version - late_exp.version)
                     late_in += 1
                 norms.append(ok.norm)
-                took = self.clock.now() - asked_at[reply.metadata.reply_to_message_id]
+                took = self.clock.now() - (late_exp or exp).sent_at  # a carried reply: from its own round's send
                 self.profiles.update(ok.node_id, reply.content.metric_records[METRICS], took)
                 if late_exp is None:
                     self.profiles.observe_epochs(ok.node_id, self.clock.now() - sent_at, self._epochs.get(ok.node_id, 1))
@@ -416,7 +407,6 @@ class SyncWorkflow:
             self.profiles.observe_time(sent[mid], self.clock.now() - sent_at)
             if s.late_replies == "carry":
                 self._late[mid] = exp_for[mid]
-                self._late_sent_at[mid] = sent_at
         extra: dict[str, Any] = {}
         if self.dp is not None:  # noise is added even to an empty sum: the release is private either way
             extra["clip"] = self.dp.clip

@@ -118,8 +118,7 @@ def quantize(x: torch.Tensor, clip: float, n_clients: int, bits: int = 32, *,
     """
     if clipping not in ("raise", "clip"):
         raise PrivacyError(f"clipping must be 'raise' or 'clip'. Found {clipping!r}.")
-    step = quantization_step(clip, n_clients, bits)
-    levels = _levels(n_clients, bits)
+    quantization_step(clip, n_clients, bits)  # clip, n_clients and bits checked before the values
     xf = x.detach().to(torch.float64)
     if torch.isnan(xf).any():
         raise PrivacyError("update contains NaN; it cannot be quantized for secure aggregation.")
@@ -137,7 +136,7 @@ def quantize(x: torch.Tensor, clip: float, n_clients: int, bits: int = 32, *,
 def round_levels(y: torch.Tensor, clip: float, n_clients: int, bits: int = 32, *,
                  generator: torch.Generator | None = None) -> torch.Tensor:
     """:func:`quantize`'s rounding for a float64 ``y`` already known finite and within [-clip, clip]
-    (checked by the caller); ``y`` is used as scratch (overwritten). Six passes, in place where it can."""
+    (checked by the caller); ``y`` is used as scratch (overwritten), so the rounding allocates two buffers, not five."""
     step, levels = quantization_step(clip, n_clients, bits), _levels(n_clients, bits)
     y.add_(clip).div_(step)
     q = torch.floor(y)
