@@ -22,7 +22,7 @@ from .data import client_data
 from .ledger import OWNER_DELTA, STATE_DIR, LedgerFile, check_owner_limits, owner_limits
 from .profile import measure_profile
 from .config import build_config
-from .protocol import CODEC, LOCAL_DP, WEIGHTS, codec_from_record, parse_train_message, train_reply_content
+from .protocol import CLIENT_TIME, CODEC, LOCAL_DP, WEIGHTS, codec_from_record, parse_train_message, train_reply_content
 from .tasks import get_task
 from .training import flat_params, load_flat, train_local
 
@@ -151,7 +151,7 @@ def local_update(msg: Message, context: Context) -> tuple[torch.Tensor, dict[str
         # the batch training used: the coordinator's batch-size is capped by this node's data (a 65536-row
         # synthetic batch of a wide model took gigabytes where training itself took one batch of 155)
         **measure_profile(task, device, batch_size=min(instr.train.batch_size, len(data)), node_config=context.node_config),
-        "client-time-s": time.perf_counter() - start,
+        CLIENT_TIME: time.perf_counter() - start,
     }
     return delta, metrics, gen
 
@@ -164,7 +164,7 @@ def run_train(msg: Message, context: Context) -> Message:
     codec = codec_from_record(msg.content.config_records.get(CODEC))
     delta, metrics, gen = local_update(msg, context)
     encoded = encode_with_feedback(codec, delta, context, gen)
-    metrics["client-time-s"] = time.perf_counter() - start
+    metrics[CLIENT_TIME] = time.perf_counter() - start
     return Message(train_reply_content(encoded, metrics), reply_to=msg)
 
 

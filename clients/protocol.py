@@ -11,7 +11,10 @@ Reply (client -> coordinator)::
 
     content["arrays"]  ArrayRecord {<the codec's arrays>}   (the encoded delta, new - old)
     content["codec"]   ConfigRecord {"codec": name, "numel": n, <the codec's header>}
-    content["metrics"] MetricRecord {num-examples, base-version, train-loss, train-time-s}
+    content["metrics"] MetricRecord {num-examples, base-version, train-loss, train-time-s, client-time-s,
+                                     <the device profile>}
+                                     (client-time-s: the node's whole local work for the round, in
+                                     seconds; work-deadline reads it)
 
 SecAgg+ rounds use message type "train.secagg"; each stage's message and reply
 carry content["secagg"] ConfigRecord {stage, round, ...}, plus per stage:
@@ -46,6 +49,8 @@ from .config import TaskSpec, TrainSettings, build_config, check, split_mapping,
 
 ARRAYS, CONFIG, METRICS, CODEC, LOCAL_DP = "arrays", "config", "metrics", "codec", "local-dp"
 WEIGHTS, DELTA = "weights", "delta"
+CLIENT_TIME = "client-time-s"  # a reply's local work, seconds (work-deadline's measure, bounded by the round trip)
+WORK_METRICS = ("train-time-s", CLIENT_TIME)  # the reported times a simulated device replaces with its own
 MESSAGE_TYPE_TRAIN = "train"
 MESSAGE_TYPE_SECAGG = "train.secagg"
 SECAGG, SECAGG_KEYS, SECAGG_SHARES, MASKED = "secagg", "secagg-keys", "secagg-shares", "masked"

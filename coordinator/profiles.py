@@ -76,15 +76,36 @@ class ProfileRegistry:
         old = self.ema_time.get(node)
         self.ema_time[node] = t if old is None else (1 - self.alpha) * old + self.alpha * t
 
-    def observe_epochs(self, node_id: int, elapsed_s: float, epochs: int) -> None:
-        """Fold one round trip that ran ``epochs`` local epochs into the node's seconds-per-epoch EMA.
+    def observe_epochs(self, node_id: int, elapsed_s: float, epochs: int, work_s: Any = None) -> None:
+        """Fold one reply that ran ``epochs`` local epochs into the node's seconds-per-epoch EMA.
 
-        The round trip includes the transfers, so the estimate errs on the slow side.
+        ``work_s``: the node's own report of its local work (``client-time-s``), used where it is a
+        number in (0, ``elapsed_s``]: a node cannot claim more than the round trip the coordinator
+        saw, and a false report only changes its own amount of work. Else the round trip, which
+        includes the transfers (a node on a slow link then seems slower than it computes).
         """
         t = _number(elapsed_s)
         if t is None or t < 0 or not isinstance(epochs, int) or epochs < 1:
             return
-        node, per = int(node_id), min(t, MAX_TIME_S) / epochs
+        w = _number(work_s)
+        if w is not None and 0 < w <= t:
+            t = w
+        self._fold_epoch(int(node_id), min(t, MAX_TIME_S) / epochs)
+
+    def observe_missed(self, node_id: int, elapsed_s: float, epochs: int) -> None:
+        """A node asked for ``epochs`` epochs has not replied after ``elapsed_s``: it needs at least
+        ``elapsed_s / epochs`` per epoch. A node measured faster (or never measured, since only replies
+        in time measure) is moved toward that bound, so one that always misses the round is given
+        fewer epochs until it finishes in time, instead of running ``local-epochs`` and missing forever."""
+        t = _number(elapsed_s)
+        if t is None or t <= 0 or not isinstance(epochs, int) or epochs < 1:
+            return
+        node, bound = int(node_id), min(t, MAX_TIME_S) / epochs
+        old = self.ema_epoch.get(node)
+        if old is None or old < bound:
+            self._fold_epoch(node, bound)
+
+    def _fold_epoch(self, node: int, per: float) -> None:
         old = self.ema_epoch.get(node)
         self.ema_epoch[node] = per if old is None else (1 - self.alpha) * old + self.alpha * per
 

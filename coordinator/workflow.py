@@ -25,7 +25,7 @@ from flwr.serverapp import Grid
 from aggregation import create_server_optimizer, get_device, tensor_to_array
 from aggregation._errors import shown
 from aggregation.staleness import create_staleness
-from clients.protocol import (ARRAYS, CODEC, CONFIG, LOCAL_DP, MESSAGE_TYPE_TRAIN, METRICS, WEIGHTS, TrainInstruction,
+from clients.protocol import (ARRAYS, CLIENT_TIME, CODEC, CONFIG, LOCAL_DP, MESSAGE_TYPE_TRAIN, METRICS, WEIGHTS, TrainInstruction,
                               message_nbytes)
 from clients.tasks import get_task
 from clients.training import evaluate, load_flat
@@ -387,9 +387,10 @@ class SyncWorkflow:
                     late_in += 1
                 norms.append(ok.norm)
                 took = self.clock.now() - (late_exp or exp).sent_at  # a carried reply: from its own round's send
-                self.profiles.update(ok.node_id, reply.content.metric_records[METRICS], took)
+                metrics = reply.content.metric_records[METRICS]
+                self.profiles.update(ok.node_id, metrics, took)
                 if late_exp is None:
-                    self.profiles.observe_epochs(ok.node_id, self.clock.now() - sent_at, self._epochs.get(ok.node_id, 1))
+                    self.profiles.observe_epochs(ok.node_id, took, self._epochs.get(ok.node_id, 1), metrics.get(CLIENT_TIME))
                 self.profiles.participated(ok.node_id)
                 if ok.local_epsilon is not None:
                     local_eps.append(ok.local_epsilon)
@@ -405,6 +406,7 @@ class SyncWorkflow:
                 self.clock.sleep(min(s.poll_interval, max(0.0, deadline - self.clock.now())))
         for mid in pending:  # no reply in time: the elapsed time is a lower bound on this node's round trip
             self.profiles.observe_time(sent[mid], self.clock.now() - sent_at)
+            self.profiles.observe_missed(sent[mid], self.clock.now() - sent_at, self._epochs.get(sent[mid], 1))
             if s.late_replies == "carry":
                 self._late[mid] = exp_for[mid]
         extra: dict[str, Any] = {}

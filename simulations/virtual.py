@@ -45,7 +45,7 @@ from typing import Any
 from flwr.app import Error, Message
 from flwr.common.constant import ErrorCode
 
-from clients.protocol import CONFIG, METRICS, message_nbytes
+from clients.protocol import CONFIG, METRICS, WORK_METRICS, message_nbytes
 
 from .inprocess import ClientFn, InProcessGrid, call_client
 
@@ -314,10 +314,17 @@ class VirtualGrid(InProcessGrid):
             epochs, examples = 1, 1
             if not msg.has_error() and CONFIG in msg.content.config_records:
                 epochs = int(msg.content.config_records[CONFIG].get("local-epochs", 1))
-            if not reply.has_error() and METRICS in reply.content.metric_records:
-                n = reply.content.metric_records[METRICS].get("num-examples", 1)
+            metrics = None if reply.has_error() else reply.content.metric_records.get(METRICS)
+            if metrics is not None:
+                n = metrics.get("num-examples", 1)
                 examples = n if isinstance(n, int) and n > 0 else 1
             compute = p.compute_s_per_example * examples * epochs * noise
+            if metrics is not None and math.isfinite(compute):
+                # the client reports its local work in seconds (work-deadline reads it): here that is the
+                # simulated device's, not this process's
+                for key in WORK_METRICS:
+                    if key in metrics:
+                        metrics[key] = float(compute)
             done = start + p.transfer_s(down, up=False) + compute + p.transfer_s(up, up=True)
             if math.isfinite(done):
                 self._node_free[node] = done

@@ -247,6 +247,76 @@ def test_work_deadline_gives_slow_nodes_fewer_epochs_and_shortens_rounds(tmp_pat
     assert 0.5 <= capped.history[-1]["test_accuracy"] <= 1.0
 
 
+def test_epochs_are_measured_from_the_reported_work_bounded_by_the_round_trip():
+    reg = ProfileRegistry(alpha=0.5)
+    reg.observe_epochs(1, 10.0, 5, work_s=1.0)  # 9 s of the round trip were transfers
+    assert reg.ema_epoch[1] == pytest.approx(0.2)
+    reg.observe_epochs(2, 10.0, 5, work_s=50.0)  # more work than the round trip took: not believed
+    assert reg.ema_epoch[2] == pytest.approx(2.0)
+    for bad in (None, float("nan"), float("inf"), -1.0, 0.0, True, "1.0"):
+        reg.observe_epochs(3, 4.0, 2, work_s=bad)
+        assert reg.ema_epoch.pop(3) == pytest.approx(2.0)
+
+
+def test_a_missed_round_is_a_lower_bound_on_the_seconds_per_epoch():
+    reg = ProfileRegistry(alpha=0.5)
+    reg.observe_missed(1, 5.0, 5)  # never measured: at least 1 s per epoch
+    assert reg.ema_epoch[1] == pytest.approx(1.0)
+    assert reg.local_epochs(1, 5, 2.0) == 2
+    reg.observe_epochs(2, 0.5, 5)
+    reg.observe_missed(2, 5.0, 5)  # measured faster than the bound: moved toward it
+    assert reg.ema_epoch[2] == pytest.approx(0.55)
+    reg.observe_epochs(3, 20.0, 2)
+    reg.observe_missed(3, 5.0, 5)  # already slower than the bound: nothing learnt
+    assert reg.ema_epoch[3] == pytest.approx(10.0)
+    for bad in (float("nan"), -1.0, 0.0, None):
+        reg.observe_missed(4, bad, 5)
+    reg.observe_missed(4, 5.0, 0)
+    assert 4 not in reg.ema_epoch
+
+
+def _deadline_run(tmp_path, name, profiles, rounds, **extra):
+    asked: dict[int, list[int]] = {}
+
+    def client(msg, ctx):
+        asked.setdefault(ctx.node_id, []).append(int(msg.content.config_records["config"]["local-epochs"]))
+        return run_train(msg, ctx)
+
+    cfg = RunConfig.from_mapping({"num-rounds": rounds, "min-nodes": len(profiles), "task": "digits",
+                                  "hidden-units": 16, "seed": 0, "poll-interval": 0.1, **extra})
+    clock = VirtualClock()
+    wf = SyncWorkflow(cfg, VirtualGrid(client, len(profiles), clock, profiles, seed=0),
+                      RunDirectory(tmp_path / name), clock=clock)
+    wf.run()
+    return wf, asked
+
+
+def test_work_deadline_cuts_the_work_of_nodes_that_always_miss_the_round(tmp_path):
+    """Only replies in time measured the seconds per epoch: a node too slow for the round timeout
+    never replied in time, so it ran local-epochs every round and never contributed."""
+    fast = DeviceProfile("fast", 0.0001, 1000.0, 1000.0, latency_s=0.01)
+    slow = DeviceProfile("slow", 0.005, 1000.0, 1000.0, latency_s=0.01)  # ~1.8 s per epoch: 9 s for 5
+    wf, asked = _deadline_run(tmp_path, "wd", [fast, fast, slow, slow], 4, **{
+        "local-epochs": 5, "work-deadline": 2.0, "round-timeout": 5.0})
+    assert wf.history[0]["late"] == 2 and wf.history[0]["reduced_work"] == 0
+    assert asked[1003][0] == asked[1004][0] == 5
+    assert all(r["reduced_work"] == 2 for r in wf.history[1:])
+    assert all(e < 5 for n in (1003, 1004) for e in asked[n][1:])
+    assert all(asked[n] == [5] * 4 for n in (1001, 1002))
+    assert max(r["accepted"] for r in wf.history[1:]) > 2  # the slow nodes now finish in time
+
+
+def test_work_deadline_does_not_count_a_slow_link_as_work(tmp_path):
+    """The node reports its local work; a slow link's transfers (4 s here) are not taken for epochs."""
+    fast = DeviceProfile("fast", 0.0001, 1000.0, 1000.0, latency_s=0.01)
+    slow_link = DeviceProfile("slow-link", 0.0001, 0.02, 0.02, latency_s=0.01)
+    wf, asked = _deadline_run(tmp_path, "wdl", [fast, fast, slow_link], 3, **{
+        "local-epochs": 5, "work-deadline": 1.0})
+    assert all(r["reduced_work"] == 0 and r["accepted"] == 3 for r in wf.history)
+    assert asked[1003] == [5, 5, 5]
+    assert wf.profiles.ema_time[1003] > 3.0 and wf.profiles.ema_epoch[1003] < 0.1
+
+
 def test_slow_links_are_asked_for_the_slow_link_codec(tmp_path):
     asked: dict[int, list[str]] = {}
 
