@@ -306,11 +306,24 @@ class VirtualGrid(InProcessGrid):
             p = self.profiles[node]
             noise = rng.lognormvariate(0.0, p.sigma) if p.sigma > 0 else 1.0
             dropped = rng.random() < p.dropout
-            reply = call_client(self._client, msg, self.contexts[node])
             ttl = msg.metadata.ttl
             deadline = now + ttl if ttl else math.inf
-            down, up = message_nbytes(msg), message_nbytes(reply)
             start = self._next_online(node, max(now, self._node_free[node]), min(deadline, now + 1e7))
+            unavailable = Message(error=Error(code=ErrorCode.MESSAGE_UNAVAILABLE,
+                                              reason=f"message expired (ttl {ttl} s) before a reply arrived"),
+                                  reply_to=msg) if math.isfinite(deadline) else None
+            if start > deadline:
+                # Still queued behind the node's earlier work (or the node offline) when its TTL ran out:
+                # Flower's SuperLink deletes it instead of delivering it, so the node never runs it (no
+                # work, no state change, no bytes) and is free for the next one.
+                self.records[mid] = MessageRecord(mid, node, now, math.inf, math.inf, deadline, 0, 0, False,
+                                                  math.isfinite(deadline), self._outstanding(node))
+                if unavailable is not None:
+                    self._pending[mid] = unavailable
+                    heapq.heappush(self._heap, (deadline, mid))
+                continue
+            reply = call_client(self._client, msg, self.contexts[node])
+            down, up = message_nbytes(msg), message_nbytes(reply)
             epochs, examples = 1, 1
             if not msg.has_error() and CONFIG in msg.content.config_records:
                 epochs = int(msg.content.config_records[CONFIG].get("local-epochs", 1))
@@ -327,14 +340,12 @@ class VirtualGrid(InProcessGrid):
                         metrics[key] = float(compute)
             done = start + p.transfer_s(down, up=False) + compute + p.transfer_s(up, up=True)
             if math.isfinite(done):
-                self._node_free[node] = done
-            outstanding = sum(1 for r in self.records.values() if r.node_id == node and r.message_id in self._pending)
+                self._node_free[node] = done  # a message it started, it finishes, even past the TTL
+            outstanding = self._outstanding(node)
             expired = dropped or done > deadline
             if expired:
                 done = math.inf if dropped else done
-                reply = Message(error=Error(code=ErrorCode.MESSAGE_UNAVAILABLE,
-                                            reason=f"message expired (ttl {ttl} s) before a reply arrived"),
-                                reply_to=msg) if math.isfinite(deadline) else None
+                reply = unavailable
                 visible = deadline
             else:
                 visible = done
@@ -344,6 +355,9 @@ class VirtualGrid(InProcessGrid):
                 self._pending[mid] = reply
                 heapq.heappush(self._heap, (visible, mid))
         return ids
+
+    def _outstanding(self, node: int) -> int:
+        return sum(1 for r in self.records.values() if r.node_id == node and r.message_id in self._pending)
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
         now = self.clock.now()

@@ -117,6 +117,30 @@ def test_expired_message_gives_error_reply_at_ttl():
     assert grid.records[mid].expired
 
 
+def test_a_message_whose_ttl_runs_out_in_the_queue_is_never_run():
+    """Flower's SuperLink deletes an expired message instead of delivering it: the node neither runs
+    it (no state change, no work) nor stays busy for it, so its next message starts at once."""
+    slow = dataclasses.replace(FLAT, compute_s_per_example=10.0)  # 200 s per message (10 examples, 2 epochs)
+    calls: list[int] = []
+
+    def client(msg, ctx):
+        calls.append(ctx.node_id)
+        return zeros_client(msg, ctx)
+
+    clock = VirtualClock()
+    grid = VirtualGrid(client, 1, clock, [slow])
+    first, queued = grid.push_messages([instruction(1001, ttl=500.0), instruction(1001, ttl=50.0)])
+    assert calls == [1001]  # the second would start at ~200 s, past its 50 s TTL
+    rec = grid.records[queued]
+    assert rec.expired and rec.start == math.inf and rec.bytes_down == rec.bytes_up == 0
+    clock.sleep(60.0)
+    (rep,) = grid.pull_messages([queued])
+    assert rep.has_error() and rep.error.code == ErrorCode.MESSAGE_UNAVAILABLE
+    (later,) = grid.push_messages([instruction(1001, ttl=1000.0)])
+    assert grid.records[later].start == pytest.approx(grid.records[first].done)  # not behind the expired one
+    assert calls == [1001, 1001]
+
+
 def test_a_grid_restored_from_its_state_goes_on_as_the_original():
     """What a resumed run's grid is given: it started its clock at 0, each node's draws from its first
     message again, and every node free, though one may still be working on a reply the run stopped
