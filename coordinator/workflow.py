@@ -134,9 +134,10 @@ def check_fingerprint(ckpt: dict[str, Any], want: dict[str, Any], path: Any) -> 
 class SyncWorkflow:
     """Runs ``num-rounds`` synchronous rounds, resuming from the run directory's checkpoint.
 
-    A Grid with ``state_dict`` / ``load_state_dict`` (the virtual engine's: its clock and simulated
-    devices) is saved with every round and restored on resume, so that a resumed simulation goes on
-    as the uninterrupted one would instead of starting its clock and devices again.
+    A Grid with ``state_dict`` / ``load_state_dict`` (fedshield's engines': the clients' error-feedback
+    residuals, and the virtual engine's clock and simulated devices) is saved with every round and
+    restored on resume, so that a resumed simulation goes on as the uninterrupted one would instead
+    of starting its clock, devices and residuals again.
     """
 
     def __init__(
@@ -230,8 +231,8 @@ class SyncWorkflow:
             try:
                 self.grid.load_state_dict(ckpt["engine"])
             except (KeyError, TypeError, ValueError, AttributeError) as exc:
-                raise CoordinatorError(f"run directory {self.run_dir.path}: the checkpoint's engine state must be the "
-                                       f"virtual engine's. Found it unreadable ({type(exc).__name__}: "
+                raise CoordinatorError(f"run directory {self.run_dir.path}: the checkpoint's engine state must be this "
+                                       f"engine's. Found it unreadable ({type(exc).__name__}: "
                                        f"{shown(str(exc), 60)}); use another run-dir.") from None
         self.wall_before = self._spent("wall_time_s")
         self.resumed_extra = dict(ckpt.get("extra") or {})

@@ -14,12 +14,16 @@ from typing import Any
 
 from logging import WARNING
 
-from flwr.app import Context, Error, Message, RecordDict
+import torch
+from flwr.app import ArrayRecord, Context, Error, Message, RecordDict
 from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
 from flwr.common.logger import log
 from flwr.supercore.run import Run
 from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
+
+from aggregation.wire import tensor_to_array
+from clients.client_app import RESIDUAL
 
 ClientFn = Callable[[Message, Context], Message]
 
@@ -59,6 +63,29 @@ class InProcessGrid(Grid):
             for i in range(num_nodes)
         }
         self._replies: dict[str, Message] = {}
+
+    # -- resume ----------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Each node's error-feedback residual (the part of its updates its codec has not sent yet,
+        kept in its Context): a resumed run's clients go on from them, as the uninterrupted run's
+        do. Nothing else of a node's state is kept (SecAgg+ keys are not: a resumed run sets its
+        next round up afresh; a local-DP ledger lives in the node's state directory)."""
+        residuals = {}
+        for node, ctx in self.contexts.items():
+            rec = ctx.state.array_records.get(RESIDUAL)
+            if rec is not None and "r" in rec:
+                residuals[str(node)] = torch.from_numpy(rec["r"].numpy().copy())
+        return {"residuals": residuals}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s residuals (absent from earlier checkpoints; nodes this grid
+        does not have are ignored; a residual of another length is dropped by the client)."""
+        for key, residual in dict(state.get("residuals", {})).items():
+            node = int(key)
+            if not (isinstance(residual, torch.Tensor) and residual.dtype == torch.float32 and residual.dim() == 1):
+                raise TypeError(f"node {node}'s residual must be a 1-D float32 tensor")
+            if node in self.contexts:
+                self.contexts[node].state.array_records[RESIDUAL] = ArrayRecord({"r": tensor_to_array(residual)})
 
     def set_run(self, run: Run) -> None:
         self._run = run

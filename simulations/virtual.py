@@ -265,11 +265,12 @@ class VirtualGrid(InProcessGrid):
         now = self.clock.now()
         wakeups = sorted({when for when, mid in self._heap if mid in self._pending and when > now}
                          | {w for w in self._wakeups if w > now})
-        return {"clock": now, "node_count": dict(self._node_count), "node_free": dict(self._node_free),
-                "messages": self._counter, "wakeups": wakeups}
+        return {**super().state_dict(), "clock": now, "node_count": dict(self._node_count),
+                "node_free": dict(self._node_free), "messages": self._counter, "wakeups": wakeups}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Go on from ``state`` (of :meth:`state_dict`); nodes this grid does not have are ignored."""
+        super().load_state_dict(state)  # the nodes' error-feedback residuals
         self.clock.advance_to(float(state["clock"]))
         for node in self.profiles.keys() & state["node_count"].keys():
             self._node_count[node] = int(state["node_count"][node])
