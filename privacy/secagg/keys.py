@@ -24,6 +24,7 @@ from .._errors import PrivacyError
 
 KEY_BYTES = 32
 NONCE_BYTES = 12
+TAG_BYTES = 16  # AES-GCM's
 _DOMAIN = b"fedshield/secagg/v1"
 _U64 = 1 << 64
 
@@ -138,7 +139,7 @@ def decrypt_share(key: bytes, ciphertext: bytes, *, sender: int, receiver: int, 
     if len(key) != KEY_BYTES:
         raise PrivacyError(f"share key must be {KEY_BYTES} bytes. Found {len(key)}.")
     ad = _associated_data(sender, receiver, round, stage)
-    if len(ciphertext) < NONCE_BYTES + 16:
+    if len(ciphertext) < NONCE_BYTES + TAG_BYTES:
         raise PrivacyError(f"share ciphertext from node {sender} to {receiver} failed authentication: "
                            f"{len(ciphertext)} bytes is shorter than nonce and tag.")
     try:

@@ -65,7 +65,7 @@ import torch
 
 from .._errors import PrivacyError
 from .graph import Graph, check_threshold, complete_graph, harary_graph
-from .keys import KEY_BYTES, KeyPair, agree, decrypt_share, derive_key, encrypt_share
+from .keys import KEY_BYTES, NONCE_BYTES, TAG_BYTES, KeyPair, agree, decrypt_share, derive_key, encrypt_share
 from .masking import SEED_BYTES, mask_words, quantization_step, unmask_words
 from .shamir import combine_values, parse_shares, share_size, share_x, split_bytes
 
@@ -199,6 +199,10 @@ class PublicKeys:
             raise SecAggRejected(node, "bad-keys", f"public keys must be {3 * KEY_BYTES} bytes; found "
                                                    f"{len(data) if isinstance(data, bytes) else type(data).__name__}")
         return cls(data[:KEY_BYTES], data[KEY_BYTES:2 * KEY_BYTES], data[2 * KEY_BYTES:])
+
+
+# A sealed pair of shares, encrypted: nonce, header, a seed share and a key share, tag.
+CIPHERTEXT_BYTES = NONCE_BYTES + _PAYLOAD.size + share_size(SEED_BYTES) + share_size(KEY_BYTES) + TAG_BYTES
 
 
 def _share_index(neighbours: Iterable[int], node: int) -> int:
@@ -468,7 +472,10 @@ class SecAggServer:
         return {u: {v: self.keys[v] for v in (self.graph[u] & live) | {u}} for u in sorted(live)}
 
     # stage 2 --------------------------------------------------------------------------------
-    def on_shares(self, node: int, cts: Mapping[int, bytes], max_bytes: int = 1 << 16) -> None:
+    def on_shares(self, node: int, cts: Mapping[int, bytes]) -> None:
+        """One node's share ciphertexts, checked before anything is kept: each must be exactly the size
+        an honest node's is (a malformed one is refused here, the sender's fault, instead of reaching the
+        receiver, whose decryption would fail)."""
         if node not in self.sharers:
             raise SecAggRejected(node, "unknown-sender", "node was not asked to share keys")
         if node in self.ciphertexts:
@@ -477,8 +484,8 @@ class SecAggServer:
         if set(cts) != want:
             raise SecAggRejected(node, "wrong-share-count", f"one ciphertext per live neighbour ({len(want)}) is "
                                                             f"required; found {len(cts)} for other nodes")
-        if any(not isinstance(ct, bytes) or len(ct) > max_bytes for ct in cts.values()):
-            raise SecAggRejected(node, "bad-share", f"each ciphertext must be bytes of at most {max_bytes}")
+        if any(not isinstance(ct, bytes) or len(ct) != CIPHERTEXT_BYTES for ct in cts.values()):
+            raise SecAggRejected(node, "bad-share", f"each ciphertext must be bytes of exactly {CIPHERTEXT_BYTES}")
         self.ciphertexts[node] = dict(cts)
 
     def sharers_ready(self) -> int:

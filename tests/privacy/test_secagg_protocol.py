@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from privacy import PrivacyError
 from privacy.secagg import check_threshold
 from privacy.secagg.protocol import (
+    CIPHERTEXT_BYTES,
     PublicKeys,
     SecAggAborted,
     SecAggClient,
@@ -352,12 +353,11 @@ def _shares_with(monkeypatch, shape):
 
 
 @pytest.mark.parametrize("shape,found", [
-    (lambda s: s.__class__(s.x, 2000, np.zeros(667, dtype=np.int64)), "found 2680 and 2680 bytes"),  # 2 kB secrets
     (lambda s: s.__class__(s.x + 40, s.secret_len, s.values), "x-coordinate in 1..5"),  # outside the holders
 ])
 def test_a_neighbours_misshapen_shares_are_refused_on_receipt_naming_it(monkeypatch, shape, found):
-    """A share the holder would later have to hand back (at 2 kB, or at an x no holder has) is
-    refused when it arrives, naming its sender: it never reaches the honest holder's unmask reply."""
+    """A share the holder would later have to hand back (at an x no holder has) is refused when it
+    arrives, naming its sender: it never reaches the honest holder's unmask reply."""
     params, server, clients, keys = started(6, 5, 3)
     reqs = server.share_keys_requests()
     liar, honest = params.nodes[0], params.nodes[1]
@@ -370,6 +370,36 @@ def test_a_neighbours_misshapen_shares_are_refused_on_receipt_naming_it(monkeypa
     with pytest.raises(SecAggRejected, match=found) as exc:
         clients[honest].receive_shares(reqs[honest])
     assert (exc.value.node_id, exc.value.rule) == (liar, "bad-share")
+
+
+@pytest.mark.parametrize("forge", [
+    lambda ct: ct[:1],  # garbage of any other size than an honest node's sealed shares
+    lambda ct: ct + b"\0",
+    lambda ct: b"",
+    "2 kB shares",  # shares of a 2 kB secret, sealed and encrypted properly
+])
+def test_share_ciphertexts_of_another_size_are_refused_by_the_server_naming_the_sender(monkeypatch, forge):
+    """The server refuses them at share-keys (the sender then drops out of the round like a node that
+    never shared), instead of forwarding them to honest receivers, whose decryption would fail and
+    whose masked-input stage was then refused, the round aborted, and the blame counted on them."""
+    params, server, clients, keys = started(6, 5, 3)
+    reqs = server.share_keys_requests()
+    liar = params.nodes[0]
+    if forge == "2 kB shares":
+        with monkeypatch.context() as m:
+            _shares_with(m, lambda s: s.__class__(s.x, 2000, np.zeros(667, dtype=np.int64)))
+            cts = clients[liar].share_keys(reqs[liar])
+    else:
+        cts = {v: forge(ct) for v, ct in clients[liar].share_keys(reqs[liar]).items()}
+    with pytest.raises(SecAggRejected, match=f"exactly {CIPHERTEXT_BYTES}") as exc:
+        server.on_shares(liar, cts)
+    assert (exc.value.node_id, exc.value.rule) == (liar, "bad-share")
+    for v in params.nodes[1:]:
+        server.on_shares(v, clients[v].share_keys(reqs[v]))
+    reqs = server.masked_input_requests()
+    assert liar not in reqs and all(liar not in r for r in reqs.values())
+    for v in params.nodes[1:]:
+        clients[v].receive_shares(reqs[v])  # every honest node goes on
 
 
 def test_a_misshapen_share_in_an_unmask_reply_is_left_out_alone():
