@@ -427,6 +427,9 @@ class SecureRound:
             reason = str(exc)
             log(WARNING, "[fedshield] round %d: secure aggregation failed: %s; the global model is unchanged", rnd, reason)
             survivors, dropped = tuple(sorted(server.survivors)), ()
+        for holder, why in sorted(server.bad_share_holders.items()):  # shares it handed back for unmasking
+            stats["rejected_by_rule"]["bad-share"] += 1
+            log(WARNING, "[fedshield] round %d secagg unmask: node %d sent %s; left out", rnd, holder, why)
         rejected = stats["rejected_by_rule"]
         row = {
             "replies": stats["replies"], "accepted": len(survivors) if update is not None else 0,

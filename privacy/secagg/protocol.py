@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import itertools
 import math
 import os
 import struct
@@ -67,7 +66,7 @@ from .._errors import PrivacyError
 from .graph import Graph, check_threshold, complete_graph, harary_graph
 from .keys import KEY_BYTES, NONCE_BYTES, TAG_BYTES, KeyPair, agree, decrypt_share, derive_key, encrypt_share
 from .masking import SEED_BYTES, mask_words, quantization_step, unmask_words
-from .shamir import combine_values, parse_shares, share_size, share_x, split_bytes
+from .shamir import combine_values, decode_values, parse_shares, share_size, share_x, split_bytes
 
 STAGES = ("setup", "share-keys", "masked-input", "unmask")
 MAX_DIM = 1 << 31
@@ -437,6 +436,9 @@ class SecAggServer:
         self.self_shares: dict[int, dict[int, bytes]] = {}  # survivor -> holder -> share bytes
         self.key_shares: dict[int, dict[int, bytes]] = {}  # dropped -> holder -> share bytes
         self.responders: set[int] = set()  # U4
+        # holder -> why: sent an unmask share that is misshapen, at another x, or off the owner's polynomial.
+        # Counted by the caller; such a holder's other shares are not used while a round can do without them.
+        self.bad_share_holders: dict[int, str] = {}
 
     # stage 1 --------------------------------------------------------------------------------
     def on_keys(self, node: int, keys: PublicKeys) -> None:
@@ -553,33 +555,47 @@ class SecAggServer:
             raise SecAggRejected(node, "bad-share", "each share must be bytes")
         for name, b in shares.items():
             if len(b) != size:  # one bad share is left out, not the holder's other answers: _rebuild
+                self.bad_share_holders.setdefault(node, f"a share of {len(b)} bytes for {name}")
                 continue        # needs only t of each owner's shares (honest clients never send one)
             kind, who = name.split(":")
             (self.self_shares if kind == "self" else self.key_shares).setdefault(int(who), {})[node] = b
         self.responders.add(node)
 
     def _rebuild(self, owner: int, shares: Mapping[int, bytes], what: str, check) -> bytes:
-        """Combine ``shares`` (holder -> bytes) and ``check`` the secret; on a bad share, leave one out at a time."""
+        """Combine ``shares`` (holder -> bytes) and ``check`` the secret. Fast path: the first t shares
+        of holders not caught sending a bad one. Else every share, decoded with Berlekamp-Welch (up to
+        (m - t) / 2 wrong ones corrected, whichever they are); the holders of the wrong ones are
+        recorded in ``bad_share_holders`` and their shares left out of every later rebuild, so one
+        faulty holder costs one decode per round, not one per owner."""
         t = self.params.threshold
         if len(shares) < t:
             raise SecAggAborted(f"{what} of node {owner} needs t={t} shares; only {len(shares)} of its neighbours answered")
         xs = {h: i + 1 for i, h in enumerate(sorted(self.graph[owner] & self.sharers))}
         holders = sorted(shares)
         ok, got_x, values = parse_shares([shares[h] for h in holders], SEED_BYTES)  # == KEY_BYTES
-        keep = np.flatnonzero(ok & (got_x == np.array([xs.get(h, -1) for h in holders], dtype=np.int64)))
-        # (a share must sit at its holder's x-coordinate). Fast path: t shares, verified by the
-        # check; then all of them, then all but one.
-        candidates = itertools.chain([keep[:t], keep], (np.delete(keep, i) for i in range(len(keep) if len(keep) > t else 0)))
-        for subset in candidates:
-            if len(subset) < t:
-                continue
+        at_x = ok & (got_x == np.array([xs.get(h, -1) for h in holders], dtype=np.int64))
+        for i in np.flatnonzero(~at_x):  # (a share must sit at its holder's x-coordinate)
+            self.bad_share_holders.setdefault(holders[i], f"a malformed share of {what} of node {owner}")
+        keep = np.flatnonzero(at_x)
+        trusted = keep[[holders[i] not in self.bad_share_holders for i in keep]]
+        if len(trusted) >= t:
             try:
-                secret = combine_values(got_x[subset], values[subset], t, SEED_BYTES)
+                secret = combine_values(got_x[trusted[:t]], values[trusted[:t]], t, SEED_BYTES)
             except PrivacyError:
-                continue
-            if check(secret):
+                secret = None
+            if secret is not None and check(secret):
                 return secret
-        raise SecAggAborted(f"{what} of node {owner} could not be rebuilt: its shares are inconsistent or corrupted")
+        if len(keep) >= t:
+            try:
+                secret, right = decode_values(got_x[keep], values[keep], t, SEED_BYTES)
+            except PrivacyError:
+                secret = None
+            if secret is not None and check(secret):
+                for i in keep[~right]:
+                    self.bad_share_holders.setdefault(holders[i], f"a wrong share of {what} of node {owner}")
+                return secret
+        raise SecAggAborted(f"{what} of node {owner} could not be rebuilt: more than (m - t) / 2 of its m={len(keep)} "
+                            f"shares are wrong (t={t})")
 
     def finish(self) -> SecAggResult:
         """Remove the masks: survivors' self masks and the pairwise masks dropped nodes left behind."""

@@ -249,6 +249,76 @@ def combine(shares: list[Share], t: int) -> bytes:
                           t, lengths.pop() if lengths else 0)
 
 
+def _solve_mod(a: np.ndarray, b: np.ndarray) -> np.ndarray | None:
+    """One solution ``z`` of ``a z = b`` mod p (free unknowns 0), or None when there is none.
+    Gauss-Jordan elimination, one vectorized row operation per column."""
+    m, n = a.shape
+    aug = np.concatenate([a, b[:, None]], axis=1) % PRIME
+    row, pivots = 0, []
+    for col in range(n):
+        if row == m:
+            break
+        nz = np.flatnonzero(aug[row:, col])
+        if nz.size == 0:
+            continue
+        r = row + int(nz[0])
+        if r != row:
+            aug[[row, r]] = aug[[r, row]]
+        aug[row] = (aug[row] * pow(int(aug[row, col]), PRIME - 2, PRIME)) % PRIME
+        factor = aug[:, col].copy()
+        factor[row] = 0
+        aug = (aug - (factor[:, None] * aug[row][None, :]) % PRIME) % PRIME
+        pivots.append(col)
+        row += 1
+    if np.any(aug[row:, n]):
+        return None
+    z = np.zeros(n, dtype=np.int64)
+    z[pivots] = aug[:len(pivots), n]
+    return z
+
+
+def decode_values(xs: np.ndarray, ys: np.ndarray, t: int, secret_len: int) -> tuple[bytes, np.ndarray]:
+    """The secret shared by ``t``-of-n shares when some of the ``m`` given ones are wrong, and which
+    ones are right (a bool mask). Berlekamp-Welch, chunk by chunk: corrects up to ``(m - t) // 2``
+    wrong shares, whichever they are; the decoded polynomial is then the unique one through all the
+    right shares. Raises PrivacyError when there are too many wrong shares to decode.
+
+    For each chunk: find the error locator E (monic, degree e) and Q (degree < t + e) with
+    Q(x_i) = y_i E(x_i) for every share (any solution has Q = P E, P the shared polynomial, when at
+    most e shares are wrong), so every share with E(x_i) != 0 is right; P is then interpolated
+    from t of those.
+    """
+    m = len(xs)
+    if t < 2 or m < t or np.unique(xs).size != m:
+        raise PrivacyError(f"decoding needs at least t={t} >= 2 shares at distinct x-coordinates. Found {m}.")
+    e = (m - t) // 2
+    powers = np.ones((m, t + e + 1), dtype=np.int64)
+    for j in range(1, t + e + 1):
+        powers[:, j] = (powers[:, j - 1] * (xs % PRIME)) % PRIME
+    secret = np.empty(ys.shape[1], dtype=np.int64)
+    right = np.ones(m, dtype=bool)
+    for c in range(ys.shape[1]):  # a loop over the secret's 3-byte chunks (11 for 32 bytes), each one solve
+        y = ys[:, c] % PRIME
+        if e:
+            a = np.concatenate([powers[:, :t + e], (-(y[:, None] * powers[:, :e])) % PRIME], axis=1)
+            z = _solve_mod(a, (y * powers[:, e]) % PRIME)
+            if z is None:
+                raise PrivacyError(f"more than {e} of the {m} shares are wrong: the secret cannot be decoded.")
+            locator = (powers[:, e] + ((powers[:, :e] * z[t + e:][None, :]) % PRIME).sum(axis=1)) % PRIME
+            good = np.flatnonzero(locator != 0)
+        else:
+            good = np.arange(m)
+        if good.size < t:
+            raise PrivacyError(f"more than {e} of the {m} shares are wrong: the secret cannot be decoded.")
+        at = np.concatenate([np.zeros(1, dtype=np.int64), xs])
+        values = _interpolate(xs[good[:t]], y[good[:t], None], at)[:, 0]
+        secret[c] = values[0]
+        right &= values[1:] == y
+    if right.sum() < t + e:
+        raise PrivacyError(f"the {m} shares do not decode to one secret (more than {e} are wrong).")
+    return _from_chunks(secret, secret_len), right
+
+
 def combine_values(xs: np.ndarray, ys: np.ndarray, t: int, secret_len: int) -> bytes:
     """:func:`combine` on parsed shares: x-coordinates ``xs`` (m,) and values ``ys`` (m, chunks)
     of a ``secret_len``-byte secret (e.g. rows of :func:`parse_shares`)."""

@@ -170,6 +170,12 @@ def _bogus_unmask(reply, replies, msg):
     return reply
 
 
+def _wrong_unmask_shares(reply, replies, msg):
+    shares = {k: v[:-1] + bytes([v[-1] ^ 1]) for k, v in reply.content.config_records[SECAGG_SHARES].items()}
+    reply.content.config_records[SECAGG_SHARES] = ConfigRecord(shares)
+    return reply
+
+
 BAD = {  # (stage, mutate, rule, counted as survivor?)
     "replayed reply of another node": ("setup", _replayed_setup, "unknown-sender", False),
     "keys claimed for another node": ("setup", _claims_other_node, "unknown-sender", False),
@@ -179,6 +185,7 @@ BAD = {  # (stage, mutate, rule, counted as survivor?)
     "oversized masked vector": ("masked-input", _huge_vector, "oversized", False),
     "zero examples claimed": ("masked-input", _zero_examples, "bad-num-examples", False),
     "unmask names unknown shares": ("unmask", _bogus_unmask, "wrong-share-count", True),
+    "wrong unmask shares": ("unmask", _wrong_unmask_shares, "bad-share", True),  # decoded around, sender named
 }
 
 

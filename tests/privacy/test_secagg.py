@@ -109,6 +109,37 @@ def test_random_bytes_either_parse_exactly_or_raise(blob):
     assert share.to_bytes() == blob
 
 
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.binary(min_size=1, max_size=40), st.integers(2, 30), st.data())
+def test_up_to_half_the_spare_shares_may_be_wrong_and_are_named(secret, n, data):
+    """Berlekamp-Welch: of m >= t shares, any (m - t) // 2 may be wrong (in any of their chunks);
+    the secret is decoded and exactly the wrong ones are reported."""
+    t = data.draw(st.integers(2, n))
+    shares = shamir.split(secret, t, n)
+    m = data.draw(st.integers(t, n))
+    picked = data.draw(st.permutations(range(n)))[:m]
+    xs = np.array([shares[i].x for i in picked], dtype=np.int64)
+    ys = np.stack([shares[i].values for i in picked]).copy()
+    wrong = data.draw(st.lists(st.integers(0, m - 1), unique=True, max_size=(m - t) // 2))
+    for w in wrong:
+        chunk = data.draw(st.integers(0, ys.shape[1] - 1))
+        ys[w, chunk] = (ys[w, chunk] + data.draw(st.integers(1, shamir.PRIME - 1))) % shamir.PRIME
+    got, right = shamir.decode_values(xs, ys, t, len(secret))
+    assert got == secret
+    assert sorted(np.flatnonzero(~right).tolist()) == sorted(wrong)
+
+
+def test_too_many_wrong_shares_are_refused_not_decoded_to_another_secret():
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        shares = shamir.split(os.urandom(32), 8, 20)
+        xs = np.array([s.x for s in shares], dtype=np.int64)
+        ys = np.stack([s.values for s in shares]).copy()
+        ys[rng.choice(20, 7, replace=False)] = rng.integers(0, shamir.PRIME, size=(7, ys.shape[1]))  # e = 6
+        with pytest.raises(PrivacyError, match="cannot be decoded|do not decode|inconsistent"):
+            shamir.decode_values(xs, ys, 8, 32)
+
+
 def test_combine_rejects_duplicates_mixed_lengths_and_mixed_secrets():
     a, b, c = split(b"x" * 32, 3, 5), split(b"y" * 33, 3, 5), split(b"z" * 32, 3, 5)
     with pytest.raises(PrivacyError, match="distinct"):

@@ -260,6 +260,43 @@ def test_corrupted_share_is_left_out_or_aborts():
         server.on_unmask(v, shares)
     result = server.finish()  # 5 honest shares, t = 3: the bad one is left out
     assert torch.equal(result.total, torch.full((params.dim,), len(params.nodes), dtype=torch.int64))
+    assert list(server.bad_share_holders) == [liar]  # and its sender named (counted by the coordinator)
+
+
+def _unmask_with_liars(n, k, t, liars):
+    """A round where each of ``liars`` flips a byte of every share it hands back for unmasking."""
+    params, server, clients, keys = started(n, k, t)
+    reqs = server.share_keys_requests()
+    for v in params.nodes:
+        server.on_shares(v, clients[v].share_keys(reqs[v]))
+    reqs = server.masked_input_requests()
+    for v in params.nodes:
+        clients[v].receive_shares(reqs[v])
+        server.add_masked(v, clients[v].mask(torch.ones(params.dim, dtype=torch.int64)))
+    for v, (surv, dropped) in server.unmask_requests().items():
+        shares = clients[v].unmask(surv, dropped)
+        if v in liars:
+            shares = {name: b[:-1] + bytes([b[-1] ^ 0x55]) for name, b in shares.items()}
+        server.on_unmask(v, shares)
+    return params, server
+
+
+def test_two_holders_sending_wrong_shares_do_not_abort_a_round_with_enough_right_ones():
+    """Both among every owner's first t holders: trying the first t, all, and all but one failed, and
+    the round was aborted though 7 or 8 right shares of each owner were in (t = 5)."""
+    params = make_params(10, 9, 5)
+    liars = set(params.nodes[:2])
+    params, server = _unmask_with_liars(10, 9, 5, liars)
+    result = server.finish()
+    assert torch.equal(result.total, torch.full((params.dim,), 10, dtype=torch.int64))
+    assert set(server.bad_share_holders) == liars
+
+
+def test_too_many_wrong_shares_abort_the_round_with_the_reason():
+    params = make_params(6, 5, 3)
+    params, server = _unmask_with_liars(6, 5, 3, set(params.nodes[:3]))  # 2 right shares per owner at most
+    with pytest.raises(SecAggAborted, match="could not be rebuilt"):
+        server.finish()
 
 
 def test_parameters_are_checked():
@@ -420,6 +457,6 @@ def test_a_misshapen_share_in_an_unmask_reply_is_left_out_alone():
             name = sorted(shares)[0]
             shares[name] = shares[name] + b"\0" * 5000
         server.on_unmask(v, shares)
-    assert odd in server.responders
+    assert odd in server.responders and odd in server.bad_share_holders
     result = server.finish()
     assert torch.equal(result.total, torch.full((params.dim,), len(params.nodes), dtype=torch.int64))
