@@ -240,31 +240,24 @@ def test_client_never_reveals_both_secrets_of_one_node():
 
 
 def test_corrupted_share_is_left_out_or_aborts():
-    params, server, clients, keys = started(6, 5, 3)
-    reqs = server.share_keys_requests()
-    for v in params.nodes:
-        server.on_shares(v, clients[v].share_keys(reqs[v]))
-    reqs = server.masked_input_requests()
-    for v in params.nodes:
-        clients[v].receive_shares(reqs[v])
-        server.add_masked(v, clients[v].mask(torch.ones(params.dim, dtype=torch.int64)))
-    reqs = server.unmask_requests()
+    params = make_params(6, 5, 3)
     liar = params.nodes[0]
-    for v, (surv, dropped) in reqs.items():
-        shares = clients[v].unmask(surv, dropped)
+
+    def corrupt(v, shares):
         if v == liar:
             name = next(iter(shares))
-            raw = bytearray(shares[name])
-            raw[-1] ^= 0x55
-            shares[name] = bytes(raw)
-        server.on_unmask(v, shares)
+            shares[name] = shares[name][:-1] + bytes([shares[name][-1] ^ 0x55])
+        return shares
+
+    params, server = _unmask_round(6, 5, 3, corrupt)
     result = server.finish()  # 5 honest shares, t = 3: the bad one is left out
     assert torch.equal(result.total, torch.full((params.dim,), len(params.nodes), dtype=torch.int64))
     assert list(server.bad_share_holders) == [liar]  # and its sender named (counted by the coordinator)
 
 
-def _unmask_with_liars(n, k, t, liars):
-    """A round where each of ``liars`` flips a byte of every share it hands back for unmasking."""
+def _unmask_round(n, k, t, corrupt):
+    """A round of ``n`` nodes adding ones, up to the server's receipt of the unmask replies, each
+    passed through ``corrupt(node, shares)`` first."""
     params, server, clients, keys = started(n, k, t)
     reqs = server.share_keys_requests()
     for v in params.nodes:
@@ -274,11 +267,14 @@ def _unmask_with_liars(n, k, t, liars):
         clients[v].receive_shares(reqs[v])
         server.add_masked(v, clients[v].mask(torch.ones(params.dim, dtype=torch.int64)))
     for v, (surv, dropped) in server.unmask_requests().items():
-        shares = clients[v].unmask(surv, dropped)
-        if v in liars:
-            shares = {name: b[:-1] + bytes([b[-1] ^ 0x55]) for name, b in shares.items()}
-        server.on_unmask(v, shares)
+        server.on_unmask(v, corrupt(v, clients[v].unmask(surv, dropped)))
     return params, server
+
+
+def _unmask_with_liars(n, k, t, liars):
+    """Each of ``liars`` flips a byte of every share it hands back for unmasking."""
+    return _unmask_round(n, k, t, lambda v, shares: shares if v not in liars else
+                         {name: b[:-1] + bytes([b[-1] ^ 0x55]) for name, b in shares.items()})
 
 
 def test_two_holders_sending_wrong_shares_do_not_abort_a_round_with_enough_right_ones():
@@ -441,22 +437,18 @@ def test_share_ciphertexts_of_another_size_are_refused_by_the_server_naming_the_
 
 def test_a_misshapen_share_in_an_unmask_reply_is_left_out_alone():
     """One share of the wrong size costs the server that share, not the holder's whole answer."""
-    params, server, clients, keys = started(6, 5, 3)
-    reqs = server.share_keys_requests()
-    for v in params.nodes:
-        server.on_shares(v, clients[v].share_keys(reqs[v]))
-    reqs = server.masked_input_requests()
-    for v in params.nodes:
-        clients[v].receive_shares(reqs[v])
-        server.add_masked(v, clients[v].mask(torch.ones(params.dim, dtype=torch.int64)))
-    reqs = server.unmask_requests()
+    params = make_params(6, 5, 3)
     odd = params.nodes[0]
-    for v, (surv, dropped) in reqs.items():
-        shares = clients[v].unmask(surv, dropped)
+
+    def corrupt(v, shares):
         if v == odd:
             name = sorted(shares)[0]
             shares[name] = shares[name] + b"\0" * 5000
-        server.on_unmask(v, shares)
+        return shares
+
+    params, server = _unmask_round(6, 5, 3, corrupt)
     assert odd in server.responders and odd in server.bad_share_holders
     result = server.finish()
     assert torch.equal(result.total, torch.full((params.dim,), len(params.nodes), dtype=torch.int64))
+
+
