@@ -21,7 +21,8 @@ carry content["secagg"] ConfigRecord {stage, round, ...}, plus per stage:
 "secagg-keys" {node: public keys} (share-keys), "secagg-shares" {node: ciphertext}
 (share-keys reply, masked-input), the train records above (masked-input), and
 in the masked-input reply content["arrays"] {"masked": uint ring vector} with
-content["metrics"]. Pipelined rounds (``secagg-pipeline``) let the next round's first
+content["metrics"] (and "secagg-unopened" {node: b""} naming neighbours whose shares
+it could not decrypt or parse). Pipelined rounds (``secagg-pipeline``) let the next round's first
 two stages ride on this round's last two: a message may also carry
 content["secagg-next"] {stage: setup|share-keys, round: next, ...} with
 "secagg-next-keys" (share-keys), and its reply "secagg-next" {stage, round}
@@ -54,6 +55,7 @@ WORK_METRICS = ("train-time-s", CLIENT_TIME)  # the reported times a simulated d
 MESSAGE_TYPE_TRAIN = "train"
 MESSAGE_TYPE_SECAGG = "train.secagg"
 SECAGG, SECAGG_KEYS, SECAGG_SHARES, MASKED = "secagg", "secagg-keys", "secagg-shares", "masked"
+SECAGG_UNOPENED = "secagg-unopened"  # masked-input reply: {node: b""} for shares it could not open
 NEXT, NEXT_KEYS, NEXT_SHARES = "secagg-next", "secagg-next-keys", "secagg-next-shares"  # a piggybacked stage
 # What reading a malformed message's content raises beyond our own errors (a type, a key or a value it lacks):
 # the sender's fault, refused, never the receiver's end.

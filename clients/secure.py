@@ -27,7 +27,7 @@ from privacy.secagg.protocol import MAX_DIM, PublicKeys, SecAggClient, SecAggPar
 from ._errors import ClientError
 from .profile import PROFILE_KEYS
 from .protocol import (ARRAYS, CONFIG, CONTENT_ERRORS, MASKED, METRICS, NEXT, NEXT_KEYS, NEXT_SHARES, SECAGG,
-                       SECAGG_KEYS, SECAGG_SHARES, node_map)
+                       SECAGG_KEYS, SECAGG_SHARES, SECAGG_UNOPENED, node_map)
 
 STATE = "fedshield.secagg"
 RESIDUAL = "fedshield.secagg-residual"
@@ -46,7 +46,9 @@ def _masked_input(msg: Message, context: Context, client: SecAggClient, plan: di
     config = msg.content.config_records.get(CONFIG)
     if config is None or config.get("round") != client.params.round:
         raise ClientError(f"secagg masked-input must train for round {client.params.round}, the round set up.")
-    client.receive_shares(node_map(msg.content.config_records.get(SECAGG_SHARES), SECAGG_SHARES))
+    unopened = client.receive_shares(node_map(msg.content.config_records.get(SECAGG_SHARES), SECAGG_SHARES))
+    for u, why in sorted(unopened.items()):  # named in the reply; this node holds none of u's shares
+        log(WARNING, "[fedshield] secagg round %d: left out node %d's shares: %s", client.params.round, u, why)
     delta, metrics, _ = local_update(msg, context)
     numel = int(plan["numel"])
     if delta.numel() != numel:
@@ -82,7 +84,10 @@ def _masked_input(msg: Message, context: Context, client: SecAggClient, plan: di
     public = {"base-version", *PROFILE_KEYS} | ({"num-examples"} if plan["weighting"] == "num-examples" and "dp-mu"
                                                 not in plan else set())
     out = {k: v for k, v in metrics.items() if k in public}
-    return {ARRAYS: ArrayRecord({MASKED: Array(masked)}), METRICS: MetricRecord(out)}
+    reply = {ARRAYS: ArrayRecord({MASKED: Array(masked)}), METRICS: MetricRecord(out)}
+    if unopened:
+        reply[SECAGG_UNOPENED] = ConfigRecord({str(u): b"" for u in sorted(unopened)})
+    return reply
 
 
 def _save(context: Context, client: SecAggClient, plan: dict) -> None:

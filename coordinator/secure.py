@@ -47,6 +47,7 @@ from clients.protocol import (
     SECAGG,
     SECAGG_KEYS,
     SECAGG_SHARES,
+    SECAGG_UNOPENED,
     TrainInstruction,
     WEIGHTS,
     message_nbytes,
@@ -343,7 +344,9 @@ class SecureRound:
                     vector = array.numpy()
                 except Exception:  # noqa: BLE001 - any undecodable payload is the client's fault
                     raise SecAggRejected(node, "bad-array", "masked input is not a decodable array") from None
-                server.add_masked(node, vector)
+                unopened = reply.content.config_records.get(SECAGG_UNOPENED)  # shares it could not open
+                unopened = () if unopened is None else self._node_map(unopened, SECAGG_UNOPENED, node)
+                server.add_masked(node, vector, unopened)
                 weights[node] = weight
 
             contents = {n: RecordDict({SECAGG: ConfigRecord({"stage": "masked-input", "round": rnd}),
@@ -427,9 +430,9 @@ class SecureRound:
             reason = str(exc)
             log(WARNING, "[fedshield] round %d: secure aggregation failed: %s; the global model is unchanged", rnd, reason)
             survivors, dropped = tuple(sorted(server.survivors)), ()
-        for holder, why in sorted(server.bad_share_holders.items()):  # shares it handed back for unmasking
-            stats["rejected_by_rule"]["bad-share"] += 1
-            log(WARNING, "[fedshield] round %d secagg unmask: node %d sent %s; left out", rnd, holder, why)
+        for node, why in [*sorted(server.bad_senders.items()), *sorted(server.bad_share_holders.items())]:
+            stats["rejected_by_rule"]["bad-share"] += 1  # its shares (sent to its neighbours, or handed back)
+            log(WARNING, "[fedshield] round %d secagg: node %d sent %s; left out", rnd, node, why)
         rejected = stats["rejected_by_rule"]
         row = {
             "replies": stats["replies"], "accepted": len(survivors) if update is not None else 0,

@@ -43,10 +43,14 @@ picks the graph seed. Clients colluding with the server are not modelled
 (``choose_degree`` ignores a corrupted fraction), and under distributed DP they
 could subtract their own noise shares. A client can add any ring element as its
 input (SecAgg hides inputs, so no norm check is possible); the coordinator checks
-what it can of the result (the summed weight, the mean's range). A client that
-sends its neighbours undecryptable shares makes those neighbours refuse the
-round (they cannot tell whom to blame safely); the refusal names the sender in
-its error.
+what it can of the result (the summed weight, the mean's range). Share ciphertexts
+of any size but an honest one's are refused by the server at share-keys. One that
+a neighbour cannot decrypt or parse is left out by that neighbour, which still
+masks with the sender, names it in its masked-input reply, and is not asked for
+the sender's shares (the server counts the sender). Shares handed back for
+unmasking are decoded around wrong ones (Berlekamp-Welch). What a client can
+always do is make a round fail: shares of its own secrets that do not rebuild, or
+out-of-range ring elements; SecAgg cannot tell who.
 """
 
 from __future__ import annotations
@@ -305,8 +309,12 @@ class SecAggClient:
         self.stage = "masked-input"
         return out
 
-    def receive_shares(self, ciphertexts: Mapping[int, bytes]) -> None:
-        """Stage 3, first half: decrypt and keep the shares neighbours sent me."""
+    def receive_shares(self, ciphertexts: Mapping[int, bytes]) -> dict[int, str]:
+        """Stage 3, first half: decrypt and keep the shares neighbours sent me. A neighbour's that
+        fails authentication or is misshapen is not kept and is returned (sender -> why), for the
+        reply to name: this node still masks with that neighbour (the server expects it to), holds
+        none of its shares, and is then never asked for one. Refusing the stage instead would let one
+        faulty neighbour take every honest node it shares with out of the round."""
         self._expect("masked-input")
         p, me = self.params, self.node_id
         if not set(ciphertexts) <= set(self.peers):
@@ -314,12 +322,16 @@ class SecAggClient:
         if len(ciphertexts) < p.threshold:
             raise SecAggRejected(me, "too-few-neighbours", f"{len(ciphertexts)} neighbours shared keys; "
                                                            f"t={p.threshold} needed")
-        held = {}
+        held, unopened = {}, {}
         for u, ct in ciphertexts.items():
-            plain = decrypt_share(self.transport[u], ct, sender=u, receiver=me, round=p.round, stage="share-keys")
-            held[u] = _open(plain, u, me, len(p.graph()[u]))
+            try:
+                plain = decrypt_share(self.transport[u], ct, sender=u, receiver=me, round=p.round, stage="share-keys")
+                held[u] = _open(plain, u, me, len(p.graph()[u]))
+            except (PrivacyError, SecAggRejected) as exc:
+                unopened[u] = str(exc)
         self.held = held
         self.maskers = tuple(sorted(ciphertexts))
+        return unopened
 
     def mask(self, q: torch.Tensor) -> np.ndarray:
         """Stage 3, second half: ``q`` (ring elements, length dim) plus self and pairwise masks, mod 2**bits.
@@ -347,8 +359,9 @@ class SecAggClient:
             raise SecAggRejected(me, "bad-unmask", "this node cannot be named dropped in a request sent to it")
         if not (surv | drop) <= set(self.held) | {me}:
             raise SecAggRejected(me, "bad-unmask", "the request names nodes whose shares this node does not hold")
-        if set(self.maskers) - surv - drop - {me}:
-            raise SecAggRejected(me, "bad-unmask", "every neighbour I masked with must be named survivor or dropped")
+        if (set(self.maskers) & set(self.held)) - surv - drop - {me}:
+            raise SecAggRejected(me, "bad-unmask", "every neighbour I masked with and hold shares of must be named "
+                                                   "survivor or dropped")
         if len((surv - {me}) & set(self.held)) + (me in surv) < p.threshold:
             raise SecAggRejected(me, "too-few-neighbours", f"fewer than t={p.threshold} neighbours survived")
         self.stage = "done"
@@ -439,6 +452,8 @@ class SecAggServer:
         # holder -> why: sent an unmask share that is misshapen, at another x, or off the owner's polynomial.
         # Counted by the caller; such a holder's other shares are not used while a round can do without them.
         self.bad_share_holders: dict[int, str] = {}
+        self.unheld: dict[int, frozenset[int]] = {}  # survivor -> maskers whose shares it could not open
+        self.bad_senders: dict[int, str] = {}  # node -> why: a receiver could not open its share ciphertext
 
     # stage 1 --------------------------------------------------------------------------------
     def on_keys(self, node: int, keys: PublicKeys) -> None:
@@ -519,10 +534,16 @@ class SecAggServer:
         if want.itemsize * 8 > p.bits and int(vector.max()) >> p.bits:
             raise SecAggRejected(node, "bad-array", f"masked input values must be below 2**{p.bits}")
 
-    def add_masked(self, node: int, vector: np.ndarray) -> None:
+    def add_masked(self, node: int, vector: np.ndarray, unopened: Iterable[int] = ()) -> None:
+        """Add one masked input. ``unopened``: the maskers whose share ciphertexts ``node`` reports it
+        could not open (it is not asked for their shares; they are recorded in ``bad_senders``; a
+        node it did not mask with is ignored)."""
         self.check_masked(node, vector)
         np.add(self.total, vector, out=self.total, casting="unsafe")
         self.survivors.add(node)
+        self.unheld[node] = frozenset(unopened) & self.maskers_of[node]
+        for u in sorted(self.unheld[node]):
+            self.bad_senders.setdefault(u, f"a share ciphertext node {node} could not open")
 
     def unmask_requests(self) -> dict[int, tuple[list[int], list[int]]]:
         """Stage 4 messages: for each survivor, its surviving and its dropped neighbours."""
@@ -533,7 +554,7 @@ class SecAggServer:
         dropped = self.masked_from - self.survivors
         out = {}
         for v in sorted(self.survivors):
-            nb = self.graph[v] & self.masked_from
+            nb = (self.graph[v] & self.masked_from) - self.unheld.get(v, frozenset())
             surv, drop = (nb & self.survivors) | {v}, nb & dropped
             self.unmask_asked[v] = (frozenset(surv), frozenset(drop))
             out[v] = (sorted(surv), sorted(drop))
