@@ -26,7 +26,7 @@ from privacy.secagg.protocol import MAX_DIM, PublicKeys, SecAggClient, SecAggPar
 
 from ._errors import ClientError
 from .profile import PROFILE_KEYS
-from .protocol import (ARRAYS, CONFIG, CONTENT_ERRORS, MASKED, METRICS, NEXT, NEXT_KEYS, NEXT_SHARES, SECAGG,
+from .protocol import (ARRAYS, CONFIG, MASKED, METRICS, NEXT, NEXT_KEYS, NEXT_SHARES, SECAGG,
                        SECAGG_KEYS, SECAGG_SHARES, SECAGG_UNOPENED, node_map)
 
 STATE = "fedshield.secagg"
@@ -205,8 +205,8 @@ def run_secagg_stage(msg: Message, context: Context) -> Message:
             content[NEXT] = ConfigRecord({"stage": stage2, "round": rnd2})
             for name, rec in out2.items():
                 content[NEXT_KEYS if name == SECAGG_KEYS else NEXT_SHARES] = rec
-        except (ClientError, PrivacyError, *CONTENT_ERRORS) as exc:
-            # This round's answer (and the state it saved) stands: whatever the next round's part holds.
+        except Exception as exc:  # noqa: BLE001 - even one that exhausts memory (a coordinator's graph of 2**20
+            # nodes): this round's answer, and the state it saved or deleted, stands whatever the next round's part holds
             log(WARNING, "[fedshield] secagg: the next round's stage sent with round %d's %s was refused: %s", rnd,
                 stage, exc if isinstance(exc, ClientError | PrivacyError) else type(exc).__name__)
     return Message(content, reply_to=msg)

@@ -604,6 +604,27 @@ def test_a_bad_piggybacked_stage_costs_the_node_the_next_round_only(tmp_path, ca
     torch.testing.assert_close(wf.weights, plain_by_round(tmp_path, nodes, **{"num-rounds": 3}), rtol=0, atol=1e-6)
 
 
+def test_a_piggybacked_stage_that_exhausts_memory_costs_the_node_the_next_round_only(tmp_path, monkeypatch, caplog):
+    """A MemoryError (a coordinator's setup for a graph of 2**20 nodes) in the next round's part turned
+    the whole reply into an error, this round's masked input with it."""
+    from privacy.secagg import protocol
+
+    setup = protocol.SecAggClient.setup.__func__
+
+    def failing_setup(cls, node, params):
+        if node == 1002 and params.round == 2:
+            raise MemoryError("Unable to allocate 8.00 TiB")
+        return setup(cls, node, params)
+
+    monkeypatch.setattr(protocol.SecAggClient, "setup", classmethod(failing_setup))
+    with caplog.at_level(logging.WARNING):
+        wf = run(tmp_path, InProcessGrid(app, N), **SECURE, **{"num-rounds": 2})
+    first, second = wf.history
+    assert first["secagg_survivors"] == N and first["rejected"] == 0  # its masked input went back
+    assert second["secagg_survivors"] == N - 1
+    assert "was refused: MemoryError" in caplog.text
+
+
 def test_a_round_failing_at_unmask_does_not_leave_the_next_one_half_set_up(tmp_path):
     # Half the nodes vanish at round 1's unmask, which also carries round 2's share-keys: round 1 cannot rebuild
     # its self seeds, and round 2 has too few sharers, so round 2 is set up again, on its own, with the nodes left.
