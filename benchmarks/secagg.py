@@ -44,7 +44,9 @@ Report = _report.Report
 
 
 # -- part 1: the protocol's compute per stage -------------------------------------------------------
-def protocol_stage_times(n: int, dim: int, k: int, t: int) -> dict[str, float]:
+def protocol_stage_times(n: int, dim: int, k: int, t: int, liars: int = 0) -> dict[str, float]:
+    """Each stage's compute; ``liars``: that many holders flip a byte of every share they hand back
+    for unmasking (the server decodes around them and names them)."""
     from privacy.secagg.protocol import SecAggClient, SecAggParams, SecAggServer
 
     params = SecAggParams.create(1, range(1, n + 1), degree=k, threshold=t, bits=32, clip=1.0, dim=dim)
@@ -75,9 +77,12 @@ def protocol_stage_times(n: int, dim: int, k: int, t: int) -> dict[str, float]:
     reqs = timed("server unmask", server.unmask_requests)
     for v, (surv, drop) in reqs.items():
         shares = timed("client unmask", clients[v].unmask, surv, drop)
+        if v <= liars:
+            shares = {name: b[:-1] + bytes([b[-1] ^ 0x55]) for name, b in shares.items()}
         timed("server unmask", server.on_unmask, v, shares)
     result = timed("server unmask", server.finish)
     assert torch.equal(result.total, (q * n) & 0xFFFFFFFF), "unmasked sum must equal the plain sum"
+    assert sorted(server.bad_share_holders) == list(range(1, liars + 1)), "the wrong shares' holders must be named"
     return {name: (v / n if name.startswith("client") else v) for name, v in times.items()}
 
 
@@ -228,8 +233,12 @@ def main() -> None:
 
     print("\n## Part 1: compute per stage (fedshield's protocol in memory; client = mean per client)")
     for name, (k, t) in graphs.items():
-        for stage, sec in protocol_stage_times(n, numel + 1, k, t).items():
+        honest = protocol_stage_times(n, numel + 1, k, t)
+        for stage, sec in honest.items():
             rep.add(f"{name} (k={k}, t={t}): {stage}", sec * 1e3, "ms")
+        liars = protocol_stage_times(n, numel + 1, k, t, liars=2)["server unmask"]
+        rep.add(f"{name} (k={k}, t={t}): server unmask, 2 holders' shares all wrong", liars * 1e3, "ms",
+                "all shares right", honest["server unmask"] * 1e3, ratio=liars / honest["server unmask"])
 
     print(f"\n## Part 2: one round end to end on {'Flower' if ENGINE == 'flower' else 'fedshield'}'s "
           f"{'simulation engine (Ray)' if ENGINE == 'flower' else 'in-process Grid'}")
