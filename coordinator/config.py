@@ -203,6 +203,16 @@ MAX_DP_CLIP = 1e9  # with z <= 1e6 the noise's std stays far inside float32
 COUNT_BUDGET_SHARE = 0.1  # clip-count-noise = 0 (auto): the noised count takes this share of a round's budget
 
 
+def _shown(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else repr(value)  # as TOML writes it
+
+
+# The dp modes each setting is read under (the others must leave it at its default).
+_DP_KEY_MODES = {"dp_clip": ("central", "distributed"), "dp_noise_multiplier": ("central", "distributed"),
+                 "dp_secure_noise": ("central",), "local_noise_multiplier": ("local",),
+                 "local_max_grad_norm": ("local",)}
+
+
 @dataclasses.dataclass(frozen=True)
 class PrivacySettings:
     """Differential privacy: central (the coordinator clips and noises the sum) or local (DP-SGD)."""
@@ -254,6 +264,20 @@ class PrivacySettings:
               f"be in (0, {MAX_NOISE_MULTIPLIER:g}] (no noise: no privacy; past that the accountant overflows)",
               self.local_noise_multiplier)
         check(self.local_max_grad_norm > 0, "local-max-grad-norm", "be > 0", self.local_max_grad_norm)
+        # A setting that the chosen dp mode does not use must keep its default: set, it would be ignored
+        # (a noise multiplier under dp = "none" ran with no noise at all, silently).
+        default = PrivacySettings.__dataclass_fields__
+        for name, modes in _DP_KEY_MODES.items():
+            value = getattr(self, name)
+            if self.dp not in modes and value != default[name].default:
+                raise ConfigError(f"{name.replace('_', '-')} must be left at {_shown(default[name].default)} unless dp "
+                                  f"is {' or '.join(repr(m) for m in modes)} (under dp = {self.dp!r} it would be "
+                                  f"ignored). Found {_shown(value)}.")
+        for name in ("clip_target_quantile", "clip_learning_rate", "clip_count_noise"):
+            value = getattr(self, name)
+            if not self.adaptive_clipping and value != default[name].default:
+                raise ConfigError(f"{name.replace('_', '-')} must be left at {_shown(default[name].default)} unless "
+                                  f"adaptive-clipping is true (it would be ignored). Found {_shown(value)}.")
 
     def count_noise_std(self, z: float) -> float:
         """The adaptive clip's count noise std (sigma_b, in counts) for the round noise multiplier ``z``.

@@ -61,6 +61,24 @@ def time_label(runs: list[list[dict[str, Any]]]) -> str:
     return "simulated on the virtual engine, else rounds' wall time summed"
 
 
+def _pyplot() -> Any:
+    """matplotlib's pyplot, headless, drawing text as given: a title or label comes from a run
+    directory's or scenario's name, and mathtext would read a '$' in it as a formula (a parse error
+    after the run had trained)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    matplotlib.rcParams["text.parse_math"] = False
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _plain(text: str) -> str:
+    """``text`` with what a font cannot take (a path's undecodable bytes, kept as surrogates) replaced."""
+    return str(text).encode("utf-8", "replace").decode("utf-8")
+
+
 def _atomic_write(path: Path, data: bytes) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as fh:
@@ -198,12 +216,10 @@ class RunDirectory:
 
     def plot_epsilon(self, rows: list[dict[str, Any]], title: str) -> None:
         """``epsilon.png``: privacy spent per round (central epsilon and/or clients' largest)."""
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = _pyplot()
 
         fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+        title = _plain(title)
         for key, label in (("epsilon", "central epsilon"), ("local_epsilon_max", "largest client epsilon")):
             pts = [(r["round"], r[key]) for r in rows if r.get(key) is not None]
             if pts:
@@ -218,15 +234,13 @@ class RunDirectory:
 
     def plot_accuracy_vs_time(self, runs: dict[str, list[dict[str, Any]]], title: str) -> None:
         """``accuracy_vs_time.png``: test accuracy against (simulated) time, one line per run."""
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = _pyplot()
 
         fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+        title = _plain(title)
         for label, rows in runs.items():
             if rows:
-                ax.plot(time_axis(rows), [r["test_accuracy"] for r in rows], "o-", markersize=3, label=label)
+                ax.plot(time_axis(rows), [r["test_accuracy"] for r in rows], "o-", markersize=3, label=_plain(label))
         ax.set_xlabel(f"time (s; {time_label([rows for rows in runs.values() if rows])})")
         ax.set_ylabel("test accuracy")
         ax.set_ylim(0, 1)
@@ -246,12 +260,10 @@ class RunDirectory:
 
     def plot(self, rows: list[dict[str, Any]], title: str) -> None:
         """``accuracy.png``: test accuracy and loss per round."""
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = _pyplot()
 
         rounds = [r["round"] for r in rows]
+        title = _plain(title)
         fig, ax1 = plt.subplots(figsize=(7, 4), dpi=100)
         ax1.plot(rounds, [r["test_accuracy"] for r in rows], "o-", color="tab:blue", label="test accuracy")
         ax1.set_xlabel("round")

@@ -61,12 +61,13 @@ def default_run_dir(run_id: int) -> Path:
 
 def make_server_app(
     cfg: RunConfig | None = None, on_round: RoundCallback | None = None, result: dict[str, Any] | None = None,
-    stop: threading.Event | None = None,
+    stop: threading.Event | None = None, sim_nodes: int | None = None,
 ) -> ServerApp:
     """A ServerApp running ``cfg`` (or, when None, the config in ``context.run_config``).
 
     ``result`` (optional) receives the run's summary, for in-process callers. ``stop`` (optional):
     setting it ends the run within one poll interval (RunInterrupted), nothing more saved.
+    ``sim_nodes``: a simulation's node count (it sets the data split, so a resume must agree with it).
     """
     app = ServerApp()
 
@@ -75,7 +76,9 @@ def make_server_app(
         run_cfg = cfg if cfg is not None else RunConfig.from_mapping(context.run_config)
         run_dir = RunDirectory(run_cfg.server.run_dir or default_run_dir(context.run_id))
         clock = StoppableClock(stop) if stop is not None else None
-        summary = make_workflow(run_cfg, grid, run_dir, clock=clock, on_round=on_round).run()
+        wf = make_workflow(run_cfg, grid, run_dir, clock=clock, on_round=on_round)
+        wf.sim_nodes = sim_nodes
+        summary = wf.run()
         if result is not None:
             result.update(summary)
 

@@ -94,7 +94,7 @@ def load_coordinator_config(path: str | os.PathLike, run_dir: str | None = None)
         raise ConfigError(f"[run] must be a table. Found {type(run_map).__name__}.")
     run_map = dict(run_map)
     base = p.parent.resolve()
-    if run_dir is not None:  # the --run-dir flag: relative to where the command runs, like simulate's
+    if run_dir:  # the --run-dir flag: relative to where the command runs, like simulate's ('' counts as unset, as there)
         run_map["run-dir"] = str(resolve_path(run_dir, "--run-dir"))
     given = run_map.get("run-dir", "")
     check(isinstance(given, str), "run.run-dir", "be a path (a string)", given)

@@ -124,6 +124,8 @@ def check_fingerprint(ckpt: dict[str, Any], want: dict[str, Any], path: Any) -> 
     must agree."""
     have = ckpt["fingerprint"]
     keys = set(have) | set(want) if have.get("fingerprint-version") == FINGERPRINT_VERSION else set(have)
+    if "nodes" not in have:  # a Flower-engine simulation's checkpoint from before it recorded its node count
+        keys.discard("nodes")
     diff = ", ".join(f"{k} = {shown(have.get(k, '(unset)'), 40)} there, {shown(want.get(k, '(unset)'), 40)} now"
                      for k in sorted(keys, key=str) if have.get(k) != want.get(k))
     if diff:
@@ -199,9 +201,11 @@ class SyncWorkflow:
         return self.slow_link is not None and link is not None and link < self.cfg.aggregation.slow_link_mbps
 
     # -- state -------------------------------------------------------------
+    sim_nodes: int | None = None  # a simulation on Flower's engine: its node count (the grid does not tell)
+
     def fingerprint(self) -> dict[str, Any]:
         """What a run directory's checkpoint must agree with to be resumed: see :func:`run_fingerprint`."""
-        nodes = len(self.grid.contexts) if isinstance(getattr(self.grid, "contexts", None), dict) else None
+        nodes = len(self.grid.contexts) if isinstance(getattr(self.grid, "contexts", None), dict) else self.sim_nodes
         return run_fingerprint(self.cfg, self.numel, nodes)
 
     def _resume(self) -> None:

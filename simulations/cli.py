@@ -24,6 +24,8 @@ def _simulate(args: argparse.Namespace) -> int:
     from coordinator.progress import accuracy_text as _accuracy
     from coordinator.rundir import SUMMARY
 
+    from clients.config import resolve_path
+
     from .runner import check_partitions, check_ray_cluster, run_scenario
     from .scenario import load_scenario, parse_override
 
@@ -42,15 +44,16 @@ def _simulate(args: argparse.Namespace) -> int:
     if len(scenarios) == 1:
         scn = scenarios[0]
         # --run-dir, else the scenario's run-dir (its file or --set run.run-dir=...), else runs/NAME-STAMP
-        run_dir = Path(args.run_dir or scn.run.server.run_dir or Path("runs") / f"{scn.sim.name}-{stamp}").expanduser()
+        run_dir = (resolve_path(args.run_dir, "--run-dir") if args.run_dir else _own_run_dir(scn)
+                   or Path("runs") / f"{scn.sim.name}-{stamp}")
         runs = [(scn, run_dir)]
     else:  # a comparison: one run directory each under one parent, and one accuracy_vs_time.png over all
-        parent = Path(args.run_dir).expanduser() if args.run_dir else Path("runs") / f"compare-{stamp}"
+        parent = resolve_path(args.run_dir, "--run-dir") if args.run_dir else Path("runs") / f"compare-{stamp}"
         names = [s.sim.name if [t.sim.name for t in scenarios].count(s.sim.name) == 1 else f"{i}-{s.sim.name}"
                  for i, s in enumerate(scenarios)]
         # a scenario's own run-dir is used when --run-dir is not given (--set run.run-dir applies to all of them)
-        runs = [(scn, Path(scn.run.server.run_dir).expanduser() if scn.run.server.run_dir and not args.run_dir
-                 else parent / name) for scn, name in zip(scenarios, names, strict=True)]
+        runs = [(scn, (None if args.run_dir else _own_run_dir(scn)) or parent / name)
+                for scn, name in zip(scenarios, names, strict=True)]
         dirs = [d.resolve() for _, d in runs]
         if len(set(dirs)) < len(dirs):
             from clients import ConfigError
@@ -106,14 +109,20 @@ def _simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _own_run_dir(scn) -> Path | None:
+    """The scenario's own run-dir (its file's, or --set run.run-dir=...), if it has one."""
+    from clients.config import resolve_path
+
+    return resolve_path(scn.run.server.run_dir, "run.run-dir") if scn.run.server.run_dir else None
+
+
 def _check_same_run(scn, ckpt: dict, run_dir: Path) -> None:
     """CoordinatorError naming each setting in which ``run_dir``'s checkpoint differs from ``scn``."""
     from clients.tasks import get_task
     from coordinator.workflow import check_fingerprint, run_fingerprint
 
     numel = sum(p.numel() for p in get_task(scn.run.task).build_model().parameters())
-    nodes = scn.sim.num_supernodes if scn.sim.engine in ("inprocess", "virtual") else None  # as the workflow sees it
-    check_fingerprint(ckpt, run_fingerprint(scn.run, numel, nodes), run_dir)
+    check_fingerprint(ckpt, run_fingerprint(scn.run, numel, scn.sim.num_supernodes), run_dir)  # (as every engine's)
 
 
 def _in_file(path: str | None, name_it: bool, fn, *args):

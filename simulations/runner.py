@@ -281,7 +281,7 @@ def run_flower_engine(scn: Scenario, on_round: RoundCallback | None) -> dict[str
             warnings.filterwarnings("ignore", message="Tip: In future versions of Ray", category=FutureWarning)
             try:
                 run_simulation(
-                    server_app=make_server_app(scn.run, on_round, result, stop=stop),
+                    server_app=make_server_app(scn.run, on_round, result, stop=stop, sim_nodes=scn.sim.num_supernodes),
                     client_app=client_app,
                     num_supernodes=scn.sim.num_supernodes,
                     backend_config=_backend_config(scn),

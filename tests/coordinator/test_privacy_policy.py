@@ -228,6 +228,28 @@ def test_a_budget_that_would_be_ignored_or_cannot_fit_one_round_is_refused_up_fr
     assert RunConfig.from_mapping(fits).privacy.target_epsilon == 11.0
 
 
+@pytest.mark.parametrize(("setting", "message"), [
+    # a noise multiplier without dp ran with no noise at all, silently
+    ({"dp-noise-multiplier": 1.2}, "run.dp-noise-multiplier must be left at 0.0 unless dp is 'central' or "
+                                   "'distributed' (under dp = 'none' it would be ignored). Found 1.2."),
+    ({"dp-secure-noise": True}, "run.dp-secure-noise must be left at false unless dp is 'central'"),
+    ({"dp": "distributed", "secure-aggregation": "secagg+", "secagg-weighting": "uniform", "dp-noise-multiplier": 1.0,
+      "dp-secure-noise": True}, "run.dp-secure-noise must be left at false unless dp is 'central'"),
+    ({"dp": "local", "dp-clip": 2.0}, "run.dp-clip must be left at 1.0 unless dp is 'central' or 'distributed'"),
+    ({"dp": "central", "dp-noise-multiplier": 1.0, "local-noise-multiplier": 2.0},
+     "run.local-noise-multiplier must be left at 1.0 unless dp is 'local'"),
+    ({"local-max-grad-norm": 3.0}, "run.local-max-grad-norm must be left at 1.0 unless dp is 'local'"),
+    ({"dp": "central", "dp-noise-multiplier": 1.0, "clip-learning-rate": 0.5},
+     "run.clip-learning-rate must be left at 0.2 unless adaptive-clipping is true"),
+])
+def test_a_privacy_setting_the_dp_mode_would_ignore_is_refused(setting, message):
+    from clients import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        RunConfig.from_mapping(setting, where="run")
+    assert str(info.value).startswith(message), str(info.value)
+
+
 def test_adaptive_clipping_outside_central_dp_is_refused():
     from clients import ConfigError
 

@@ -127,3 +127,15 @@ def test_time_label_says_what_the_time_axis_measures():
     assert time_label([WALL]) == "rounds' wall time summed"
     assert time_label([SIMULATED, SIMULATED]) == "simulated on the virtual engine"
     assert "simulated" in time_label([WALL, SIMULATED]) and "wall time" in time_label([WALL, SIMULATED])
+
+
+def test_plots_draw_titles_and_labels_as_given(tmp_path):
+    """A '$' in a run directory's or scenario's name was read as mathtext (a parse error after the run had
+    trained, and again at every resume); a path's undecodable byte was a TypeError in the font code."""
+    rd = RunDirectory(tmp_path / "run")
+    rows = [{"round": 1, "test_accuracy": 0.5, "test_loss": 1.0, "epsilon": 1.0, "round_time_s": 1.0}]
+    rd.plot(rows, "rd_$_$ \udcff")
+    rd.plot_epsilon(rows, "a$_$")
+    rd.plot_accuracy_vs_time({"rd_$_$ \udcff": rows}, "b$")
+    assert all((tmp_path / "run" / name).stat().st_size > 0
+               for name in ("accuracy.png", "epsilon.png", "accuracy_vs_time.png"))

@@ -57,6 +57,8 @@ def test_run_dir_flag_is_relative_to_the_working_directory_and_the_file_s_to_the
     assert load_coordinator_config(conf / "coordinator.toml").run.server.run_dir == str(conf / "from-file")
     flag = load_coordinator_config(conf / "coordinator.toml", run_dir="myrun")
     assert flag.run.server.run_dir == str(work / "myrun")
+    # an empty flag counts as unset (it was the working directory itself), as simulate's does
+    assert load_coordinator_config(conf / "coordinator.toml", run_dir="").run.server.run_dir == str(conf / "from-file")
 
 
 def _record(exc: Exception) -> logging.LogRecord:

@@ -173,6 +173,34 @@ def test_a_tilde_in_the_run_dir_is_the_home_directory(tmp_path, monkeypatch):
     assert not (tmp_path / "~").exists()
 
 
+@pytest.mark.parametrize("where", [["--run-dir", "~nouserxx9/r"], ["--set", 'run.run-dir="~nouserxx9/r"'],
+                                   [str(EXAMPLES / "default.toml"), str(EXAMPLES / "synthetic-iid.toml"),
+                                    "--run-dir", "~nouserxx9/r"]])
+def test_a_run_dir_under_an_unknown_users_home_is_one_line(where, capsys):
+    """It was a RuntimeError traceback ("Could not determine home directory")."""
+    assert main(["simulate", "--engine", "inprocess", "--rounds", "1", "--quiet", *where]) == 2
+    assert "home directory. Found '~nouserxx9/r': no user 'nouserxx9'" in _one_error_line(capsys)
+
+
+def test_a_flower_engine_run_is_not_resumed_with_another_node_count(tmp_path):
+    """The check compared the node count only for fedshield's engines: a Flower-engine run of 2 clients
+    resumed with 6, its data split changed mid-run. (A checkpoint from before it was recorded is let by.)"""
+    from clients.tasks import get_task
+    from coordinator import CoordinatorError
+    from coordinator.workflow import run_fingerprint
+    from simulations.scenario import load_scenario
+
+    def scn(n):
+        return load_scenario(None, {"simulation.engine": "flower", "simulation.num-supernodes": n, "run.min-nodes": 2})
+
+    numel = sum(p.numel() for p in get_task(scn(2).run.task).build_model().parameters())
+    ckpt = {"fingerprint": run_fingerprint(scn(2).run, numel, 2)}
+    cli._check_same_run(scn(2), ckpt, tmp_path)
+    with pytest.raises(CoordinatorError, match="nodes = 2 there, 6 now"):
+        cli._check_same_run(scn(6), ckpt, tmp_path)
+    cli._check_same_run(scn(6), {"fingerprint": run_fingerprint(scn(2).run, numel)}, tmp_path)  # none recorded
+
+
 def test_comparison_labels_time_by_what_it_measures(tmp_path, capsys):
     parent = tmp_path / "cmp"
     _fake_run(parent / "default", 2, simulated=False)
@@ -266,7 +294,7 @@ def test_simulate_uses_the_scenario_s_run_dir_unless_the_flag_is_given(tmp_path,
     base = ["simulate", "--engine", "inprocess", "--rounds", "1", "--quiet"]
     assert cli.main([*base, "--set", "run.run-dir=from-set"]) == 0
     assert cli.main([*base, "--set", "run.run-dir=from-set", "--run-dir", "from-flag"]) == 0
-    assert seen == [Path("from-set"), Path("from-flag")]
+    assert seen == [tmp_path / "from-set", tmp_path / "from-flag"]  # relative to the working directory
 
 
 def test_a_comparison_refuses_one_run_dir_for_two_scenarios(tmp_path, monkeypatch, capsys):
