@@ -195,11 +195,24 @@ def check_ray_cluster(scn: Scenario) -> str | None:
     return None
 
 
+MAX_ACTORS_PER_CPU = 4  # client actors Flower's pool may start per CPU of a Ray instance of the run's own
+
+
 def check_local_resources(scn: Scenario) -> None:
     """On a Ray instance of the run's own, one client actor must fit: ``client-cpus`` within the CPUs
     Ray gets (``ray-num-cpus``, else this machine's), ``client-gpus`` only where there is a GPU.
     Unchecked, Flower's engine logs an "ActorPool is empty" traceback per attempt and the run fails."""
-    cpus = scn.sim.ray_num_cpus or os.cpu_count() or 1
+    machine = os.cpu_count() or 1
+    if scn.sim.ray_num_cpus > machine:
+        raise CoordinatorError(f"simulation.ray-num-cpus must be <= this machine's {machine} CPUs for a Ray instance of "
+                               f"the run's own (Flower starts one client actor per client-cpus of them: more would "
+                               f"only take turns on the cores, each with its own process). Found {scn.sim.ray_num_cpus}.")
+    cpus = scn.sim.ray_num_cpus or machine
+    actors = int(cpus / scn.sim.client_cpus)  # Flower's pool: as many actors as fit the CPUs
+    if actors > MAX_ACTORS_PER_CPU * cpus:
+        raise CoordinatorError(f"simulation.client-cpus must be >= {1 / MAX_ACTORS_PER_CPU:g}: Flower would start "
+                               f"{actors} client actors (processes) on {cpus} CPUs, at most {MAX_ACTORS_PER_CPU} per "
+                               f"CPU run usefully. Found {scn.sim.client_cpus:g}.")
     if scn.sim.client_cpus > cpus:
         raise CoordinatorError(f"simulation.client-cpus must be <= the {cpus} CPUs Ray gets here "
                                f"({'ray-num-cpus' if scn.sim.ray_num_cpus else 'this machine'}): no client actor would "

@@ -234,6 +234,13 @@ def test_a_client_actor_that_cannot_fit_on_the_runs_own_ray_is_one_error(monkeyp
     check_local_resources(scn(client_cpus=2.0))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     check_local_resources(scn(client_gpus=0.5))
+    # Flower starts CPUs / client-cpus actors, whatever the client count: 0.001 started 2000 processes on 2 CPUs
+    # (the run hung); ray-num-cpus = 64 on 2 cores ran 64 actors in turns (137 s for a 15 s run)
+    with pytest.raises(CoordinatorError, match=r"client-cpus must be >= 0.25: Flower would start 2000 client actors"):
+        check_local_resources(scn(client_cpus=0.001))
+    with pytest.raises(CoordinatorError, match=r"ray-num-cpus must be <= this machine's 2 CPUs"):
+        check_local_resources(scn(ray_num_cpus=64))
+    check_local_resources(scn(client_cpus=0.25))
 
 
 @pytest.mark.parametrize("engine", ["inprocess", "virtual"])
