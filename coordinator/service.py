@@ -143,6 +143,13 @@ class Coordinator:
                 raise ConfigError("coordinator.enrolled-keys must list at least one client public key (TLS with "
                                   "node authentication admits only enrolled keys). Found none.")
             self.keys = [check_public_key(cfg.path(k, "coordinator.enrolled-keys")) for k in s.enrolled_keys]
+            # Only enrolled nodes can join: a round needing more of them would wait out wait-nodes-timeout, then fail.
+            # (Keys listed twice count once.)
+            enrolled = len({k.read_bytes().split()[1] for k in self.keys})  # (checked OpenSSH: type, key, comment)
+            need = cfg.run.server.min_nodes
+            if need > enrolled:
+                raise ConfigError(f"run.min-nodes must be <= the {enrolled} enrolled client key(s) (only enrolled nodes "
+                                  f"can join: no round could start). Found {need}.")
         self.superlink: subprocess.Popen | None = None
         self.log_path = self.state / "superlink.log"
 

@@ -219,3 +219,15 @@ def test_waiting_for_a_superlink_that_fails_verification_names_the_tls_error(tmp
     assert message.startswith(f"the SuperLink must answer on https://127.0.0.1:{server.server_address[1]}/health within "
                               "0.5 s. Found no answer; the last TLS error was: ")
     assert "IP address mismatch" in message and str(certs.server_cert) in message
+
+
+def test_more_min_nodes_than_enrolled_keys_is_refused_before_anything_starts(tmp_path, capsys):
+    """Only enrolled nodes can join under TLS: min-nodes = 2 with one key (listed twice) waited out
+    wait-nodes-timeout with a SuperLink up, then failed."""
+    _tls_config(tmp_path)
+    text = (tmp_path / "c.toml").read_text().replace('["keys/client-1.pub"]', '["keys/client-1.pub", "keys/client-1.pub"]')
+    (tmp_path / "c.toml").write_text(text.replace("min-nodes = 1", "min-nodes = 2"))
+    assert main(["coordinator", "start", "--config", str(tmp_path / "c.toml")]) == 2
+    assert _one_error_line(capsys) == ("fedshield: error: run.min-nodes must be <= the 1 enrolled client key(s) (only "
+                                       "enrolled nodes can join: no round could start). Found 2.")
+    assert not (tmp_path / "coordinator-state").exists(), "refused before anything starts"
