@@ -230,7 +230,9 @@ def supernode_command(args: argparse.Namespace) -> list[str]:
         except OSError as exc:
             raise ClientError(f"--port {args.port} must be free on 127.0.0.1. Found: {exc.strerror or exc}.") from None
     cmd += ["--host", "127.0.0.1", "--port", str(args.port or free_port())]
-    cmd += ["--max-retries", str(max(0, args.max_retries)), "--max-wait-time", "30"]
+    if args.max_retries < 0:
+        raise ClientError(f"--max-retries must be >= 0. Found {args.max_retries}.")
+    cmd += ["--max-retries", str(args.max_retries), "--max-wait-time", "30"]
     check_reachable(host, port)
     return cmd
 

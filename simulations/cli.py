@@ -24,11 +24,13 @@ def _simulate(args: argparse.Namespace) -> int:
     from coordinator.progress import accuracy_text as _accuracy
     from coordinator.rundir import SUMMARY
 
+    from clients.client_app import torch_threads
     from clients.config import resolve_path
 
     from .runner import check_partitions, check_ray_cluster, run_scenario
     from .scenario import load_scenario, parse_override
 
+    torch_threads()  # a bad FEDSHIELD_TORCH_THREADS is one line here too (the ClientApp would ignore it)
     overrides = dict(parse_override(s) for s in args.set or [])
     if args.rounds is not None:
         overrides["run.num-rounds"] = args.rounds

@@ -266,3 +266,8 @@ def test_agent_passes_its_ledger_dir_and_owner_limits_to_its_clientapps(tmp_path
     assert main([*base, "--min-local-noise", "-1"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "fedshield: error: --min-local-noise must be a finite number >= 0 (0: none). Found -1.0.")
+
+
+def test_a_negative_max_retries_is_refused_not_taken_as_zero(tmp_path, capsys):
+    err = _agent_error(tmp_path, capsys, "--partition", "0/2", "--max-retries", "-5")
+    assert err[-1] == "fedshield: error: --max-retries must be >= 0. Found -5."

@@ -305,3 +305,10 @@ def test_a_comparison_refuses_one_run_dir_for_two_scenarios(tmp_path, monkeypatc
     rc = cli.main(["simulate", str(default), str(default), "--rounds", "1", "--set", "run.run-dir=same"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "run.run-dir must differ between the scenarios of a comparison" in err[0]
+
+
+def test_a_bad_torch_threads_variable_is_one_line_for_simulate_too(monkeypatch, capsys):
+    """The agent refused it; simulate's ClientApp silently kept torch's default."""
+    monkeypatch.setenv("FEDSHIELD_TORCH_THREADS", "abc")
+    assert main(["simulate", "--engine", "inprocess", "--rounds", "1", "--quiet"]) == 2
+    assert "FEDSHIELD_TORCH_THREADS must be an integer in [1, 1024]. Found 'abc'." in _one_error_line(capsys)
