@@ -23,11 +23,10 @@ def dirichlet_partition(
     deterministic) until every part holds at least ``min_size`` samples.
     """
     labels = np.asarray(labels)
-    _check_parts(len(labels), num_parts)
     if not alpha > 0:
         raise ConfigError(f"dirichlet-alpha must be > 0. Found {alpha!r}.")
-    if num_parts * min_size > len(labels):
-        raise ConfigError(f"num-partitions must be <= {len(labels) // min_size} so that every part of the "
+    if not 1 <= num_parts or num_parts * min_size > len(labels):  # (one bound, the tighter: not two in turn)
+        raise ConfigError(f"num-partitions must be in [1, {len(labels) // min_size}] so that every part of the "
                           f"{len(labels)} samples holds >= {min_size}. Found {num_parts}.")
     rng = np.random.default_rng(seed)
     classes = np.unique(labels)

@@ -99,7 +99,7 @@ def test_impossible_min_size_raises_config_error():
 def test_bad_num_parts_raises(num_parts):
     with pytest.raises(ConfigError, match=rf"num-partitions must be in \[1, 100\]\. Found {num_parts}\."):
         iid_partition(100, num_parts, 0)
-    with pytest.raises(ConfigError, match=r"num-partitions must be in \[1, 100\]"):
+    with pytest.raises(ConfigError, match=r"num-partitions must be in \[1, 50\] so that every part"):  # its one bound
         dirichlet_partition(LABELS[:100], num_parts, 0.5, 0)
 
 
@@ -140,5 +140,5 @@ def test_dirichlet_split_equals_the_reference_loop(num_parts, alpha):
 
 def test_an_impossible_split_fails_at_once_with_the_limit():
     labels = np.zeros(100, dtype=np.int64)
-    with pytest.raises(ConfigError, match="num-partitions must be <= 50"):
+    with pytest.raises(ConfigError, match="num-partitions must be in \\[1, 50\\]"):
         dirichlet_partition(labels, 51, 0.5, 0)
