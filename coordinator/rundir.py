@@ -29,7 +29,7 @@ METRIC_FIELDS = [
     "test_accuracy", "test_loss", "train_loss", "bytes_down", "bytes_up",
     "round_time_s", "wall_time_s", "rejected_by_rule", "epsilon", "local_epsilon_max", "clip",
     "sim_time_s", "mean_staleness", "secagg_degree", "secagg_threshold", "secagg_survivors", "secagg_dropped",
-    "secagg_server_s", "secagg_stage_s", "secagg_pipelined", "secagg_failure", "late_accepted", "reduced_work",
+    "secagg_server_s", "secagg_shares_left_out", "secagg_stage_s", "secagg_pipelined", "secagg_failure", "late_accepted", "reduced_work",
     "too_few_updates",
 ]
 EPSILON_PLOT = "epsilon.png"

@@ -430,9 +430,8 @@ class SecureRound:
             reason = str(exc)
             log(WARNING, "[fedshield] round %d: secure aggregation failed: %s; the global model is unchanged", rnd, reason)
             survivors, dropped = tuple(sorted(server.survivors)), ()
-        for node, why in [*sorted(server.bad_senders.items()), *sorted(server.bad_share_holders.items())]:
-            stats["rejected_by_rule"]["bad-share"] += 1  # its shares (sent to its neighbours, or handed back)
-            log(WARNING, "[fedshield] round %d secagg: node %d sent %s; left out", rnd, node, why)
+        for node, why in server.left_out:  # disputed shares (the sender's fault or the dealer's): not a node refused
+            log(WARNING, "[fedshield] round %d secagg: left out a share from node %d: %s", rnd, node, why)
         rejected = stats["rejected_by_rule"]
         row = {
             "replies": stats["replies"], "accepted": len(survivors) if update is not None else 0,
@@ -440,7 +439,7 @@ class SecureRound:
             "bytes_up": stats["bytes_up"], "bytes_down": stats["bytes_down"],
             "train_loss": float("nan"),  # a client's own loss is not sent under secure aggregation
             "secagg_degree": params.degree, "secagg_threshold": params.threshold, "secagg_survivors": len(survivors),
-            "secagg_dropped": len(dropped),
+            "secagg_dropped": len(dropped), "secagg_shares_left_out": len(server.left_out),
             "secagg_server_s": round(sum(stats["server_s"].values()), 4),
             "secagg_stage_s": dict(stats["stage_s"]),  # each stage's time, from sending to its last reply
             "secagg_pipelined": cur.pipelined,  # its setup and share-keys rode on the previous round's messages

@@ -70,7 +70,7 @@ from .._errors import PrivacyError
 from .graph import Graph, check_threshold, complete_graph, harary_graph
 from .keys import KEY_BYTES, NONCE_BYTES, TAG_BYTES, KeyPair, agree, decrypt_share, derive_key, encrypt_share
 from .masking import SEED_BYTES, mask_words, quantization_step, unmask_words
-from .shamir import combine_values, decode_values, parse_shares, share_size, share_x, split_bytes
+from .shamir import combine_values, consistent, decode_values, parse_shares, share_size, share_x, split_bytes
 
 STAGES = ("setup", "share-keys", "masked-input", "unmask")
 MAX_DIM = 1 << 31
@@ -449,11 +449,13 @@ class SecAggServer:
         self.self_shares: dict[int, dict[int, bytes]] = {}  # survivor -> holder -> share bytes
         self.key_shares: dict[int, dict[int, bytes]] = {}  # dropped -> holder -> share bytes
         self.responders: set[int] = set()  # U4
-        # holder -> why: sent an unmask share that is misshapen, at another x, or off the owner's polynomial.
-        # Counted by the caller; such a holder's other shares are not used while a round can do without them.
-        self.bad_share_holders: dict[int, str] = {}
+        # Shares left out, as (the node that sent it, what it was): an unmask share misshapen, at another x
+        # or off the owner's polynomial, or a share ciphertext its receiver reported it could not open. A
+        # dispute, not proof against the sender: the owner may have dealt a wrong share to an honest
+        # holder, a receiver may report falsely. Reported by the caller (logged and counted per round).
+        self.left_out: list[tuple[int, str]] = []
+        self.bad_share_holders: set[int] = set()  # holders of a share left out: the fast path does without them
         self.unheld: dict[int, frozenset[int]] = {}  # survivor -> maskers whose shares it could not open
-        self.bad_senders: dict[int, str] = {}  # node -> why: a receiver could not open its share ciphertext
 
     # stage 1 --------------------------------------------------------------------------------
     def on_keys(self, node: int, keys: PublicKeys) -> None:
@@ -542,8 +544,8 @@ class SecAggServer:
         np.add(self.total, vector, out=self.total, casting="unsafe")
         self.survivors.add(node)
         self.unheld[node] = frozenset(unopened) & self.maskers_of[node]
-        for u in sorted(self.unheld[node]):
-            self.bad_senders.setdefault(u, f"a share ciphertext node {node} could not open")
+        self.left_out += [(u, f"its share ciphertext to node {node}, which reports it could not open it")
+                          for u in sorted(self.unheld[node])]
 
     def unmask_requests(self) -> dict[int, tuple[list[int], list[int]]]:
         """Stage 4 messages: for each survivor, its surviving and its dropped neighbours."""
@@ -576,18 +578,23 @@ class SecAggServer:
             raise SecAggRejected(node, "bad-share", "each share must be bytes")
         for name, b in shares.items():
             if len(b) != size:  # one bad share is left out, not the holder's other answers: _rebuild
-                self.bad_share_holders.setdefault(node, f"a share of {len(b)} bytes for {name}")
+                self._leave_out(node, f"its unmask share {name} of {len(b)} bytes")
                 continue        # needs only t of each owner's shares (honest clients never send one)
             kind, who = name.split(":")
             (self.self_shares if kind == "self" else self.key_shares).setdefault(int(who), {})[node] = b
         self.responders.add(node)
 
+    def _leave_out(self, holder: int, why: str) -> None:
+        self.left_out.append((holder, why))
+        self.bad_share_holders.add(holder)
+
     def _rebuild(self, owner: int, shares: Mapping[int, bytes], what: str, check) -> bytes:
         """Combine ``shares`` (holder -> bytes) and ``check`` the secret. Fast path: the first t shares
-        of holders not caught sending a bad one. Else every share, decoded with Berlekamp-Welch (up to
-        (m - t) / 2 wrong ones corrected, whichever they are); the holders of the wrong ones are
-        recorded in ``bad_share_holders`` and their shares left out of every later rebuild, so one
-        faulty holder costs one decode per round, not one per owner."""
+        of holders none of whose shares was left out so far. Else every share, decoded with
+        Berlekamp-Welch (up to (m - t) / 2 wrong ones corrected, whichever they are), and where m - t
+        is odd each share left out in turn (one more corrected: m = t + 1 with one wrong share
+        included). The wrong shares are recorded in ``left_out``, and their holders' other shares
+        skip the fast path, so one faulty holder costs a decode per round, not one per owner."""
         t = self.params.threshold
         if len(shares) < t:
             raise SecAggAborted(f"{what} of node {owner} needs t={t} shares; only {len(shares)} of its neighbours answered")
@@ -596,7 +603,7 @@ class SecAggServer:
         ok, got_x, values = parse_shares([shares[h] for h in holders], SEED_BYTES)  # == KEY_BYTES
         at_x = ok & (got_x == np.array([xs.get(h, -1) for h in holders], dtype=np.int64))
         for i in np.flatnonzero(~at_x):  # (a share must sit at its holder's x-coordinate)
-            self.bad_share_holders.setdefault(holders[i], f"a malformed share of {what} of node {owner}")
+            self._leave_out(holders[i], f"a malformed share of {what} of node {owner}")
         keep = np.flatnonzero(at_x)
         trusted = keep[[holders[i] not in self.bad_share_holders for i in keep]]
         if len(trusted) >= t:
@@ -606,17 +613,30 @@ class SecAggServer:
                 secret = None
             if secret is not None and check(secret):
                 return secret
-        if len(keep) >= t:
+
+        def decoded(subset: np.ndarray) -> tuple[bytes, np.ndarray] | None:
+            if len(subset) < t:
+                return None
             try:
-                secret, right = decode_values(got_x[keep], values[keep], t, SEED_BYTES)
+                secret, right = decode_values(got_x[subset], values[subset], t, SEED_BYTES)
             except PrivacyError:
-                secret = None
-            if secret is not None and check(secret):
-                for i in keep[~right]:
-                    self.bad_share_holders.setdefault(holders[i], f"a wrong share of {what} of node {owner}")
-                return secret
-        raise SecAggAborted(f"{what} of node {owner} could not be rebuilt: more than (m - t) / 2 of its m={len(keep)} "
-                            f"shares are wrong (t={t})")
+                return None
+            return (secret, subset[right]) if check(secret) else None
+
+        found = decoded(keep)
+        for i in range(len(keep) if found is None and (len(keep) - t) % 2 else 0):
+            found = decoded(np.delete(keep, i))
+            if found is not None:
+                break
+        if found is None:
+            raise SecAggAborted(f"{what} of node {owner} could not be rebuilt: too many of its m={len(keep)} shares "
+                                f"are wrong (t={t}; (m - t) / 2 + 1 can be told apart at most)")
+        secret, right = found
+        right = right[:t]  # the polynomial through t right shares: every share off it is wrong
+        on_it = consistent(got_x[right], values[right], got_x[keep], values[keep])
+        for i in keep[~on_it]:
+            self._leave_out(holders[i], f"a wrong share of {what} of node {owner}")
+        return secret
 
     def finish(self) -> SecAggResult:
         """Remove the masks: survivors' self masks and the pairwise masks dropped nodes left behind."""

@@ -277,6 +277,11 @@ def _solve_mod(a: np.ndarray, b: np.ndarray) -> np.ndarray | None:
     return z
 
 
+def consistent(xs_t: np.ndarray, ys_t: np.ndarray, xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
+    """Which shares (``xs``, ``ys``) lie on the polynomials through the t shares (``xs_t``, ``ys_t``), in every chunk."""
+    return (_interpolate(xs_t, ys_t, xs) == ys % PRIME).all(axis=1)
+
+
 def decode_values(xs: np.ndarray, ys: np.ndarray, t: int, secret_len: int) -> tuple[bytes, np.ndarray]:
     """The secret shared by ``t``-of-n shares when some of the ``m`` given ones are wrong, and which
     ones are right (a bool mask). Berlekamp-Welch, chunk by chunk: corrects up to ``(m - t) // 2``
@@ -286,7 +291,8 @@ def decode_values(xs: np.ndarray, ys: np.ndarray, t: int, secret_len: int) -> tu
     For each chunk: find the error locator E (monic, degree e) and Q (degree < t + e) with
     Q(x_i) = y_i E(x_i) for every share (any solution has Q = P E, P the shared polynomial, when at
     most e shares are wrong), so every share with E(x_i) != 0 is right; P is then interpolated
-    from t of those.
+    from t of those. With more wrong shares than that it raises, or may return another secret (when
+    m - t is even the system always has a solution): callers check the secret against a commitment.
     """
     m = len(xs)
     if t < 2 or m < t or np.unique(xs).size != m:

@@ -253,7 +253,7 @@ def test_corrupted_share_is_left_out_or_aborts():
     params, server = _unmask_round(6, 5, 3, corrupt)
     result = server.finish()  # 5 honest shares, t = 3: the bad one is left out
     assert torch.equal(result.total, torch.full((params.dim,), len(params.nodes), dtype=torch.int64))
-    assert list(server.bad_share_holders) == [liar]  # and its sender named (counted by the coordinator)
+    assert server.bad_share_holders == {liar} and [h for h, _ in server.left_out] == [liar]  # named (and logged)
 
 
 def _unmask_round(n, k, t, corrupt):
@@ -289,6 +289,18 @@ def test_two_holders_sending_wrong_shares_do_not_abort_a_round_with_enough_right
     assert set(server.bad_share_holders) == liars
 
 
+@pytest.mark.parametrize("liar_at", range(4))
+def test_one_wrong_share_among_t_plus_one_is_told_apart(liar_at):
+    """m = t + 1 leaves Berlekamp-Welch no error to correct: each share left out in turn does (the
+    first decoder version aborted here, where leave-one-out had recovered)."""
+    params = make_params(5, 4, 3)
+    liar = params.nodes[liar_at]
+    params, server = _unmask_with_liars(5, 4, 3, {liar})
+    result = server.finish()
+    assert torch.equal(result.total, torch.full((params.dim,), 5, dtype=torch.int64))
+    assert server.bad_share_holders == {liar}
+
+
 def test_too_many_wrong_shares_abort_the_round_with_the_reason():
     params = make_params(6, 5, 3)
     params, server = _unmask_with_liars(6, 5, 3, set(params.nodes[:3]))  # 2 right shares per owner at most
@@ -317,7 +329,7 @@ def test_a_neighbour_whose_shares_cannot_be_opened_costs_only_its_own_shares():
         server.on_unmask(v, clients[v].unmask(surv, dropped))
     result = server.finish()
     assert torch.equal(result.total, torch.full((params.dim,), 8, dtype=torch.int64))
-    assert list(server.bad_senders) == [bad] and sum(bad in u for u in server.unheld.values()) == 2
+    assert [u for u, _ in server.left_out] == [bad, bad] and sum(bad in u for u in server.unheld.values()) == 2
 
 
 def test_parameters_are_checked():
