@@ -442,21 +442,11 @@ class RunConfig:
             # other), and an explicit secagg-threshold within the degree such a round gets.
             check(self.server.min_nodes >= 3, "min-nodes", "be >= 3 under secure aggregation (with 2, the sum reveals "
                   "each client's update to the other)", self.server.min_nodes)
-            sec = self.secure
-            check(not sec.secagg_threshold or sec.secagg_degree, "secagg-threshold", "be 0 (k/2 + 1 of each round's "
-                  "degree) unless secagg-degree is set too: the chosen degree grows with a round's nodes, and a fixed "
-                  "t <= k/2 fails every round large enough", sec.secagg_threshold)
             try:
-                sec.graph(self.server.min_nodes)
+                self.secure.graph(self.server.min_nodes)
             except ConfigError as exc:
                 raise ConfigError(f"{exc} (a round of min-nodes = {self.server.min_nodes} nodes could never run: raise "
                                   "min-nodes or lower secagg-threshold)") from None
-            if sec.secagg_degree:  # past secagg-degree + 1 nodes every round has k = the degree, made even
-                try:
-                    sec.graph(max(self.server.min_nodes, sec.secagg_degree + 2))
-                except ConfigError as exc:
-                    raise ConfigError(f"{exc} (every round of more than secagg-degree + 1 = {sec.secagg_degree + 1} "
-                                      "nodes would fail: lower secagg-threshold or make secagg-degree even)") from None
         agg = self.aggregation
         if agg.aggregator in ("krum", "multi-krum"):  # else every round would end with too few updates to combine
             params = agg.aggregator_params()  # krum: f; multi-krum: f and m
