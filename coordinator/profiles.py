@@ -51,6 +51,7 @@ class ProfileRegistry:
         self.profiles: dict[int, dict[str, int | float]] = {}
         self.ema_time: dict[int, float] = {}
         self.ema_epoch: dict[int, float] = {}  # observed seconds per local epoch (round trip / epochs asked)
+        self.missed_epoch: dict[int, float] = {}  # a lower bound from missed rounds, until the next reply in time
         self.counts: dict[int, int] = {}
 
     # -- updates -------------------------------------------------------------
@@ -90,28 +91,33 @@ class ProfileRegistry:
         w = _number(work_s)
         if w is not None and 0 < w <= t:
             t = w
-        self._fold_epoch(int(node_id), min(t, MAX_TIME_S) / epochs)
+        node, per = int(node_id), min(t, MAX_TIME_S) / epochs
+        old = self.ema_epoch.get(node)
+        self.ema_epoch[node] = per if old is None else (1 - self.alpha) * old + self.alpha * per
+        self.missed_epoch.pop(node, None)  # measured: the bound from missed rounds has served
 
     def observe_missed(self, node_id: int, elapsed_s: float, epochs: int) -> None:
-        """A node asked for ``epochs`` epochs has not replied after ``elapsed_s``: it needs at least
-        ``elapsed_s / epochs`` per epoch. A node measured faster (or never measured, since only replies
-        in time measure) is moved toward that bound, so one that always misses the round is given
-        fewer epochs until it finishes in time, instead of running ``local-epochs`` and missing forever."""
+        """A node asked for ``epochs`` epochs has not replied after ``elapsed_s`` (the round's deadline):
+        it needs at least ``elapsed_s / epochs`` per epoch, until a reply in time measures it. Only
+        replies in time measured, so a node too slow for the round ran ``local-epochs`` and missed
+        forever; with the bound it is given fewer epochs until it finishes in time. A node that only
+        dropped out once is measured again at its next reply, and gets its work back at once."""
         t = _number(elapsed_s)
         if t is None or t <= 0 or not isinstance(epochs, int) or epochs < 1:
             return
         node, bound = int(node_id), min(t, MAX_TIME_S) / epochs
-        old = self.ema_epoch.get(node)
-        if old is None or old < bound:
-            self._fold_epoch(node, bound)
+        if bound > max(self.ema_epoch.get(node, 0.0), self.missed_epoch.get(node, 0.0)):
+            self.missed_epoch[node] = bound
 
-    def _fold_epoch(self, node: int, per: float) -> None:
-        old = self.ema_epoch.get(node)
-        self.ema_epoch[node] = per if old is None else (1 - self.alpha) * old + self.alpha * per
+    def seconds_per_epoch(self, node_id: int) -> float | None:
+        """The measured seconds per local epoch, raised to the bound from rounds missed since (None: unknown)."""
+        node = int(node_id)
+        known = [v for v in (self.ema_epoch.get(node), self.missed_epoch.get(node)) if v is not None]
+        return max(known) if known else None
 
     def local_epochs(self, node_id: int, full: int, deadline_s: float) -> int:
         """How many local epochs fit in ``deadline_s`` for this node (1 .. ``full``; ``full`` if unmeasured)."""
-        per = self.ema_epoch.get(int(node_id))
+        per = self.seconds_per_epoch(node_id)
         if deadline_s <= 0 or per is None or per <= 0:
             return full
         return max(1, min(full, int(deadline_s // per)))
@@ -153,7 +159,7 @@ class ProfileRegistry:
     # -- state ---------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Plain ints, floats and str-keyed dicts (loads with ``torch.load(weights_only=True)``)."""
-        nodes = set(self.profiles) | set(self.ema_time) | set(self.counts) | set(self.ema_epoch)
+        nodes = set(self.profiles) | set(self.ema_time) | set(self.counts) | set(self.ema_epoch) | set(self.missed_epoch)
         out: dict[str, dict[str, Any]] = {}
         for n in sorted(nodes):
             entry: dict[str, Any] = {"count": self.counts.get(n, 0), "profile": dict(self.profiles.get(n, {}))}
@@ -161,6 +167,8 @@ class ProfileRegistry:
                 entry["ema-time-s"] = self.ema_time[n]
             if n in self.ema_epoch:
                 entry["ema-epoch-s"] = self.ema_epoch[n]
+            if n in self.missed_epoch:
+                entry["missed-epoch-s"] = self.missed_epoch[n]
             out[str(n)] = entry
         return {"alpha": self.alpha, "nodes": out}
 
@@ -169,7 +177,7 @@ class ProfileRegistry:
         alpha = _number(state.get("alpha"))
         if alpha is not None and 0 < alpha <= 1:
             self.alpha = alpha
-        self.profiles, self.ema_time, self.counts, self.ema_epoch = {}, {}, {}, {}
+        self.profiles, self.ema_time, self.counts, self.ema_epoch, self.missed_epoch = {}, {}, {}, {}, {}
         for key, entry in dict(state.get("nodes", {})).items():
             try:
                 node = int(key)
@@ -187,6 +195,8 @@ class ProfileRegistry:
                 self.observe_time(node, entry["ema-time-s"])
             if "ema-epoch-s" in entry:
                 self.observe_epochs(node, entry["ema-epoch-s"], 1)
+            if "missed-epoch-s" in entry:
+                self.observe_missed(node, entry["missed-epoch-s"], 1)
 
 
 def select_uniform(nodes: Sequence[int], k: int, seed: int, rnd: int) -> list[int]:

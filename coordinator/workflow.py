@@ -354,7 +354,7 @@ class SyncWorkflow:
         loss, bytes_up, replies = LossMean(), 0, 0
         pending = dict.fromkeys(sent)  # ordered: in-process engines then add in send order
         deadline = sent_at + s.round_timeout
-        late_in, stalenesses = 0, []
+        late_in, stalenesses, closed_early = 0, [], False
 
         def reject(rej: RejectedReply) -> None:
             rejected[rej.rule] += 1
@@ -401,6 +401,7 @@ class SyncWorkflow:
                     local_eps.append(ok.local_epsilon)
                 loss.add(ok)
             if pending and s.close_after_replies and acc.count - late_in >= s.close_after_replies:  # its own replies
+                closed_early = True
                 log(INFO, "[fedshield] round %d: %d updates in; closing, %d late replies %s", rnd, acc.count, len(pending),
                     "carried into later rounds" if s.late_replies == "carry" else "dropped")
                 break
@@ -411,7 +412,8 @@ class SyncWorkflow:
                 self.clock.sleep(min(s.poll_interval, max(0.0, deadline - self.clock.now())))
         for mid in pending:  # no reply in time: the elapsed time is a lower bound on this node's round trip
             self.profiles.observe_time(sent[mid], self.clock.now() - sent_at)
-            self.profiles.observe_missed(sent[mid], self.clock.now() - sent_at, self._epochs.get(sent[mid], 1))
+            if not closed_early:  # it missed the deadline (a round closed early says nothing of the rest)
+                self.profiles.observe_missed(sent[mid], self.clock.now() - sent_at, self._epochs.get(sent[mid], 1))
             if s.late_replies == "carry":
                 self._late[mid] = exp_for[mid]
         extra: dict[str, Any] = {}

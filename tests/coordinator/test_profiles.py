@@ -258,21 +258,27 @@ def test_epochs_are_measured_from_the_reported_work_bounded_by_the_round_trip():
         assert reg.ema_epoch.pop(3) == pytest.approx(2.0)
 
 
-def test_a_missed_round_is_a_lower_bound_on_the_seconds_per_epoch():
+def test_a_missed_round_is_a_lower_bound_on_the_seconds_per_epoch_until_the_next_reply():
     reg = ProfileRegistry(alpha=0.5)
     reg.observe_missed(1, 5.0, 5)  # never measured: at least 1 s per epoch
-    assert reg.ema_epoch[1] == pytest.approx(1.0)
-    assert reg.local_epochs(1, 5, 2.0) == 2
+    assert reg.seconds_per_epoch(1) == pytest.approx(1.0) and reg.local_epochs(1, 5, 2.0) == 2
+    reg.observe_missed(1, 5.0, 2)  # missed again with 2 epochs: at least 2.5 s
+    assert reg.seconds_per_epoch(1) == pytest.approx(2.5) and reg.local_epochs(1, 5, 2.0) == 1
     reg.observe_epochs(2, 0.5, 5)
-    reg.observe_missed(2, 5.0, 5)  # measured faster than the bound: moved toward it
-    assert reg.ema_epoch[2] == pytest.approx(0.55)
+    reg.observe_missed(2, 120.0, 5)  # measured fast, then dropped out once (a 120 s timeout)
+    assert reg.local_epochs(2, 5, 10.0) == 1
+    reg.observe_epochs(2, 0.6, 5)  # its next reply in time gives it its work back at once
+    assert reg.seconds_per_epoch(2) == pytest.approx(0.11) and reg.local_epochs(2, 5, 10.0) == 5
     reg.observe_epochs(3, 20.0, 2)
     reg.observe_missed(3, 5.0, 5)  # already slower than the bound: nothing learnt
-    assert reg.ema_epoch[3] == pytest.approx(10.0)
+    assert reg.seconds_per_epoch(3) == pytest.approx(10.0) and 3 not in reg.missed_epoch
     for bad in (float("nan"), -1.0, 0.0, None):
         reg.observe_missed(4, bad, 5)
     reg.observe_missed(4, 5.0, 0)
-    assert 4 not in reg.ema_epoch
+    assert reg.seconds_per_epoch(4) is None
+    restored = ProfileRegistry(alpha=0.5)
+    restored.load_state_dict(reg.state_dict())
+    assert restored.missed_epoch == reg.missed_epoch and restored.ema_epoch == pytest.approx(reg.ema_epoch)
 
 
 def _deadline_run(tmp_path, name, profiles, rounds, **extra):
