@@ -24,6 +24,9 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from aggregation.wire import tensor_to_array
 from clients.client_app import RESIDUAL
+from clients.secure import RESIDUAL as SECAGG_RESIDUAL
+
+KEPT_STATE = (RESIDUAL, SECAGG_RESIDUAL)  # a node's Context records a resumed simulation restores
 
 ClientFn = Callable[[Message, Context], Message]
 
@@ -66,26 +69,31 @@ class InProcessGrid(Grid):
 
     # -- resume ----------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Each node's error-feedback residual (the part of its updates its codec has not sent yet,
-        kept in its Context): a resumed run's clients go on from them, as the uninterrupted run's
-        do. Nothing else of a node's state is kept (SecAgg+ keys are not: a resumed run sets its
-        next round up afresh; a local-DP ledger lives in the node's state directory)."""
-        residuals = {}
-        for node, ctx in self.contexts.items():
-            rec = ctx.state.array_records.get(RESIDUAL)
-            if rec is not None and "r" in rec:
-                residuals[str(node)] = torch.from_numpy(rec["r"].numpy().copy())
-        return {"residuals": residuals}
+        """Each node's error-feedback residuals (the part of its updates its codec, or SecAgg+'s
+        shared-seed sparsification, has not sent yet; kept in its Context): a resumed run's clients go
+        on from them, as the uninterrupted run's do. Nothing else of a node's state is kept (SecAgg+
+        keys are not: a resumed run sets its next round up afresh; a local-DP ledger lives in the
+        node's state directory). The size is one model per node that has a residual."""
+        kept: dict[str, dict[str, torch.Tensor]] = {}
+        for name in KEPT_STATE:
+            for node, ctx in self.contexts.items():
+                rec = ctx.state.array_records.get(name)
+                if rec is not None and "r" in rec:
+                    kept.setdefault(name, {})[str(node)] = torch.from_numpy(rec["r"].numpy().copy())
+        return {"client-state": kept}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s residuals (absent from earlier checkpoints; nodes this grid
         does not have are ignored; a residual of another length is dropped by the client)."""
-        for key, residual in dict(state.get("residuals", {})).items():
-            node = int(key)
-            if not (isinstance(residual, torch.Tensor) and residual.dtype == torch.float32 and residual.dim() == 1):
-                raise TypeError(f"node {node}'s residual must be a 1-D float32 tensor")
-            if node in self.contexts:
-                self.contexts[node].state.array_records[RESIDUAL] = ArrayRecord({"r": tensor_to_array(residual)})
+        for name, per_node in dict(state.get("client-state", {})).items():
+            if name not in KEPT_STATE:
+                raise ValueError(f"client state {name!r} is not one this engine keeps")
+            for key, residual in dict(per_node).items():
+                node = int(key)
+                if not (isinstance(residual, torch.Tensor) and residual.dtype == torch.float32 and residual.dim() == 1):
+                    raise TypeError(f"node {node}'s {name} must be a 1-D float32 tensor")
+                if node in self.contexts:
+                    self.contexts[node].state.array_records[name] = ArrayRecord({"r": tensor_to_array(residual)})
 
     def set_run(self, run: Run) -> None:
         self._run = run

@@ -248,3 +248,22 @@ def test_waiting_on_the_virtual_clock_never_sleeps_on_the_wall(tmp_path, monkeyp
     monkeypatch.setattr(_time, "sleep", no_sleep)
     wf, _grid, ends, _wall = run_sync_virtual(tmp_path, "nosleep", **{"fraction-train": 0.6})
     assert ends[-1] > 5.0 and len(wf.history) > 0
+
+
+def test_the_clients_residuals_survive_a_grid_state_round_trip():
+    """Both kinds a simulated client keeps between rounds: its codec's and SecAgg+'s shared-seed sparsification's."""
+    from flwr.app import Array as FlwrArray
+
+    from simulations.inprocess import KEPT_STATE
+
+    grid = InProcessGrid(zeros_client, 3)
+    for i, name in enumerate(KEPT_STATE):
+        grid.contexts[1001 + i].state.array_records[name] = ArrayRecord({"r": FlwrArray(np.full(5, i + 1.5, np.float32))})
+    state = grid.state_dict()
+    fresh = InProcessGrid(zeros_client, 3)
+    fresh.load_state_dict(state)
+    for i, name in enumerate(KEPT_STATE):
+        assert np.array_equal(fresh.contexts[1001 + i].state.array_records[name]["r"].numpy(), np.full(5, i + 1.5, np.float32))
+    assert not fresh.contexts[1003].state.array_records
+    with pytest.raises(TypeError):
+        fresh.load_state_dict({"client-state": {KEPT_STATE[0]: {"1001": torch.zeros(2, 2)}}})
