@@ -207,7 +207,10 @@ def _shown(value: Any) -> str:
     return str(value).lower() if isinstance(value, bool) else repr(value)  # as TOML writes it
 
 
-# The dp modes each setting is read under (the others must leave it at its default).
+# The dp modes each setting is read under (the others must leave it at its default). IGNORABLE_KEYS: every
+# setting some configuration ignores (a resume does not compare them where the current one does).
+IGNORABLE_KEYS = frozenset({"dp-clip", "dp-noise-multiplier", "dp-secure-noise", "local-noise-multiplier",
+                            "local-max-grad-norm", "clip-target-quantile", "clip-learning-rate", "clip-count-noise"})
 _DP_KEY_MODES = {"dp_clip": ("central", "distributed"), "dp_noise_multiplier": ("central", "distributed"),
                  "dp_secure_noise": ("central",), "local_noise_multiplier": ("local",),
                  "local_max_grad_norm": ("local",)}
@@ -278,6 +281,13 @@ class PrivacySettings:
             if not self.adaptive_clipping and value != default[name].default:
                 raise ConfigError(f"{name.replace('_', '-')} must be left at {_shown(default[name].default)} unless "
                                   f"adaptive-clipping is true (it would be ignored). Found {_shown(value)}.")
+
+    def ignored_keys(self) -> set[str]:
+        """The settings this dp mode does not read (they must keep their defaults, see above)."""
+        out = {name.replace("_", "-") for name, modes in _DP_KEY_MODES.items() if self.dp not in modes}
+        if not self.adaptive_clipping:
+            out |= {"clip-target-quantile", "clip-learning-rate", "clip-count-noise"}
+        return out
 
     def count_noise_std(self, z: float) -> float:
         """The adaptive clip's count noise std (sigma_b, in counts) for the round noise multiplier ``z``.

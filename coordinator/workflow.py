@@ -33,7 +33,7 @@ from clients.training import evaluate, load_flat
 from ._errors import CoordinatorError
 from privacy import BudgetExhausted, PrivacyError
 
-from .config import RunConfig
+from .config import IGNORABLE_KEYS, RunConfig
 from .privacy_policy import CentralDp, DistributedDp
 from .profiles import ProfileRegistry, select_fast_fair, select_uniform
 from .progress import accuracy_text, format_row
@@ -108,7 +108,9 @@ def run_fingerprint(cfg: RunConfig, numel: int, nodes: int | None = None) -> dic
     under DP would claim a guarantee for rounds that had none, another codec, learning rate or data
     split would make the run a mix of two experiments; ``target-epsilon`` counts only where it sets
     the noise (a budget that only stops the run may be raised to go on)."""
-    out = {k: v for k, v in cfg.to_mapping().items() if k not in RESUMABLE_CHANGES}
+    # settings this configuration does not read are left out: a run started before they were refused
+    # (a dp-clip under dp = "none") resumes once its config drops them
+    out = {k: v for k, v in cfg.to_mapping().items() if k not in RESUMABLE_CHANGES | cfg.privacy.ignored_keys()}
     p = cfg.privacy
     if p.dp in ("central", "distributed") and p.dp_noise_multiplier == 0:  # calibrated from the budget
         out["target-epsilon"] = p.target_epsilon
@@ -126,6 +128,7 @@ def check_fingerprint(ckpt: dict[str, Any], want: dict[str, Any], path: Any) -> 
     keys = set(have) | set(want) if have.get("fingerprint-version") == FINGERPRINT_VERSION else set(have)
     if "nodes" not in have:  # a Flower-engine simulation's checkpoint from before it recorded its node count
         keys.discard("nodes")
+    keys -= {k for k in IGNORABLE_KEYS if k not in want}  # not read now: whatever the checkpoint says of them
     diff = ", ".join(f"{k} = {shown(have.get(k, '(unset)'), 40)} there, {shown(want.get(k, '(unset)'), 40)} now"
                      for k in sorted(keys, key=str) if have.get(k) != want.get(k))
     if diff:

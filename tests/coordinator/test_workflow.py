@@ -425,3 +425,18 @@ def test_messages_name_the_table_given_by_the_caller(setting):
 
     with pytest.raises(ConfigError, match=r"^tool\.flwr\.app\.config\.[a-z-]+ must "):
         RunConfig.from_mapping(setting, where="tool.flwr.app.config")
+
+
+def test_a_checkpoint_with_a_setting_now_refused_as_ignored_still_resumes_without_it(tmp_path):
+    """A run started with dp-clip = 5 under dp = "none" (accepted and ignored then, refused now) resumes
+    once its config drops the setting: a setting the config does not read is not compared."""
+    from coordinator import CoordinatorError
+    from coordinator.workflow import check_fingerprint, run_fingerprint
+
+    now = RunConfig.from_mapping({"num-rounds": 2})
+    before = {**run_fingerprint(now, 100), "dp-clip": 5.0, "clip-learning-rate": 0.5}
+    check_fingerprint({"fingerprint": before}, run_fingerprint(now, 100), tmp_path)
+    central = RunConfig.from_mapping({"dp": "central", "dp-noise-multiplier": 1.0})
+    with pytest.raises(CoordinatorError, match="dp-clip = 5.0 there, 1.0 now"):  # read under central DP: compared
+        check_fingerprint({"fingerprint": {**run_fingerprint(central, 100), "dp-clip": 5.0}},
+                          run_fingerprint(central, 100), tmp_path)
