@@ -107,7 +107,7 @@ class BufferedAsyncWorkflow(SyncWorkflow):
                  on_round: RoundCallback | None = None, *, concurrency: int = 10, buffer_size: int = 5,
                  max_staleness: int = 20, staleness: str | StalenessFunction = "polynomial",
                  staleness_params: dict[str, Any] | None = None, message_ttl: float | None = None,
-                 stall_timeout: float | None = None) -> None:
+                 stall_timeout: float | None = None, sim_nodes: int | None = None) -> None:
         self.concurrency = _int_param("concurrency", concurrency, 1)
         self.buffer_size = _int_param("buffer_size", buffer_size, 1)
         self.max_staleness = _int_param("max_staleness", max_staleness, 0)
@@ -123,7 +123,7 @@ class BufferedAsyncWorkflow(SyncWorkflow):
                 raise CoordinatorError(f"staleness must be a known function: {exc}") from None
         else:
             raise CoordinatorError(f"staleness must be a name or a StalenessFunction. Found {type(staleness).__name__}.")
-        super().__init__(cfg, grid, run_dir, clock, on_round)
+        super().__init__(cfg, grid, run_dir, clock, on_round, sim_nodes)
         s = cfg.server
         self.message_ttl = float(message_ttl if message_ttl is not None else s.round_timeout)
         if not (math.isfinite(self.message_ttl) and self.message_ttl > 0):

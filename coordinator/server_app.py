@@ -17,13 +17,15 @@ from .workflow import Clock, RoundCallback, StoppableClock, SyncWorkflow
 
 
 def make_workflow(cfg: RunConfig, grid: Grid, run_dir: RunDirectory, clock: Clock | None = None,
-                  on_round: RoundCallback | None = None) -> SyncWorkflow:
-    """The round logic ``cfg`` asks for (synchronous, or FedBuff) on this Grid and Clock."""
+                  on_round: RoundCallback | None = None, sim_nodes: int | None = None) -> SyncWorkflow:
+    """The round logic ``cfg`` asks for (synchronous, or FedBuff) on this Grid and Clock. ``sim_nodes``: a
+    simulation's node count, where the grid does not tell it (Flower's engine): a resume must agree with it."""
     if cfg.asynchrony.workflow == "fedbuff":
         from .async_workflow import BufferedAsyncWorkflow
 
-        return BufferedAsyncWorkflow(cfg, grid, run_dir, clock, on_round, **cfg.asynchrony.workflow_kwargs())
-    return SyncWorkflow(cfg, grid, run_dir, clock=clock, on_round=on_round)
+        return BufferedAsyncWorkflow(cfg, grid, run_dir, clock, on_round, **cfg.asynchrony.workflow_kwargs(),
+                                     sim_nodes=sim_nodes)
+    return SyncWorkflow(cfg, grid, run_dir, clock=clock, on_round=on_round, sim_nodes=sim_nodes)
 
 HOME_ENV = "FEDSHIELD_HOME"
 
@@ -76,9 +78,7 @@ def make_server_app(
         run_cfg = cfg if cfg is not None else RunConfig.from_mapping(context.run_config)
         run_dir = RunDirectory(run_cfg.server.run_dir or default_run_dir(context.run_id))
         clock = StoppableClock(stop) if stop is not None else None
-        wf = make_workflow(run_cfg, grid, run_dir, clock=clock, on_round=on_round)
-        wf.sim_nodes = sim_nodes
-        summary = wf.run()
+        summary = make_workflow(run_cfg, grid, run_dir, clock=clock, on_round=on_round, sim_nodes=sim_nodes).run()
         if result is not None:
             result.update(summary)
 

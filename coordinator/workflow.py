@@ -152,8 +152,10 @@ class SyncWorkflow:
         run_dir: RunDirectory,
         clock: Clock | None = None,
         on_round: RoundCallback | None = None,
+        sim_nodes: int | None = None,
     ) -> None:
         self.cfg, self.grid, self.run_dir = cfg, grid, run_dir
+        self.sim_nodes = sim_nodes  # a simulation on Flower's engine: its node count (the grid does not tell)
         self.clock = clock or WallClock()
         self.on_round = on_round
         self.device = get_device(cfg.server.device)
@@ -204,8 +206,6 @@ class SyncWorkflow:
         return self.slow_link is not None and link is not None and link < self.cfg.aggregation.slow_link_mbps
 
     # -- state -------------------------------------------------------------
-    sim_nodes: int | None = None  # a simulation on Flower's engine: its node count (the grid does not tell)
-
     def fingerprint(self) -> dict[str, Any]:
         """What a run directory's checkpoint must agree with to be resumed: see :func:`run_fingerprint`."""
         nodes = len(self.grid.contexts) if isinstance(getattr(self.grid, "contexts", None), dict) else self.sim_nodes
