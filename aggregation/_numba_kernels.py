@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-# Reorder sums (SIMD) and fuse multiply-adds (FMA: a fifth less time for the dense batch on AVX-512,
-# benchmarks/aggregation.py); NaN and inf still propagate. ``axpy`` and ``add_sumsq`` both fuse
+# Reorder sums (SIMD) and fuse multiply-adds (FMA: fewer instructions per element where the CPU has
+# it); NaN and inf still propagate. ``axpy`` and ``add_sumsq`` both fuse
 # ``out += w * x`` into one FMA, so a step rebuilt by ``axpy`` rounds as it did in ``add_sumsq``.
 _FASTMATH = {"reassoc", "nsz", "arcp", "contract"}
 

@@ -207,13 +207,14 @@ def _shown(value: Any) -> str:
     return str(value).lower() if isinstance(value, bool) else repr(value)  # as TOML writes it
 
 
-# The dp modes each setting is read under (the others must leave it at its default). IGNORABLE_KEYS: every
-# setting some configuration ignores (a resume does not compare them where the current one does).
-IGNORABLE_KEYS = frozenset({"dp-clip", "dp-noise-multiplier", "dp-secure-noise", "local-noise-multiplier",
-                            "local-max-grad-norm", "clip-target-quantile", "clip-learning-rate", "clip-count-noise"})
+# The dp modes each setting is read under, and the settings only adaptive clipping reads: the others
+# must leave them at their defaults. IGNORABLE_KEYS: every setting some configuration does not read
+# (a resume does not compare them where the current one does not read them).
 _DP_KEY_MODES = {"dp_clip": ("central", "distributed"), "dp_noise_multiplier": ("central", "distributed"),
                  "dp_secure_noise": ("central",), "local_noise_multiplier": ("local",),
                  "local_max_grad_norm": ("local",)}
+_ADAPTIVE_FIELDS = ("clip_target_quantile", "clip_learning_rate", "clip_count_noise")
+IGNORABLE_KEYS = frozenset(name.replace("_", "-") for name in (*_DP_KEY_MODES, *_ADAPTIVE_FIELDS))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,24 +271,23 @@ class PrivacySettings:
         # A setting that the chosen dp mode does not use must keep its default: set, it would be ignored
         # (a noise multiplier under dp = "none" ran with no noise at all, silently).
         default = PrivacySettings.__dataclass_fields__
-        for name, modes in _DP_KEY_MODES.items():
+        for name, unless in self._ignored_fields():
             value = getattr(self, name)
-            if self.dp not in modes and value != default[name].default:
-                raise ConfigError(f"{name.replace('_', '-')} must be left at {_shown(default[name].default)} unless dp "
-                                  f"is {' or '.join(repr(m) for m in modes)} (under dp = {self.dp!r} it would be "
-                                  f"ignored). Found {_shown(value)}.")
-        for name in ("clip_target_quantile", "clip_learning_rate", "clip_count_noise"):
-            value = getattr(self, name)
-            if not self.adaptive_clipping and value != default[name].default:
+            if value != default[name].default:
                 raise ConfigError(f"{name.replace('_', '-')} must be left at {_shown(default[name].default)} unless "
-                                  f"adaptive-clipping is true (it would be ignored). Found {_shown(value)}.")
+                                  f"{unless} (it would be ignored). Found {_shown(value)}.")
+
+    def _ignored_fields(self) -> list[tuple[str, str]]:
+        """(field, what would make it read) for each setting this configuration does not read."""
+        out = [(name, f"dp is {' or '.join(repr(m) for m in modes)}, not {self.dp!r}")
+               for name, modes in _DP_KEY_MODES.items() if self.dp not in modes]
+        if not self.adaptive_clipping:
+            out += [(name, "adaptive-clipping is true") for name in _ADAPTIVE_FIELDS]
+        return out
 
     def ignored_keys(self) -> set[str]:
-        """The settings this dp mode does not read (they must keep their defaults, see above)."""
-        out = {name.replace("_", "-") for name, modes in _DP_KEY_MODES.items() if self.dp not in modes}
-        if not self.adaptive_clipping:
-            out |= {"clip-target-quantile", "clip-learning-rate", "clip-count-noise"}
-        return out
+        """The settings this configuration does not read (they keep their defaults, see above)."""
+        return {name.replace("_", "-") for name, _ in self._ignored_fields()}
 
     def count_noise_std(self, z: float) -> float:
         """The adaptive clip's count noise std (sigma_b, in counts) for the round noise multiplier ``z``.

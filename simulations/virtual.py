@@ -201,6 +201,12 @@ class MessageRecord:
     pulled_at: float | None = None
 
 
+def _expired(msg: Message) -> Message:
+    """The error reply the SuperLink gives a message whose TTL ran out before its reply arrived."""
+    return Message(error=Error(code=ErrorCode.MESSAGE_UNAVAILABLE,
+                               reason=f"message expired (ttl {msg.metadata.ttl} s) before a reply arrived"), reply_to=msg)
+
+
 class VirtualGrid(InProcessGrid):
     """An in-process Grid on a virtual clock; node ``1001 + i`` has profile ``profile_fn(i)``."""
 
@@ -310,17 +316,14 @@ class VirtualGrid(InProcessGrid):
             ttl = msg.metadata.ttl
             deadline = now + ttl if ttl else math.inf
             start = self._next_online(node, max(now, self._node_free[node]), min(deadline, now + 1e7))
-            unavailable = Message(error=Error(code=ErrorCode.MESSAGE_UNAVAILABLE,
-                                              reason=f"message expired (ttl {ttl} s) before a reply arrived"),
-                                  reply_to=msg) if math.isfinite(deadline) else None
             if start > deadline:
                 # Still queued behind the node's earlier work (or the node offline) when its TTL ran out:
                 # Flower's SuperLink deletes it instead of delivering it, so the node never runs it (no
                 # work, no state change, no bytes) and is free for the next one.
                 self.records[mid] = MessageRecord(mid, node, now, math.inf, math.inf, deadline, 0, 0, False,
                                                   math.isfinite(deadline), self._outstanding(node))
-                if unavailable is not None:
-                    self._pending[mid] = unavailable
+                if math.isfinite(deadline):
+                    self._pending[mid] = _expired(msg)
                     heapq.heappush(self._heap, (deadline, mid))
                 continue
             reply = call_client(self._client, msg, self.contexts[node])
@@ -346,7 +349,7 @@ class VirtualGrid(InProcessGrid):
             expired = dropped or done > deadline
             if expired:
                 done = math.inf if dropped else done
-                reply = unavailable
+                reply = _expired(msg) if math.isfinite(deadline) else None
                 visible = deadline
             else:
                 visible = done

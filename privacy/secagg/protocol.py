@@ -538,8 +538,8 @@ class SecAggServer:
 
     def add_masked(self, node: int, vector: np.ndarray, unopened: Iterable[int] = ()) -> None:
         """Add one masked input. ``unopened``: the maskers whose share ciphertexts ``node`` reports it
-        could not open (it is not asked for their shares; they are recorded in ``bad_senders``; a
-        node it did not mask with is ignored)."""
+        could not open (it is not asked for their shares; each is recorded in ``left_out``; a node it
+        did not mask with is ignored)."""
         self.check_masked(node, vector)
         np.add(self.total, vector, out=self.total, casting="unsafe")
         self.survivors.add(node)

@@ -303,6 +303,7 @@ def decode_values(xs: np.ndarray, ys: np.ndarray, t: int, secret_len: int) -> tu
         powers[:, j] = (powers[:, j - 1] * (xs % PRIME)) % PRIME
     secret = np.empty(ys.shape[1], dtype=np.int64)
     right = np.ones(m, dtype=bool)
+    at = np.concatenate([np.zeros(1, dtype=np.int64), xs])  # the secret's point, then every share's
     for c in range(ys.shape[1]):  # a loop over the secret's 3-byte chunks (11 for 32 bytes), each one solve
         y = ys[:, c] % PRIME
         if e:
@@ -316,7 +317,6 @@ def decode_values(xs: np.ndarray, ys: np.ndarray, t: int, secret_len: int) -> tu
             good = np.arange(m)
         if good.size < t:
             raise PrivacyError(f"more than {e} of the {m} shares are wrong: the secret cannot be decoded.")
-        at = np.concatenate([np.zeros(1, dtype=np.int64), xs])
         values = _interpolate(xs[good[:t]], y[good[:t], None], at)[:, 0]
         secret[c] = values[0]
         right &= values[1:] == y

@@ -231,7 +231,7 @@ def test_a_budget_that_would_be_ignored_or_cannot_fit_one_round_is_refused_up_fr
 @pytest.mark.parametrize(("setting", "message"), [
     # a noise multiplier without dp ran with no noise at all, silently
     ({"dp-noise-multiplier": 1.2}, "run.dp-noise-multiplier must be left at 0.0 unless dp is 'central' or "
-                                   "'distributed' (under dp = 'none' it would be ignored). Found 1.2."),
+                                   "'distributed', not 'none' (it would be ignored). Found 1.2."),
     ({"dp-secure-noise": True}, "run.dp-secure-noise must be left at false unless dp is 'central'"),
     ({"dp": "distributed", "secure-aggregation": "secagg+", "secagg-weighting": "uniform", "dp-noise-multiplier": 1.0,
       "dp-secure-noise": True}, "run.dp-secure-noise must be left at false unless dp is 'central'"),
