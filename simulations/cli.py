@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -31,6 +32,9 @@ def _simulate(args: argparse.Namespace) -> int:
     from .scenario import load_scenario, parse_override
 
     torch_threads()  # a bad FEDSHIELD_TORCH_THREADS is one line here too (the ClientApp would ignore it)
+    # SIGTERM (``kill``, a scheduler's stop) ends the run as Ctrl-C does: "interrupted", the last
+    # round's checkpoint kept, no traceback (its default action killed the process mid-write of the log).
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     overrides = dict(parse_override(s) for s in args.set or [])
     if args.rounds is not None:
         overrides["run.num-rounds"] = args.rounds

@@ -49,7 +49,7 @@ def _not_for_our_users(record: logging.LogRecord) -> bool:
 
 @contextlib.contextmanager
 def ctrl_c_sets(stop: threading.Event) -> Iterator[Callable[[], bool]]:
-    """Within the block, Ctrl-C (SIGINT) sets ``stop`` at once, whichever thread the kernel hands
+    """Within the block, Ctrl-C (SIGINT) or SIGTERM sets ``stop`` at once, whichever thread the kernel hands
     the signal to; yields whether it came.
 
     Why: Python runs its SIGINT handler (KeyboardInterrupt) only in the main thread, and a main
@@ -71,10 +71,15 @@ def ctrl_c_sets(stop: threading.Event) -> Iterator[Callable[[], bool]]:
         os.close(w)
         yield seen.is_set
         return
+    # SIGTERM (``kill``, a job scheduler) stops the run as Ctrl-C does. Its default action killed the
+    # process mid-round; under Flower's engine Ray's native handler printed a stack dump and aborted
+    # (exit 134). Ray sets its own Python handler in ``ray.init`` (sys.exit); Python's C-level handler
+    # still writes the signal to the wakeup fd first, so the watcher sees it either way.
+    old_term = signal.signal(signal.SIGTERM, signal.default_int_handler)
 
     def watch() -> None:
         while data := os.read(r, 64):  # b"" once the write end is closed
-            if signal.SIGINT in data:
+            if signal.SIGINT in data or signal.SIGTERM in data:
                 seen.set()
                 stop.set()
 
@@ -83,6 +88,7 @@ def ctrl_c_sets(stop: threading.Event) -> Iterator[Callable[[], bool]]:
     try:
         yield seen.is_set
     finally:
+        signal.signal(signal.SIGTERM, old_term)
         signal.set_wakeup_fd(old)
         os.close(w)
         watcher.join(timeout=5)
@@ -276,6 +282,9 @@ class ClusterWatch:
 
 def run_flower_engine(scn: Scenario, on_round: RoundCallback | None) -> dict[str, Any]:
     """The ServerApp and ClientApp under ``flwr.simulation.run_simulation``."""
+    # Before Ray is imported (it reads this once): no native failure-signal handler in this process,
+    # which on SIGTERM printed a stack dump and aborted before fedshield could stop the run cleanly.
+    os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
     from flwr.simulation import run_simulation
 
     hostport = check_ray_cluster(scn)

@@ -93,15 +93,19 @@ def test_bad_input_is_one_line(tmp_path, fedshield_bin):
 
 
 @pytest.mark.timeout(300)
-def test_ctrl_c_stops_a_flower_engine_run_at_once_and_saves_no_more_rounds(tmp_path, procs, fedshield_bin):
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_ctrl_c_stops_a_flower_engine_run_at_once_and_saves_no_more_rounds(tmp_path, procs, fedshield_bin, sig):
     """Ctrl-C reaches only the main thread; the ServerApp's thread must stop too (it used to run on,
     saving empty rounds with no clients, and the process never exited).
 
     The signal is sent to one of the process's other threads (Ray's, gRPC's, Flower's workers), the
     case that once let a run go on to its last round: the main thread, waiting on a lock, was not
-    woken, and the KeyboardInterrupt raised at the end was lost in Ray's shutdown."""
+    woken, and the KeyboardInterrupt raised at the end was lost in Ray's shutdown. SIGTERM ends the
+    run the same way (it was Ray's native stack dump and an abort, exit 134)."""
     import ctypes
     import signal
+
+    signum = getattr(signal, sig)
 
     proc = procs.start("simulate", [fedshield_bin, "simulate", "--rounds", "60", "--quiet", "--run-dir", "run"], cwd=tmp_path,
                        interruptible=True)
@@ -115,17 +119,18 @@ def test_ctrl_c_stops_a_flower_engine_run_at_once_and_saves_no_more_rounds(tmp_p
             status = open(f"/proc/{proc.pid}/task/{tid}/status").read()
         except FileNotFoundError:  # the thread has just ended
             return False
-        return not int(status.split("SigBlk:")[1].split()[0], 16) & (1 << (signal.SIGINT - 1))
+        return not int(status.split("SigBlk:")[1].split()[0], 16) & (1 << (signum - 1))
 
     others = sorted(t for t in map(int, os.listdir(f"/proc/{proc.pid}/task")) if t != proc.pid and takes_sigint(t))
     assert others, "Flower's engine runs threads beside the main one"
-    assert ctypes.CDLL(None, use_errno=True).tgkill(proc.pid, others[len(others) // 2], signal.SIGINT) == 0
+    assert ctypes.CDLL(None, use_errno=True).tgkill(proc.pid, others[len(others) // 2], signum) == 0
     assert procs.wait("simulate", timeout=45) == 130, procs.log("simulate")[-3000:]
     rounds_then = len(list(csv.DictReader(open(metrics))))
     assert rounds_then < 60
     time.sleep(2)
     assert len(list(csv.DictReader(open(metrics)))) == rounds_then, "no round is saved after the interrupt"
     assert "fedshield: interrupted" in procs.log("simulate")
+    assert "SIGTERM received" not in procs.log("simulate")
 
 
 def _gcs_token(session: int) -> str:

@@ -48,6 +48,27 @@ def test_a_sigint_landing_on_a_worker_thread_sets_stop_while_main_is_blocked(qui
     assert signal.set_wakeup_fd(-1) == -1  # the previous wakeup fd (none) was restored
 
 
+def test_a_sigterm_sets_stop_as_ctrl_c_does_and_its_handler_is_restored(quiet_sigint):
+    stop = threading.Event()
+    hits: list[int] = []
+    old = signal.signal(signal.SIGTERM, lambda signum, frame: hits.append(signum))
+    try:
+        with ctrl_c_sets(stop) as interrupted:
+            # As Ray's ``ray.init`` does inside the block: its own Python-level handler.
+            signal.signal(signal.SIGTERM, lambda signum, frame: hits.append(-signum))
+            signal.raise_signal(signal.SIGTERM)
+            for _ in range(50):
+                if stop.is_set():
+                    break
+                time.sleep(0.05)
+        assert stop.is_set() and interrupted()
+        assert hits == [-signal.SIGTERM]
+        signal.raise_signal(signal.SIGTERM)  # the handler from before the block is back
+        assert hits == [-signal.SIGTERM, signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
 def test_no_sigint_no_stop_and_other_signals_are_ignored(quiet_sigint):
     stop = threading.Event()
     old = signal.signal(signal.SIGUSR1, lambda *_: None)
