@@ -51,9 +51,15 @@ def export_partitions(task: str, num_partitions: int, out: str, partitioning: st
     out_dir = Path(out)
     if out_dir.exists() and not out_dir.is_dir():
         raise ClientError(f"--out must be a directory. Found a file at {out_dir}.")
-    spec = build_config(TaskSpec, {"task": task, "partitioning": partitioning, "dirichlet-alpha": alpha, "data-seed": seed})
-    t = get_task(spec)
-    parts = [t.partition(k, num_partitions) for k in range(num_partitions)]  # raises on a bad split, nothing made yet
+    flags = {"task": "--task", "partitioning": "--partitioning", "dirichlet-alpha": "--alpha", "data-seed": "--seed",
+             "num-partitions": "--num-partitions", "num-supernodes": "--num-partitions"}
+    try:
+        spec = build_config(TaskSpec, {"task": task, "partitioning": partitioning, "dirichlet-alpha": alpha, "data-seed": seed})
+        t = get_task(spec)
+        parts = [t.partition(k, num_partitions) for k in range(num_partitions)]  # raises on a bad split, nothing made yet
+    except ClientError as exc:  # named as the command's flags, not as the scenario keys they fill
+        key = str(exc).split(" ", 1)[0]
+        raise ClientError(flags[key] + str(exc)[len(key):] if key in flags else str(exc)) from None
     created = missing_ancestor(out_dir)
     paths: list[Path] = []
     try:

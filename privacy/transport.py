@@ -47,7 +47,7 @@ class CertificatePaths:
         that never answered its health check (the start timeout, then a misleading message)."""
         for p in (self.ca_cert, self.server_cert, self.server_key):
             if not p.is_file():
-                raise PrivacyError(f"TLS file must exist. Found no file at {p}; run `fedshield certs init DIR`.")
+                raise PrivacyError(f"TLS file must exist. Found {_not_a_file(p)}; run `fedshield certs init DIR`.")
         ca, cert = _load_cert(self.ca_cert), _load_cert(self.server_cert)
         try:
             key = serialization.load_pem_private_key(self.server_key.read_bytes(), password=None)
@@ -115,6 +115,9 @@ def check_san(name: str) -> str:
     labels = name[2:].split(".") if name.startswith("*.") else name.split(".")
     if not (0 < len(name) <= 253 and all(_DNS_LABEL.fullmatch(label) for label in labels)):
         raise PrivacyError(f"--san must be a DNS name (letters, digits, '-' and dots) or an IP address. Found {name!r}.")
+    if labels[-1].isdigit():  # no top-level domain is numeric: a mistyped address (999.1.1.1), not a host name
+        raise PrivacyError(f"--san must be a DNS name (whose last label is not all digits) or an IP address. Found "
+                           f"{name!r}.")
     return name
 
 
@@ -201,7 +204,7 @@ def new_node_key(path: str | os.PathLike, force: bool = False) -> tuple[Path, Pa
 def _load_ec_key(path: str | os.PathLike, loader, what: str, fmt: str, missing: str):
     p = Path(path)
     if not p.is_file():
-        raise PrivacyError(f"{what} must {missing}. Found no file at {p}.")
+        raise PrivacyError(f"{what} must {missing}. Found {_not_a_file(p)}.")
     try:
         key = loader(p.read_bytes())
     except (ValueError, TypeError, UnsupportedAlgorithm):
@@ -219,6 +222,11 @@ def check_node_private_key(path: str | os.PathLike) -> Path:
                         f"be an existing private key file (run `fedshield keys new {path}`)")
 
 
+def _not_a_file(p: Path) -> str:
+    """What is at ``p`` instead of a file, for an error message."""
+    return f"a directory at {p}" if p.is_dir() else f"no file at {p}"
+
+
 def check_public_key(path: str | os.PathLike) -> Path:
     """Fail with one clear message unless ``path`` is an ECDSA OpenSSH public key."""
     return _load_ec_key(path, serialization.load_ssh_public_key, "enrolled public key", "an OpenSSH public key", "exist")
@@ -227,7 +235,7 @@ def check_public_key(path: str | os.PathLike) -> Path:
 def check_ca_certificate(path: str | os.PathLike) -> Path:
     p = Path(path)
     if not p.is_file():
-        raise PrivacyError(f"root certificate must exist. Found no file at {p}.")
+        raise PrivacyError(f"root certificate must be a file. Found {_not_a_file(p)}.")
     try:
         cert = x509.load_pem_x509_certificate(p.read_bytes())
     except ValueError:

@@ -26,7 +26,7 @@ def _simulate(args: argparse.Namespace) -> int:
     from coordinator.rundir import SUMMARY
 
     from clients.client_app import torch_threads
-    from clients.config import resolve_path
+    from clients.config import ConfigError, resolve_path
 
     from .runner import check_partitions, check_ray_cluster, run_scenario
     from .scenario import load_scenario, parse_override
@@ -36,10 +36,12 @@ def _simulate(args: argparse.Namespace) -> int:
     # round's checkpoint kept, no traceback (its default action killed the process mid-write of the log).
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     overrides = dict(parse_override(s) for s in args.set or [])
-    if args.rounds is not None:
-        overrides["run.num-rounds"] = args.rounds
-    if args.engine:
-        overrides["simulation.engine"] = args.engine
+    for flag, key, value in (("--rounds", "run.num-rounds", args.rounds), ("--engine", "simulation.engine", args.engine)):
+        if value is not None:
+            if key in overrides and overrides[key] != value:  # one of them would be dropped, silently
+                raise ConfigError(f"{flag} and --set {key} must agree (or give one). Found {value!r} and "
+                                       f"{overrides[key]!r}.")
+            overrides[key] = value
     paths = args.scenario or [None]
     scenarios = [_in_file(p, len(paths) > 1, load_scenario, p, overrides) for p in paths]  # all checked before any runs
     stamp = time.strftime('%Y%m%d-%H%M%S')

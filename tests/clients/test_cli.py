@@ -271,3 +271,17 @@ def test_agent_passes_its_ledger_dir_and_owner_limits_to_its_clientapps(tmp_path
 def test_a_negative_max_retries_is_refused_not_taken_as_zero(tmp_path, capsys):
     err = _agent_error(tmp_path, capsys, "--partition", "0/2", "--max-retries", "-5")
     assert err[-1] == "fedshield: error: --max-retries must be >= 0. Found -5."
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--alpha", "-1"], "--alpha must be in (0, 1e6]. Found -1.0."),
+    (["--seed", "-1"], "--seed must be in [0, 2**32). Found -1."),
+    (["--partitioning", "bogus"], "--partitioning must be one of ['iid', 'dirichlet']. Found 'bogus'."),
+    (["--task", "bogus"], "--task must be one of"),
+])
+def test_export_names_its_own_flags_in_errors(tmp_path, capsys, args, message):
+    """Not the scenario keys the flags fill (``dirichlet-alpha``, ``data-seed``): the user typed --alpha."""
+    assert main(["data", "export", "--num-partitions", "3", "--out", str(tmp_path / "out"), *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"fedshield: error: {message}"), err
+    assert not (tmp_path / "out").exists()

@@ -15,14 +15,15 @@ from simulations.cli import main
 
 
 @pytest.mark.parametrize("name", ["not a valid name!!", "-bad.com", "bad-.com", "a_b.example", "a..b", "", "x" * 64 + ".com",
-                                  "é.example", "*", "a.*.example"])
+                                  "é.example", "*", "a.*.example", "999.1.1.1", "10.1.2", "1.2.3.4.5", "host.123"])
 def test_san_rejects_names_that_are_neither_dns_nor_ip(tmp_path, name):
     with pytest.raises(PrivacyError, match="--san must be a DNS name .* or an IP address"):
         init_certificates(tmp_path / "c", extra_names=(name,))
     assert not (tmp_path / "c").exists()  # checked before anything is created
 
 
-@pytest.mark.parametrize("name", ["node.example.org", "host-1", "*.example.com", "10.1.2.3", "::1", "fe80::1", "XN--BCHER-KVA.example"])
+@pytest.mark.parametrize("name", ["node.example.org", "host-1", "*.example.com", "10.1.2.3", "::1", "fe80::1", "XN--BCHER-KVA.example",
+                                  "1password.example", "node.42a"])
 def test_san_accepts_dns_names_and_ips(name):
     assert check_san(name) == name
 

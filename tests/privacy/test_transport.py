@@ -224,7 +224,7 @@ def _garbage(tmp_path):
 def test_checks_reject_missing_files(tmp_path, check):
     with pytest.raises(PrivacyError, match="Found no file at"):
         check(tmp_path / "missing")
-    with pytest.raises(PrivacyError, match="Found no file at"):
+    with pytest.raises(PrivacyError, match="Found a directory at"):
         check(tmp_path)  # a directory is not a file
 
 

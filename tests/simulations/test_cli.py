@@ -46,6 +46,16 @@ def _fake_run(path: Path, rounds: int, simulated: bool = False, summary: bool = 
         RunDirectory(path).write_json(SUMMARY, {"final_test_accuracy": rows[-1]["test_accuracy"], "rounds": rounds})
 
 
+def test_a_flag_and_a_set_override_of_the_same_key_must_agree(tmp_path, capsys):
+    """``--rounds 2 --set run.num-rounds=3`` ran 2 rounds and dropped the other silently."""
+    run = ["simulate", "--engine", "inprocess", "--run-dir", str(tmp_path / "r"), "--quiet"]
+    assert main([*run, "--rounds", "2", "--set", "run.num-rounds=3"]) == 2
+    assert "--rounds and --set run.num-rounds must agree (or give one). Found 2 and 3." in _one_error_line(capsys)
+    assert main([*run, "--set", "simulation.engine=virtual"]) == 2
+    assert "--engine and --set simulation.engine must agree" in _one_error_line(capsys)
+    assert not (tmp_path / "r").exists()
+
+
 # ----------------------------------------------------------------------------- file-system problems
 
 
