@@ -1,6 +1,6 @@
 """``fedshield coordinator start``: a real Flower SuperLink running fedshield's ServerApp.
 
-Steps: validate the config and every file it names; start ``flower-superlink``
+Steps: validate the config and every file it names; start Flower's SuperLink (``coordinator.superlink``)
 (TLS and node authentication on unless ``--insecure``); register the enrolled
 client keys; submit the ServerApp as a run with ``flwr run --stream``; stream
 its log; stop everything it started, also on failure or Ctrl-C.
@@ -175,7 +175,10 @@ class Coordinator:
         s = self.cfg.service
         # In-memory SuperLink state: a restarted coordinator starts a fresh link (the run itself
         # resumes from the run directory's checkpoint); agents then start again and re-join.
-        cmd = ["flower-superlink", "--host", s.host, "--port", str(s.port), "--disable-runtime-dependency-installation"]
+        # Flower's SuperLink behind fedshield's guard: the Control and Runtime APIs answer only this host
+        # (coordinator.superlink: on Flower's own, anyone reaching the port could register keys and submit runs).
+        cmd = [sys.executable, "-m", "coordinator.superlink", "--host", s.host, "--port", str(s.port),
+               "--disable-runtime-dependency-installation"]
         if self.insecure:
             cmd.append("--insecure")
         else:

@@ -1,0 +1,111 @@
+"""Flower's SuperLink, with its Control and Runtime APIs answering only this host.
+
+Why: Flower 1.42 serves the Fleet, Control and Runtime APIs on one port (``--host``/``--port``), and
+without Flower Enterprise's OIDC plugin the Control API authenticates no one. Anyone who could reach
+the coordinator's port could register a node key of their own (node authentication then admits
+them), unregister the enrolled nodes, and submit a run: a ServerApp of their choosing, executed on
+the coordinator's host. TLS does not help: every agent holds the CA certificate, and the server's
+certificate proves only the server. SuperNodes need the Fleet API alone.
+
+``python -m coordinator.superlink ARGS`` runs ``flower-superlink ARGS`` with one ASGI middleware in
+front of Flower's (through ``flwr.superlink.extensions.get_middleware``, the hook Flower's own
+extensions use): a request from a peer that is not this host (:func:`from_this_host`) gets 403
+unless it is for a Fleet API route or ``/health``. The coordinator's own ``flwr`` commands (key registration,
+``flwr run``) and the ServerApp's process connect from this host and are not affected.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import sys
+from collections.abc import Awaitable, Callable, MutableMapping
+from functools import lru_cache
+from typing import Any
+
+Scope = MutableMapping[str, Any]
+ASGIApp = Callable[[Scope, Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]], Awaitable[None]]
+
+# Stricter only, for tests on 127.0.0.1 (where every peer is this host): loopback peers count as remote.
+_LOOPBACK_IS_REMOTE = os.environ.get("FEDSHIELD_SUPERLINK_LOOPBACK_IS_REMOTE") == "1"
+
+REFUSED = b"fedshield: this SuperLink answers its Control and Runtime APIs only to its own host.\n"
+
+
+@lru_cache(maxsize=1)
+def public_paths() -> frozenset[str]:
+    """The routes a remote peer may call: Flower's Fleet API (what a SuperNode uses) and ``/health``."""
+    from flwr.superlink.routers.fleet.router import router
+
+    return frozenset({route.path for route in router.routes} | {"/health"})
+
+
+def _ip(host: Any) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        ip = ipaddress.ip_address(str(host))
+    except ValueError:  # a Unix socket's peer, a test client's name: not an IP address
+        return None
+    return ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None else ip
+
+
+def from_this_host(scope: Scope) -> bool:
+    """Whether a connection comes from this machine: its peer is a loopback address, or the very address
+    it reached the server at (Linux gives a connection to one of the host's own addresses that address
+    as its source; a peer elsewhere cannot have it, TCP's handshake rules out a forged source).
+
+    Not a test of "can this address be bound here": with ``net.ipv4.ip_nonlocal_bind`` any address can."""
+    client, server = scope.get("client"), scope.get("server")
+    peer = _ip(client[0]) if client else None
+    if peer is None:
+        return False
+    if peer.is_loopback:
+        return not _LOOPBACK_IS_REMOTE
+    return server is not None and not peer.is_unspecified and peer == _ip(server[0])
+
+
+class LocalControlOnly:
+    """ASGI middleware: from a peer that is not this host, only :func:`public_paths` (exact match)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Callable[[], Awaitable[Any]],
+                      send: Callable[[Any], Awaitable[None]]) -> None:
+        if scope["type"] in ("http", "websocket") and scope.get("path") not in public_paths():
+            if not from_this_host(scope):
+                if scope["type"] == "websocket":
+                    await send({"type": "websocket.close", "code": 1008})
+                    return
+                await send({"type": "http.response.start", "status": 403,
+                            "headers": [(b"content-type", b"text/plain"), (b"content-length", str(len(REFUSED)).encode())]})
+                await send({"type": "http.response.body", "body": REFUSED})
+                return
+        await self.app(scope, receive, send)
+
+
+def install() -> None:
+    """Put :class:`LocalControlOnly` in front of the SuperLink's middleware (before its app is made)."""
+    from flwr.superlink import extensions
+    from starlette.middleware import Middleware
+
+    if getattr(extensions.get_middleware, "fedshield_guard", False):
+        return
+    flower_own = extensions.get_middleware
+
+    def get_middleware() -> tuple[Middleware, ...]:
+        return (Middleware(LocalControlOnly), *flower_own())
+
+    get_middleware.fedshield_guard = True  # type: ignore[attr-defined]
+    extensions.get_middleware = get_middleware
+
+
+def main(argv: list[str] | None = None) -> None:
+    install()
+    from flwr.superlink.cli.flower_superlink import flower_superlink
+
+    sys.argv = ["flower-superlink", *(sys.argv[1:] if argv is None else argv)]
+    flower_superlink()
+
+
+if __name__ == "__main__":
+    main()

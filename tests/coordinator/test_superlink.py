@@ -1,0 +1,116 @@
+"""coordinator.superlink: Flower's SuperLink with its Control and Runtime APIs closed to other hosts.
+
+Flower 1.42 serves Fleet, Control and Runtime on one port, and its Control API authenticates no one:
+from anywhere that reached the port, ``flwr supernode register`` admitted a key of the caller's and
+``flwr run`` executed the caller's ServerApp on the coordinator (a review's demonstration)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from starlette.testclient import TestClient
+
+from coordinator import superlink
+from coordinator.superlink import REFUSED, from_this_host, public_paths
+from tests.integration.procs import free_port
+
+ELSEWHERE = ("203.0.113.9", 40000)  # TEST-NET-3: no host of ours
+
+
+@pytest.fixture(scope="module")
+def app():
+    superlink.install()
+    from flwr.superlink.main import create_app
+
+    return create_app()
+
+
+def _post(client: TestClient, path: str):
+    return client.post(path, content=b"", headers={"content-type": "application/protobuf"})
+
+
+@pytest.mark.parametrize("path", ["/v1/control/list-runs", "/v1/control/start-run", "/v1/control/register-supernode",
+                                  "/v1/runtime/acquire-task", "/v1/fleet/../control/list-runs", "/v1/fleet/", "/docs",
+                                  "/openapi.json", "/nonexistent"])
+def test_another_host_is_refused_everything_but_the_fleet_api(app, path):
+    with TestClient(app, client=ELSEWHERE) as c:
+        for r in (_post(c, path), c.get(path)):
+            assert r.status_code == 403 and r.content == REFUSED, (path, r.status_code)
+
+
+def test_another_host_reaches_the_fleet_api_and_health(app):
+    assert {"/v1/fleet/pull-messages", "/v1/fleet/push-messages", "/v1/fleet/register-node", "/health"} <= public_paths()
+    assert not any(p.startswith(("/v1/control", "/v1/runtime")) for p in public_paths())
+    with TestClient(app, client=ELSEWHERE) as c:
+        assert c.get("/health").status_code == 200
+        for path in sorted(public_paths() - {"/health"}):
+            r = _post(c, path)  # an empty request: Flower's own answer (4xx/5xx), not the guard's
+            assert r.content != REFUSED, path
+
+
+def test_this_host_reaches_the_control_api(app):
+    with TestClient(app, client=("127.0.0.1", 40000)) as c:
+        r = _post(c, "/v1/control/list-runs")
+        assert r.status_code != 403 and r.content != REFUSED
+
+
+@pytest.mark.parametrize(("client", "server", "local"), [
+    (("127.0.0.1", 1), ("127.0.0.1", 9), True),
+    (("::1", 1), ("::1", 9), True),
+    (("::ffff:127.0.0.1", 1), ("::ffff:127.0.0.1", 9), True),
+    (("10.1.2.3", 1), ("10.1.2.3", 9), True),  # a connection to this host's own address from itself
+    (("10.1.2.4", 1), ("10.1.2.3", 9), False),
+    (("0.0.0.0", 1), ("0.0.0.0", 9), False),
+    (("testclient", 1), ("testserver", 80), False),
+    (None, ("10.1.2.3", 9), False),
+    (("10.1.2.3", 1), None, False),
+])
+def test_from_this_host(client, server, local):
+    assert from_this_host({"type": "http", "client": client, "server": server}) is local
+
+
+@pytest.mark.timeout(120)
+def test_the_coordinators_superlink_process_runs_behind_the_guard(tmp_path):
+    """The real process the coordinator starts (``python -m coordinator.superlink``), seen from a
+    'remote' peer: loopback counts as remote under the test-only (stricter) switch."""
+    port = free_port()
+    env = {**os.environ, "FLWR_HOME": str(tmp_path / "flwr"), "FEDSHIELD_SUPERLINK_LOOPBACK_IS_REMOTE": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "coordinator.superlink", "--insecure", "--host", "127.0.0.1",
+                             "--port", str(port), "--disable-runtime-dependency-installation"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                assert urllib.request.urlopen(base + "/health", timeout=2).status == 200
+                break
+            except (urllib.error.URLError, ConnectionError):
+                assert proc.poll() is None and time.monotonic() < deadline, "the SuperLink did not start"
+                time.sleep(0.3)
+        req = urllib.request.Request(base + "/v1/control/list-runs", data=b"", method="POST",
+                                     headers={"content-type": "application/protobuf"})
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(req, timeout=5)
+        assert err.value.code == 403 and err.value.read() == REFUSED
+        req = urllib.request.Request(base + "/v1/fleet/get-run", data=b"", method="POST",
+                                     headers={"content-type": "application/protobuf"})
+        try:
+            body = urllib.request.urlopen(req, timeout=5).read()
+        except urllib.error.HTTPError as exc:
+            body = exc.read()
+        assert body != REFUSED
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
