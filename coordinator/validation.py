@@ -72,7 +72,9 @@ def check_envelope(reply: Message, asked: int, rnd: int) -> None:
     """A reply must not be an error, must come from the node asked, and must belong to round ``rnd``."""
     node = reply.metadata.src_node_id
     if reply.has_error():  # from the client, or from the SuperLink (node gone, message expired)
-        raise RejectedReply(asked, "error-reply", f"code {reply.error.code}: {str(reply.error.reason or '(no reason given)')[:200]}")
+        # the reason as repr: a client's text with newlines or terminal escapes would forge log lines
+        reason = shown(str(reply.error.reason), 200) if reply.error.reason else "(no reason given)"
+        raise RejectedReply(asked, "error-reply", f"code {reply.error.code}: {reason}")
     if asked != node:
         raise RejectedReply(node, "unknown-sender", f"reply must come from node {asked}, the node asked")
     if reply.metadata.group_id != str(rnd):

@@ -14,6 +14,7 @@ import datetime as dt
 import ipaddress
 import os
 import re
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,12 +89,25 @@ def make_dir(d: Path, what: str, error: type[Exception] = PrivacyError, hint: st
 
 
 def _write(path: Path, data: bytes, private: bool) -> None:
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    """Write ``data`` to a new file beside ``path`` (created with its final mode, never following a link),
+    then rename it over ``path``. Rewriting ``path`` in place (``--force``) kept its inode: a process
+    that had it open before read the new private key through that descriptor, and a symbolic link
+    planted at ``path`` sent the key to the link's target."""
+    _no_dirs_in_the_way(path)  # (checked for the whole set first by the callers)
     mode = 0o600 if private else 0o644
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
     try:
-        with os.fdopen(os.open(path, flags, mode), "wb") as fh:
-            os.fchmod(fh.fileno(), mode)  # also when the file existed (--force) with looser bits
-            fh.write(data)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                os.fchmod(fh.fileno(), mode)  # the umask may have taken bits from ``mode``
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
     except OSError as exc:
         raise PrivacyError(f"{path} must be writable. Found: {_os_reason(exc)}.") from None
 
@@ -176,9 +190,12 @@ def init_certificates(directory: str | os.PathLike, extra_names: tuple[str, ...]
 
 
 def _no_dirs_in_the_way(*paths: Path) -> None:
-    """Before anything is written (--force replaces files, not directories): a private key must not
-    be left behind because a later file of the set could not be written."""
+    """Before anything is written (--force replaces files, not directories or links): a private key must
+    not be left behind because a later file of the set could not be written."""
     for p in paths:
+        if p.is_symlink():
+            raise PrivacyError(f"{p} must not be a symbolic link (a key or certificate is written only as a plain "
+                               "file). Found a link; remove it.")
         if p.is_dir():
             raise PrivacyError(f"{p} must be a file (or not exist yet). Found a directory; move it away.")
 
@@ -191,7 +208,7 @@ def new_node_key(path: str | os.PathLike, force: bool = False) -> tuple[Path, Pa
     pub = priv.with_name(priv.name + ".pub")
     if not force and (priv.exists() or pub.exists()):
         raise PrivacyError(f"key path must not exist yet. Found {priv}; use --force to replace.")
-    _no_dirs_in_the_way(pub)
+    _no_dirs_in_the_way(priv, pub)
     make_dir(priv.parent, "key directory")
     key = ec.generate_private_key(ec.SECP384R1())
     _write(priv, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,

@@ -122,6 +122,17 @@ def test_error_reply():
     assert _rule(err) == "error-reply"
 
 
+def test_an_error_replys_reason_cannot_forge_log_lines():
+    """The reason is a client's text: a newline and terminal escapes in it wrote a second, forged log
+    line (a review's demonstration: a fake "accepted" record in green)."""
+    forged = "oops\n\x1b[92mINFO \x1b[0m:      [fedshield] round 1: node 1002 accepted"
+    err = Message(Error(code=0, reason=forged), reply_to=_instruction(11, "m1"))
+    with pytest.raises(RejectedReply) as exc:
+        check_envelope(err, 11, 1)
+    text = str(exc.value)
+    assert "\n" not in text and "\x1b" not in text and "\\x1b[92m" in text
+
+
 @pytest.mark.parametrize("reason", [None, ""])
 def test_an_error_reply_without_a_reason_is_rejected_not_a_crash(reason):
     """Flower's Error.reason defaults to None, and its wire decoding turns "" into None: a client

@@ -146,6 +146,42 @@ def test_force_overwrite_still_leaves_keys_0600(tmp_path, what):
         assert _mode(priv) == 0o600
 
 
+@pytest.mark.parametrize("what", ["server key", "node key"])
+def test_force_writes_a_new_file_that_an_earlier_reader_cannot_see(tmp_path, what):
+    """--force rewrote the key in place: a descriptor opened while the old file was readable then read
+    the new private key (a review's demonstration)."""
+    make = (lambda: init_certificates(tmp_path, force=True).server_key) if what == "server key" else \
+        (lambda: new_node_key(tmp_path / "k", force=True)[0])
+    key = make()
+    os.chmod(key, 0o644)
+    with open(key, "rb") as early:  # someone else, while the old key was readable
+        old, inode = key.read_bytes(), os.stat(key).st_ino
+        make()
+        assert early.read() == old  # the old file, not the new key
+    assert key.read_bytes() != old and os.stat(key).st_ino != inode and _mode(key) == 0o600
+    assert not [p for p in key.parent.iterdir() if p.name.endswith(".tmp")]
+
+
+@pytest.mark.parametrize("what", ["server key", "node key"])
+def test_a_symbolic_link_at_a_key_path_is_refused_and_its_target_untouched(tmp_path, what):
+    target = tmp_path / "elsewhere"
+    target.write_bytes(b"someone else's file\n")
+    if what == "server key":
+        d = tmp_path / "certs"
+        ca = init_certificates(d).ca_cert.read_bytes()
+        (d / "server.key").unlink()
+        (d / "server.key").symlink_to(target)
+        with pytest.raises(PrivacyError, match="server.key must not be a symbolic link"):
+            init_certificates(d, force=True)
+        assert (d / "ca.crt").read_bytes() == ca  # nothing of the set was replaced
+    else:
+        (tmp_path / "k").symlink_to(tmp_path / "dangling")  # a dangling link does not "exist": no --force needed
+        with pytest.raises(PrivacyError, match="k must not be a symbolic link"):
+            new_node_key(tmp_path / "k")
+        assert not (tmp_path / "dangling").exists()
+    assert target.read_bytes() == b"someone else's file\n"
+
+
 def test_check_ca_certificate_accepts_the_ca(certs):
     assert check_ca_certificate(certs.ca_cert) == certs.ca_cert
 
