@@ -110,12 +110,17 @@ def parse_address(text: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def host_port(host: str, port: int) -> str:
+    """``HOST:PORT``, an IPv6 address in brackets (``parse_address`` takes them off)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def check_reachable(host: str, port: int, timeout: float = 5.0) -> None:
     try:
         with socket.create_connection((host, port), timeout=timeout):
             pass
     except (OSError, UnicodeError) as exc:  # UnicodeError: a host name with an empty or over-long label
-        raise ClientError(f"coordinator must be reachable at {host}:{port}. Found: {exc.strerror if isinstance(exc, OSError) and exc.strerror else exc}.") from None
+        raise ClientError(f"coordinator must be reachable at {host_port(host, port)}. Found: {exc.strerror if isinstance(exc, OSError) and exc.strerror else exc}.") from None
 
 
 def bind_probe(host: str, port: int) -> None:
@@ -208,7 +213,7 @@ def supernode_command(args: argparse.Namespace) -> list[str]:
 
     host, port = parse_address(args.coordinator)
     _check_environment()
-    cmd = [shutil.which("flower-supernode") or "flower-supernode", "--superlink", f"{host}:{port}"]
+    cmd = [shutil.which("flower-supernode") or "flower-supernode", "--superlink", host_port(host, port)]
     if args.insecure:
         print("fedshield agent: WARNING: --insecure: no TLS, updates travel in clear text and the node is not "
               "authenticated. Use only for local tests.", file=sys.stderr)

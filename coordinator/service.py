@@ -26,7 +26,7 @@ from typing import Any
 
 import tomli_w
 
-from clients.cli import bind_probe
+from clients.cli import bind_probe, host_port
 from clients.config import ConfigError, build_config, check, resolve_path
 from privacy import CertificatePaths, check_public_key, make_dir
 
@@ -34,7 +34,7 @@ from ._errors import CoordinatorError
 from .config import RunConfig
 from .progress import accuracy_text
 from .rundir import SUMMARY, check_run_dir
-from .tls import check_server_certificate, connect_host, host_port
+from .tls import check_server_certificate, connect_host
 
 FEDERATION = "fedshield"
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")

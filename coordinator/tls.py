@@ -27,11 +27,6 @@ def connect_host(host: str) -> str:
     return WILDCARD_HOSTS.get(host, host)
 
 
-def host_port(host: str, port: int) -> str:
-    """``HOST:PORT``, an IPv6 address in brackets."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
 def check_server_certificate(paths: CertificatePaths, host: str, now: dt.datetime | None = None) -> None:
     """ConfigError (naming the file) unless the CA and server certificates are valid at ``now``
     (default: the current time) and the server certificate's SubjectAltName covers

@@ -285,3 +285,20 @@ def test_export_names_its_own_flags_in_errors(tmp_path, capsys, args, message):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"fedshield: error: {message}"), err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("given", "superlink"), [("[::1]:9092", "[::1]:9092"), ("127.0.0.1:9092", "127.0.0.1:9092"),
+                                                  ("coord.example:443", "coord.example:443")])
+def test_the_supernode_gets_the_coordinator_address_flower_can_parse(monkeypatch, given, superlink):
+    """An IPv6 coordinator lost its brackets on the way to flower-supernode (``::1:9092``, which is not a URL's
+    authority)."""
+    from flwr.supercore.address import parse_address
+
+    from clients import cli
+    from simulations.cli import build_parser
+
+    monkeypatch.setattr(cli, "check_reachable", lambda host, port: None)
+    args = build_parser().parse_args(["agent", "start", "--coordinator", given, "--insecure", "--partition", "0/2"])
+    cmd = cli.supernode_command(args)
+    assert cmd[cmd.index("--superlink") + 1] == superlink
+    assert parse_address(superlink)[0] == given.rpartition(":")[0].strip("[]")
