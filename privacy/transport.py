@@ -233,10 +233,16 @@ def _load_ec_key(path: str | os.PathLike, loader, what: str, fmt: str, missing: 
 
 
 def check_node_private_key(path: str | os.PathLike) -> Path:
-    """Fail with one clear message unless ``path`` is an ECDSA OpenSSH private key."""
-    return _load_ec_key(path, lambda b: serialization.load_ssh_private_key(b, None), "node key",
-                        "an unencrypted OpenSSH private key",
-                        f"be an existing private key file (run `fedshield keys new {path}`)")
+    """Fail with one clear message unless ``path`` is an ECDSA OpenSSH private key that only its owner
+    can read (as ssh refuses an unprotected key: anyone else who can read it can be this node)."""
+    p = _load_ec_key(path, lambda b: serialization.load_ssh_private_key(b, None), "node key",
+                     "an unencrypted OpenSSH private key",
+                     f"be an existing private key file (run `fedshield keys new {path}`)")
+    mode = p.stat().st_mode & 0o077
+    if os.name == "posix" and mode:
+        raise PrivacyError(f"node key {p} must be readable by its owner only (chmod 600 {p}). Found group/other "
+                           f"permissions {mode:03o}.")
+    return p
 
 
 def _not_a_file(p: Path) -> str:

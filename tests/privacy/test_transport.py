@@ -244,7 +244,18 @@ def test_checks_accept_other_nist_curves(tmp_path):
     priv = tmp_path / "p256"
     priv.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
                                        serialization.NoEncryption()))
+    os.chmod(priv, 0o600)
     assert check_node_private_key(priv) == priv
+
+
+@pytest.mark.parametrize("mode", [0o640, 0o604, 0o644])
+def test_a_node_key_others_can_read_is_refused(node_key, mode):
+    """As ssh refuses an unprotected key: whoever else can read it can be this node."""
+    priv, _ = node_key
+    os.chmod(priv, mode)
+    with pytest.raises(PrivacyError, match=f"must be readable by its owner only \\(chmod 600 .*\\). Found group/other "
+                                           f"permissions {mode & 0o077:03o}"):
+        check_node_private_key(priv)
 
 
 # --------------------------------------------------------------------------- rejections
