@@ -151,7 +151,9 @@ def _certs_init(args: argparse.Namespace) -> int:
     from privacy import init_certificates
 
     paths = init_certificates(args.dir, tuple(args.san or ()), force=args.force)
-    print(f"wrote CA {paths.ca_cert}, server certificate {paths.server_cert} and key {paths.server_key}")
+    print(f"wrote CA {paths.ca_cert}, server certificate {paths.server_cert} and key {paths.server_key}; the CA's own "
+          f"key {paths.ca_cert.with_name('ca.key')} is needed by nothing that runs: move it off the coordinator's host "
+          "(whoever holds it can pass for the coordinator to every agent)")
     return 0
 
 
