@@ -10,8 +10,12 @@ certificate proves only the server. SuperNodes need the Fleet API alone.
 ``python -m coordinator.superlink ARGS`` runs ``flower-superlink ARGS`` with one ASGI middleware in
 front of Flower's (through ``flwr.superlink.extensions.get_middleware``, the hook Flower's own
 extensions use): a request from a peer that is not this host (:func:`from_this_host`) gets 403
-unless it is for a Fleet API route or ``/health``. The coordinator's own ``flwr`` commands (key registration,
-``flwr run``) and the ServerApp's process connect from this host and are not affected.
+unless it is for a Fleet API route or ``/health``; so does one from this host that says it was forwarded
+(X-Forwarded-For, Forwarded: a local reverse proxy's). uvicorn's own reading of those headers is off, and
+Flower's switches for its older gRPC APIs (a second, unguarded listener) are dropped. The coordinator's own
+``flwr`` commands (key registration, ``flwr run``) and the ServerApp's process connect from this host and
+are not affected. What the guard cannot tell apart: a tunnel or TCP proxy on this host (ssh -L, socat, a
+service-mesh sidecar) in front of the port makes every peer this host; put none there.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import os
 import sys
 from collections.abc import Awaitable, Callable, MutableMapping
 from functools import lru_cache
+from types import SimpleNamespace
 from typing import Any
 
 Scope = MutableMapping[str, Any]
@@ -63,6 +68,15 @@ def from_this_host(scope: Scope) -> bool:
     return server is not None and not peer.is_unspecified and peer == _ip(server[0])
 
 
+_FORWARDING_HEADERS = frozenset({b"x-forwarded-for", b"forwarded", b"x-real-ip"})
+
+
+def _forwarded(scope: Scope) -> bool:
+    """Whether a request says it was forwarded: then its peer on this host (a reverse proxy, a tunnel)
+    is not who sent it. The flwr CLI and the ServerApp never send these headers."""
+    return any(name.lower() in _FORWARDING_HEADERS for name, _ in scope.get("headers") or ())
+
+
 class LocalControlOnly:
     """ASGI middleware: from a peer that is not this host, only :func:`public_paths` (exact match)."""
 
@@ -72,7 +86,7 @@ class LocalControlOnly:
     async def __call__(self, scope: Scope, receive: Callable[[], Awaitable[Any]],
                       send: Callable[[Any], Awaitable[None]]) -> None:
         if scope["type"] in ("http", "websocket") and scope.get("path") not in public_paths():
-            if not from_this_host(scope):
+            if not from_this_host(scope) or _forwarded(scope):
                 if scope["type"] == "websocket":
                     await send({"type": "websocket.close", "code": 1008})
                     return
@@ -99,12 +113,32 @@ def install() -> None:
     extensions.get_middleware = get_middleware
 
 
-def main(argv: list[str] | None = None) -> None:
-    install()
-    from flwr.superlink.cli.flower_superlink import flower_superlink
+# Flower's switches for its older gRPC APIs: each starts a second listener (the Control API on
+# --control-api-address, 0.0.0.0:9093 by default) that this guard never sees.
+UNGUARDED_APIS = ("FLWR_INTERNAL_GRPC_CONTROL_API", "FLWR_INTERNAL_GRPC_FLEET_API")
 
+
+def main(argv: list[str] | None = None) -> None:
+    for var in UNGUARDED_APIS:
+        if os.environ.pop(var, None) is not None:
+            print(f"fedshield: {var} ignored: it would start an API beside the guarded port", file=sys.stderr)
+    install()
+    import importlib
+
+    import uvicorn
+
+    cli = importlib.import_module("flwr.superlink.cli.flower_superlink")  # the module (the package exports the function)
+
+    serve = uvicorn.run
+
+    def run(*args: Any, **kwargs: Any) -> None:
+        # No X-Forwarded-For / Forwarded: uvicorn rewrites the peer from them for the addresses in
+        # $FORWARDED_ALLOW_IPS (often "*" in container images), and a remote peer then passed for 127.0.0.1.
+        serve(*args, **{**kwargs, "proxy_headers": False})
+
+    cli.uvicorn = SimpleNamespace(run=run)  # only flower_superlink's own call (uvicorn's module is left as it is)
     sys.argv = ["flower-superlink", *(sys.argv[1:] if argv is None else argv)]
-    flower_superlink()
+    cli.flower_superlink()
 
 
 if __name__ == "__main__":

@@ -6,8 +6,8 @@ from anywhere that reached the port, ``flwr supernode register`` admitted a key 
 
 from __future__ import annotations
 
-import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -61,6 +61,16 @@ def test_this_host_reaches_the_control_api(app):
         assert r.status_code != 403 and r.content != REFUSED
 
 
+@pytest.mark.parametrize("header", ["X-Forwarded-For", "Forwarded", "X-Real-IP"])
+def test_a_forwarded_request_from_this_host_is_refused_too(app, header):
+    """A reverse proxy on this host connects from this host: what it forwards comes from elsewhere."""
+    with TestClient(app, client=("127.0.0.1", 40000)) as c:
+        r = c.post("/v1/control/list-runs", content=b"", headers={"content-type": "application/protobuf",
+                                                                   header: "for=198.51.100.7"})
+        assert r.status_code == 403 and r.content == REFUSED
+        assert c.get("/health", headers={header: "198.51.100.7"}).status_code == 200
+
+
 @pytest.mark.parametrize(("client", "server", "local"), [
     (("127.0.0.1", 1), ("127.0.0.1", 9), True),
     (("::1", 1), ("::1", 9), True),
@@ -79,24 +89,32 @@ def test_from_this_host(client, server, local):
 @pytest.mark.timeout(120)
 def test_the_coordinators_superlink_process_runs_behind_the_guard(tmp_path):
     """The real process the coordinator starts (``python -m coordinator.superlink``), seen from a
-    'remote' peer: loopback counts as remote under the test-only (stricter) switch."""
-    port = free_port()
-    env = {**os.environ, "FLWR_HOME": str(tmp_path / "flwr"), "FEDSHIELD_SUPERLINK_LOOPBACK_IS_REMOTE": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "coordinator.superlink", "--insecure", "--host", "127.0.0.1",
-                             "--port", str(port), "--disable-runtime-dependency-installation"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    'remote' peer: loopback counts as remote under the test-only (stricter) switch. Two settings of
+    its environment that reopened the Control API (a review's demonstrations) are neutralised:
+    uvicorn trusting X-Forwarded-For from $FORWARDED_ALLOW_IPS ("*": any peer could claim 127.0.0.1),
+    and Flower's switch for its older gRPC Control API (a second listener, unguarded)."""
+    port, grpc_control = free_port(), free_port()
+    env = {**os.environ, "FLWR_HOME": str(tmp_path / "flwr"), "FEDSHIELD_SUPERLINK_LOOPBACK_IS_REMOTE": "1",
+           "FORWARDED_ALLOW_IPS": "*", "FLWR_INTERNAL_GRPC_CONTROL_API": "1"}
+    log = tmp_path / "superlink.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "coordinator.superlink", "--insecure", "--host", "127.0.0.1",
+                                 "--port", str(port), "--control-api-address", f"127.0.0.1:{grpc_control}",
+                                 "--disable-runtime-dependency-installation"],
+                                stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 90
         while True:
             try:
-                assert urllib.request.urlopen(base + "/health", timeout=2).status == 200
+                health = urllib.request.Request(base + "/health", headers={"X-Forwarded-For": "198.51.100.7"})
+                assert urllib.request.urlopen(health, timeout=2).status == 200
                 break
             except (urllib.error.URLError, ConnectionError):
-                assert proc.poll() is None and time.monotonic() < deadline, "the SuperLink did not start"
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
                 time.sleep(0.3)
         req = urllib.request.Request(base + "/v1/control/list-runs", data=b"", method="POST",
-                                     headers={"content-type": "application/protobuf"})
+                                     headers={"content-type": "application/protobuf", "X-Forwarded-For": "127.0.0.1"})
         with pytest.raises(urllib.error.HTTPError) as err:
             urllib.request.urlopen(req, timeout=5)
         assert err.value.code == 403 and err.value.read() == REFUSED
@@ -107,6 +125,8 @@ def test_the_coordinators_superlink_process_runs_behind_the_guard(tmp_path):
         except urllib.error.HTTPError as exc:
             body = exc.read()
         assert body != REFUSED
+        with socket.socket() as s:  # no gRPC Control API beside the guarded port
+            assert s.connect_ex(("127.0.0.1", grpc_control)) != 0
     finally:
         proc.terminate()
         try:
@@ -114,3 +134,7 @@ def test_the_coordinators_superlink_process_runs_behind_the_guard(tmp_path):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+    text = log.read_text()
+    assert "FLWR_INTERNAL_GRPC_CONTROL_API ignored" in text
+    assert "198.51.100.7" not in text  # uvicorn took the peer from the socket, not from the header
+    assert "127.0.0.1" in text  # (the access log names peers at all)
