@@ -20,7 +20,7 @@ from coordinator import CoordinatorError, RunDirectory
 from coordinator.rundir import SUMMARY
 from coordinator.progress import RoundProgress
 from coordinator.server_app import make_server_app, make_workflow
-from clients.ledger import STATE_DIR
+from clients.ledger import PREFIX as LEDGER_PREFIX, STATE_DIR
 from privacy import make_dir
 from coordinator.workflow import RoundCallback
 
@@ -383,6 +383,22 @@ def check_partitions(scn: Scenario) -> None:
                           + f" Each simulated client gets one partition of task {scn.run.task.task!r}'s data.") from None
 
 
+def check_local_dp_resume(scn: Scenario, run_dir: Path) -> None:
+    """A local-DP run resumes only where its simulated clients' ledgers are: in the run directory, which
+    the in-process and virtual engines keep them in. Flower's engine keeps them in memory, so a run
+    resumed on it, or one that ran on it and is resumed on another engine (as the refusal had advised),
+    started its clients' epsilon again at zero."""
+    if scn.sim.engine == "flower":
+        raise CoordinatorError(f"{run_dir} holds a local-DP run; on Flower's engine the simulated clients keep their "
+                               "privacy ledgers in memory only, so a resumed run would start their epsilon again at "
+                               "zero. Resume it with --engine inprocess or virtual if it ran on one of them (their "
+                               "ledgers are in the run directory), or use another --run-dir.")
+    if not any((run_dir / "clients").glob(f"partition-*/{LEDGER_PREFIX}*.json")):
+        raise CoordinatorError(f"{run_dir} holds a local-DP run without its clients' privacy ledgers (it ran on Flower's "
+                               "engine, which keeps them in memory only): resumed, their epsilon would start again at "
+                               "zero. Use another --run-dir.")
+
+
 def run_scenario(scn: Scenario, run_dir: str | Path, show_progress: bool = True) -> dict[str, Any]:
     """Run ``scn`` writing into ``run_dir`` (resuming if it holds a checkpoint); a run directory that already
     holds ``num-rounds`` rounds and its summary is returned as it is, without starting an engine."""
@@ -394,11 +410,8 @@ def run_scenario(scn: Scenario, run_dir: str | Path, show_progress: bool = True)
     if done >= scn.run.server.num_rounds and summary.is_file():  # finished: nothing to train, no engine to start
         return json.loads(summary.read_text())
     check_partitions(scn)
-    if done and scn.sim.engine == "flower" and scn.run.privacy.dp == "local":
-        raise CoordinatorError(f"{run_dir} holds a local-DP run; on Flower's engine the simulated clients keep their "
-                               "privacy ledgers in memory only, so a resumed run would start their epsilon again at "
-                               "zero. Resume it with --engine inprocess or virtual (ledgers in the run directory), "
-                               "or use another --run-dir.")
+    if done and scn.run.privacy.dp == "local":
+        check_local_dp_resume(scn, Path(run_dir))
     engine = {"flower": run_flower_engine, "inprocess": run_inprocess_engine, "virtual": run_virtual_engine}[scn.sim.engine]
     if not show_progress:
         return engine(scn, None)

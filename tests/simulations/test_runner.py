@@ -303,3 +303,25 @@ def test_a_local_dp_run_is_not_resumed_on_flowers_engine(tmp_path):
     flower = Scenario(sim=SimulationSettings(name="t", engine="flower", num_supernodes=3), run=run.replace(num_rounds=2))
     with pytest.raises(CoordinatorError, match="start their epsilon again at zero. Resume it with --engine inprocess"):
         runner.run_scenario(flower, tmp_path / "r", show_progress=False)
+    assert (tmp_path / "r" / "checkpoint.pt").is_file()
+
+
+def test_a_local_dp_run_without_its_ledgers_is_not_resumed_on_any_engine(tmp_path):
+    """As a run that ran on Flower's engine (ledgers in memory only) is left: the refusal above advised
+    --engine inprocess, which then resumed with every client's epsilon back at zero (8.98, 8.98 instead
+    of 8.98, 12.66: a README walkthrough)."""
+    import shutil
+
+    import simulations.runner as runner
+    from coordinator import RunConfig
+    from simulations.scenario import Scenario, SimulationSettings
+
+    run = RunConfig.from_mapping({"num-rounds": 1, "min-nodes": 2, "task": "digits", "seed": 0, "local-epochs": 1,
+                                  "dp": "local", "local-noise-multiplier": 1.0})
+    runner.run_scenario(Scenario(sim=SimulationSettings(name="t", engine="inprocess", num_supernodes=3), run=run),
+                        tmp_path / "r", show_progress=False)
+    shutil.rmtree(tmp_path / "r" / "clients")
+    for engine in ("inprocess", "virtual"):
+        later = Scenario(sim=SimulationSettings(name="t", engine=engine, num_supernodes=3), run=run.replace(num_rounds=2))
+        with pytest.raises(CoordinatorError, match="holds a local-DP run without its clients' privacy ledgers"):
+            runner.run_scenario(later, tmp_path / "r", show_progress=False)
