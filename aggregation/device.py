@@ -19,7 +19,9 @@ def get_device(preference: str | None = None) -> torch.device:
     ``FEDSHIELD_DEVICE`` environment variable, else CUDA when present, else CPU.
     All other code follows the device of the tensors it is given.
     """
-    choice = preference if preference not in (None, "", "auto") else os.environ.get(ENV_VAR, "")
+    given = preference not in (None, "", "auto")
+    source = "device" if given else ENV_VAR  # what the error names: the config key, or the variable
+    choice = preference if given else os.environ.get(ENV_VAR, "")
     choice = choice.strip().lower() or "auto"
     if choice == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -27,9 +29,14 @@ def get_device(preference: str | None = None) -> torch.device:
         return torch.device("cpu")
     if re.fullmatch(r"cuda(:\d+)?", choice):
         if not torch.cuda.is_available():
-            raise AggregationError(f"device must be available. Found {choice!r} but CUDA is not present.")
+            raise AggregationError(f"{source} must name an available device. Found {choice!r}, but CUDA is not present "
+                                   "(use 'cpu' or 'auto').")
+        index, count = int(choice.partition(":")[2] or 0), torch.cuda.device_count()
+        if index >= count:
+            raise AggregationError(f"{source} must name an available device. Found {choice!r}, but this machine has "
+                                   f"{count} CUDA device(s) (cuda:0 to cuda:{count - 1}).")
         return torch.device(choice)
-    raise AggregationError(f"device must be 'auto', 'cpu' or 'cuda[:N]'. Found {choice!r}.")
+    raise AggregationError(f"{source} must be 'auto', 'cpu' or 'cuda[:N]'. Found {choice!r}.")
 
 
 def memory_bytes(device: torch.device) -> int:

@@ -203,7 +203,7 @@ def _check_environment() -> None:
     try:
         get_device()
     except AggregationError as exc:
-        raise ClientError(f"FEDSHIELD_DEVICE (the training device): {exc}") from None
+        raise ClientError(f"{exc} (the training device)") from None
     torch_threads()
 
 

@@ -26,6 +26,7 @@ from typing import Any
 
 import tomli_w
 
+from aggregation import get_device
 from clients.cli import bind_probe, host_port
 from clients.config import ConfigError, build_config, check, resolve_path
 from privacy import CertificatePaths, check_public_key, make_dir
@@ -130,6 +131,7 @@ class Coordinator:
 
     def __init__(self, cfg: CoordinatorFile, insecure: bool) -> None:
         self.cfg, self.insecure = cfg, insecure
+        get_device(cfg.run.server.device)  # the ServerApp's device (or FEDSHIELD_DEVICE) exists here, before anything starts
         s = cfg.service
         self.state = cfg.path(s.state_dir, "coordinator.state-dir")
         self.address = host_port(s.host, s.port)  # where the SuperLink listens

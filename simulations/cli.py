@@ -44,6 +44,10 @@ def _simulate(args: argparse.Namespace) -> int:
             overrides[key] = value
     paths = args.scenario or [None]
     scenarios = [_in_file(p, len(paths) > 1, load_scenario, p, overrides) for p in paths]  # all checked before any runs
+    from aggregation import get_device
+
+    for scn in scenarios:  # the device (or FEDSHIELD_DEVICE) exists here: before a run directory is made or Ray starts
+        get_device(scn.run.server.device)
     stamp = time.strftime('%Y%m%d-%H%M%S')
     if not args.verbose:
         import logging

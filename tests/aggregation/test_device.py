@@ -18,6 +18,7 @@ def no_cuda(monkeypatch):
 @pytest.fixture
 def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.delenv(ENV_VAR, raising=False)
 
 
@@ -63,8 +64,17 @@ def test_cuda_when_unavailable_raises(no_cuda, pref):
 
 def test_cuda_from_env_when_unavailable_raises(no_cuda, monkeypatch):
     monkeypatch.setenv(ENV_VAR, "cuda")
-    with pytest.raises(AggregationError, match="CUDA is not present"):
+    with pytest.raises(AggregationError, match="FEDSHIELD_DEVICE must name an available device. Found 'cuda', but CUDA is not present"):
         get_device()
+    with pytest.raises(AggregationError, match="^device must name an available device"):
+        get_device("cuda")  # the config key's value: named as the key
+
+
+def test_a_cuda_index_past_the_devices_is_refused(fake_cuda, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert get_device("cuda:1") == torch.device("cuda:1")
+    with pytest.raises(AggregationError, match=r"Found 'cuda:2', but this machine has 2 CUDA device\(s\) \(cuda:0 to cuda:1\)"):
+        get_device("cuda:2")
 
 
 def test_cuda_index_when_available(fake_cuda):
@@ -74,7 +84,7 @@ def test_cuda_index_when_available(fake_cuda):
 
 @pytest.mark.parametrize("pref", ["tpu", "gpu", "mps", "0", "cpu:0:1"])
 def test_garbage_raises(no_cuda, pref):
-    with pytest.raises(AggregationError, match=r"device must be 'auto', 'cpu' or 'cuda\[:N\]'\. Found"):
+    with pytest.raises(AggregationError, match=r"^device must be 'auto', 'cpu' or 'cuda\[:N\]'\. Found"):
         get_device(pref)
 
 

@@ -236,7 +236,7 @@ def test_agent_state_dir_that_cannot_be_resolved_is_one_line(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(("env", "line"), [
-    ({"FEDSHIELD_DEVICE": "gpu"}, "FEDSHIELD_DEVICE (the training device): device must be 'auto', 'cpu' or 'cuda[:N]'"),
+    ({"FEDSHIELD_DEVICE": "gpu"}, "FEDSHIELD_DEVICE must be 'auto', 'cpu' or 'cuda[:N]'. Found 'gpu'. (the training device)"),
     ({"FEDSHIELD_TORCH_THREADS": "two"}, "FEDSHIELD_TORCH_THREADS must be an integer in [1, 1024]. Found 'two'."),
 ])
 def test_agent_checks_the_environment_its_clientapps_read_before_it_starts(monkeypatch, capsys, env, line):

@@ -56,6 +56,22 @@ def test_a_flag_and_a_set_override_of_the_same_key_must_agree(tmp_path, capsys):
     assert not (tmp_path / "r").exists()
 
 
+def test_a_device_this_machine_lacks_is_one_line_before_anything_starts(tmp_path, capsys, monkeypatch):
+    """It was found while the workflow set up: after the run directory was made (left empty) and, on
+    Flower's engine, after Ray had started (about 9 s)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    run = ["simulate", "--rounds", "1", "--run-dir", str(tmp_path / "r"), "--quiet"]
+    assert main([*run, "--set", 'run.device="cuda"']) == 2
+    assert _one_error_line(capsys).endswith("device must name an available device. Found 'cuda', but CUDA is not "
+                                            "present (use 'cpu' or 'auto').")
+    monkeypatch.setenv("FEDSHIELD_DEVICE", "cuda:1")
+    assert main(run) == 2
+    assert "FEDSHIELD_DEVICE must name an available device" in _one_error_line(capsys)
+    assert not (tmp_path / "r").exists()
+
+
 # ----------------------------------------------------------------------------- file-system problems
 
 
