@@ -11,8 +11,12 @@ import time
 import zlib
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message
+from logging import WARNING
+
+from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message
 from flwr.clientapp import ClientApp
+from flwr.common.constant import ErrorCode
+from flwr.common.logger import log
 
 from aggregation import AggregationError, array_to_tensor, get_device, tensor_to_array
 from aggregation._errors import shown
@@ -168,9 +172,21 @@ def run_train(msg: Message, context: Context) -> Message:
     return Message(train_reply_content(encoded, metrics), reply_to=msg)
 
 
+def _refusal(msg: Message, exc: ClientError) -> Message:
+    """A message this node refuses (its owner's limits, a malformed instruction): an error reply with the
+    reason, and one line in the node's log. Raised instead, Flower logged a traceback in the node's log
+    every round, and the coordinator read ``<class 'clients._errors.ClientError'>`` before the reason."""
+    log(WARNING, "[fedshield] node refused a message: %s", exc)
+    return Message(error=Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=f"refused by the node: {exc}"),
+                   reply_to=msg)
+
+
 @app.train()
 def train(msg: Message, context: Context) -> Message:
-    return run_train(msg, context)
+    try:
+        return run_train(msg, context)
+    except ClientError as exc:
+        return _refusal(msg, exc)
 
 
 @app.train("secagg")
@@ -178,4 +194,7 @@ def train_secagg(msg: Message, context: Context) -> Message:
     """One stage of a SecAgg+ round (see clients/secure.py)."""
     from .secure import run_secagg_stage
 
-    return run_secagg_stage(msg, context)
+    try:
+        return run_secagg_stage(msg, context)
+    except ClientError as exc:
+        return _refusal(msg, exc)

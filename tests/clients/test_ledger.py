@@ -81,6 +81,21 @@ def test_the_owner_s_min_local_noise_refuses_less_from_the_coordinator(z, found)
     assert _epsilon(run_train(_message(1, z=1.0), _context(**{"min-local-noise": 1.0}))) > 0
 
 
+def test_the_clientapp_answers_a_refusal_with_an_error_reply_not_a_traceback(caplog):
+    """Raised, Flower logged a traceback in the node's log every round and the coordinator read
+    ``<class 'clients._errors.ClientError'>`` before the reason (README walkthrough)."""
+    from clients.client_app import train
+
+    msg = _message(1, z=0.5)
+    with caplog.at_level("WARNING", logger="flwr"):
+        reply = train(msg, _context(**{"min-local-noise": 1.0}))
+    assert reply.has_error() and reply.metadata.reply_to_message_id == msg.metadata.message_id
+    assert reply.error.reason.startswith("refused by the node: ")
+    assert "min-local-noise" in reply.error.reason and "ClientError" not in reply.error.reason
+    assert "node refused a message" in caplog.text and "Traceback" not in caplog.text
+    assert not train(_message(1, z=1.0), _context(**{"min-local-noise": 1.0})).has_error()
+
+
 def test_the_owner_s_max_local_epsilon_refuses_a_round_without_local_dp(tmp_path):
     """A coordinator that leaves the local-DP record out would get the raw update (epsilon unbounded)."""
     ctx = _context(**{"state-dir": str(tmp_path), "max-local-epsilon": 1e9})
