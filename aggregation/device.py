@@ -12,7 +12,7 @@ from ._errors import AggregationError
 ENV_VAR = "FEDSHIELD_DEVICE"
 
 
-def get_device(preference: str | None = None) -> torch.device:
+def get_device(preference: str | None = None, key: str = "device") -> torch.device:
     """Return the device fedshield computes on.
 
     Order: ``preference`` (from config) if given and not ``"auto"``, else the
@@ -20,7 +20,7 @@ def get_device(preference: str | None = None) -> torch.device:
     All other code follows the device of the tensors it is given.
     """
     given = preference not in (None, "", "auto")
-    source = "device" if given else ENV_VAR  # what the error names: the config key, or the variable
+    source = key if given else ENV_VAR  # what the error names: the config key (``key``), or the variable
     choice = preference if given else os.environ.get(ENV_VAR, "")
     choice = choice.strip().lower() or "auto"
     if choice == "auto":

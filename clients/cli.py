@@ -203,7 +203,7 @@ def _check_environment() -> None:
     try:
         get_device()
     except AggregationError as exc:
-        raise ClientError(f"{exc} (the training device)") from None
+        raise ClientError(str(exc)) from None  # (names FEDSHIELD_DEVICE, the training device's variable)
     torch_threads()
 
 
@@ -254,6 +254,8 @@ def supernode_command(args: argparse.Namespace) -> list[str]:
 _FATAL = re.compile(r"^(?:DEBUG|INFO|WARNING|ERROR|CRITICAL)[\d\-:, ]*:\s+"
                     r"(?:Exit Code: (\d+)\s*$|Giving up reconnection\b)")
 _REFUSAL = re.compile(r"\[code: (\d+)\]")  # a SuperLink's refusal, in the line of the failure it ended
+# fedshield's own ClientApp lines (a refusal's reason quotes the coordinator's values): never Flower's exit or refusal
+_OURS = re.compile(r"^(?:DEBUG|INFO|WARNING|ERROR|CRITICAL)[\d\-:, ]*:\s+\[fedshield\]")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # Exit codes of the processes a SuperNode starts per message (a ClientApp that raised: 800; one that lost
 # its SuperNode: 250). Their log reaches ours, but the SuperNode has answered with an error reply and
@@ -305,6 +307,8 @@ def _watch(proc: subprocess.Popen) -> Watched:
             traceback = text[:1].isspace()  # the first line not indented is the exception's: skipped too
             continue
         seen.served += bool(_SENT.search(text))
+        if _OURS.match(text):
+            continue
         m, refused = _FATAL.match(text), _REFUSAL.search(text)
         if m and m.group(1) and any(int(m.group(1)) in codes for codes in _TASK_CODES):
             continue

@@ -22,10 +22,11 @@ import hashlib
 import json
 import math
 import os
-import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
+
+from privacy import write_atomic
 
 from ._errors import ClientError, ConfigError
 from .tasks import Dataset
@@ -84,12 +85,7 @@ class LedgerFile:
     def save(self, state: Mapping[str, Any]) -> None:
         """Write ``state`` atomically (a crash leaves the old ledger or the new one, never half of one)."""
         try:
-            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".ledger-")
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                json.dump(state, fh)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, self.path)
+            write_atomic(self.path, json.dumps(state).encode("utf-8"), 0o600, exact=True)
         except OSError as exc:
             raise ClientError(f"local DP ledger {self.path} must be writable. Found: {exc.strerror or exc}.") from None
 

@@ -211,6 +211,7 @@ def _shown(value: Any) -> str:
 # must leave them at their defaults. IGNORABLE_KEYS: every setting some configuration does not read
 # (a resume does not compare them where the current one does not read them).
 _DP_KEY_MODES = {"dp_clip": ("central", "distributed"), "dp_noise_multiplier": ("central", "distributed"),
+                 "dp_delta": ("central", "distributed", "local"),
                  "dp_secure_noise": ("central",), "local_noise_multiplier": ("local",),
                  "local_max_grad_norm": ("local",)}
 _ADAPTIVE_FIELDS = ("clip_target_quantile", "clip_learning_rate", "clip_count_noise")

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from privacy import make_dir
+from privacy import make_dir, write_atomic
 
 from ._errors import CoordinatorError
 
@@ -77,15 +77,6 @@ def _pyplot() -> Any:
 def _plain(text: str) -> str:
     """``text`` with what a font cannot take (a path's undecodable bytes, kept as surrogates) replaced."""
     return str(text).encode("utf-8", "replace").decode("utf-8")
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
 
 
 # What resuming reads from a checkpoint: its type, and the rule in words.
@@ -156,7 +147,7 @@ class RunDirectory:
         buf = io.BytesIO()
         w = state.get("weights")
         torch.save({**state, **({"weights-sha256": weights_sha256(w)} if isinstance(w, torch.Tensor) else {})}, buf)
-        _atomic_write(self.file(CHECKPOINT), buf.getvalue())
+        write_atomic(self.file(CHECKPOINT), buf.getvalue())
 
     def load_checkpoint(self) -> dict[str, Any] | None:
         """The last saved state, or None when there is none; a file that is not one is a CoordinatorError."""
@@ -198,7 +189,7 @@ class RunDirectory:
         return state
 
     def write_json(self, name: str, obj: Any) -> None:
-        _atomic_write(self.file(name), (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+        write_atomic(self.file(name), (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
 
     def write_metrics(self, rows: list[dict[str, Any]]) -> None:
         buf = io.StringIO()
@@ -207,12 +198,12 @@ class RunDirectory:
         for row in rows:  # a mapping-valued column (rejected_by_rule, secagg_stage_s) is one JSON object
             writer.writerow({k: json.dumps(v, sort_keys=True) if isinstance(v, dict) else v
                              for k, v in {"rejected_by_rule": {}, **row}.items()})
-        _atomic_write(self.file(METRICS), buf.getvalue().encode())
+        write_atomic(self.file(METRICS), buf.getvalue().encode())
 
     def save_model(self, state_dict: dict[str, torch.Tensor]) -> None:
         buf = io.BytesIO()
         torch.save(state_dict, buf)
-        _atomic_write(self.file(MODEL), buf.getvalue())
+        write_atomic(self.file(MODEL), buf.getvalue())
 
     def plot_epsilon(self, rows: list[dict[str, Any]], title: str) -> None:
         """``epsilon.png``: privacy spent per round (central epsilon and/or clients' largest)."""

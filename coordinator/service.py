@@ -131,7 +131,7 @@ class Coordinator:
 
     def __init__(self, cfg: CoordinatorFile, insecure: bool) -> None:
         self.cfg, self.insecure = cfg, insecure
-        get_device(cfg.run.server.device)  # the ServerApp's device (or FEDSHIELD_DEVICE) exists here, before anything starts
+        get_device(cfg.run.server.device, key="run.device")  # the ServerApp's device (or FEDSHIELD_DEVICE) exists here, before anything starts
         s = cfg.service
         self.state = cfg.path(s.state_dir, "coordinator.state-dir")
         self.address = host_port(s.host, s.port)  # where the SuperLink listens

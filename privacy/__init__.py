@@ -18,6 +18,7 @@ from .transport import (
     check_public_key,
     init_certificates,
     make_dir,
+    write_atomic,
     new_node_key,
 )
 
@@ -39,6 +40,7 @@ __all__ = [
     "effective_noise_multiplier",
     "init_certificates",
     "make_dir",
+    "write_atomic",
     "new_node_key",
     "quiet_import_opacus",
     "skellam_noise",

@@ -48,7 +48,7 @@ class CertificatePaths:
         that never answered its health check (the start timeout, then a misleading message)."""
         for p in (self.ca_cert, self.server_cert, self.server_key):
             if not p.is_file():
-                raise PrivacyError(f"TLS file must exist. Found {_not_a_file(p)}; run `fedshield certs init DIR`.")
+                raise PrivacyError(_not_a_file(p, "TLS file", "exist", "; run `fedshield certs init DIR`"))
         ca, cert = _load_cert(self.ca_cert), _load_cert(self.server_cert)
         try:
             key = serialization.load_pem_private_key(self.server_key.read_bytes(), password=None)
@@ -88,27 +88,37 @@ def make_dir(d: Path, what: str, error: type[Exception] = PrivacyError, hint: st
                     + (f" ({exc.filename})" if exc.filename and str(exc.filename) != str(d) else "") + f"{hint}.") from None
 
 
-def _write(path: Path, data: bytes, private: bool) -> None:
-    """Write ``data`` to a new file beside ``path`` (created with its final mode, never following a link),
-    then rename it over ``path``. Rewriting ``path`` in place (``--force``) kept its inode: a process
-    that had it open before read the new private key through that descriptor, and a symbolic link
-    planted at ``path`` sent the key to the link's target."""
-    _no_dirs_in_the_way(path)  # (checked for the whole set first by the callers)
-    mode = 0o600 if private else 0o644
+def write_atomic(path: Path, data: bytes, mode: int = 0o666, exact: bool = False) -> None:
+    """Write ``data`` to a new file beside ``path`` (exclusive, never through a link; ``mode`` less the
+    umask, or exactly ``mode`` when ``exact``), fsync it, and rename it over ``path``: a crash leaves the
+    old file or the new one, never part of one, and a reader that had the old one open keeps reading it.
+    OSError as raised; the temporary file is removed on failure."""
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
-        try:
-            with os.fdopen(fd, "wb") as fh:
+        with os.fdopen(fd, "wb") as fh:
+            if exact:
                 os.fchmod(fh.fileno(), mode)  # the umask may have taken bits from ``mode``
-                fh.write(data)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _write(path: Path, data: bytes, private: bool) -> None:
+    """A key or certificate, through :func:`write_atomic`. Rewriting ``path`` in place (``--force``) kept
+    its inode: a process that had it open before read the new private key through that descriptor, and a
+    symbolic link planted at ``path`` sent the key to the link's target."""
+    _no_dirs_in_the_way(path)  # (checked for the whole set first by the callers)
+    try:
+        write_atomic(path, data, 0o600 if private else 0o644, exact=True)
     except OSError as exc:
+        if exc.filename is not None and Path(exc.filename).name.startswith(f".{path.name}."):  # the new file itself
+            raise PrivacyError(f"{path.parent} must be a writable directory (a key or certificate is written beside "
+                               f"its final name, then renamed into place). Found: {_os_reason(exc)}.") from None
         raise PrivacyError(f"{path} must be writable. Found: {_os_reason(exc)}.") from None
 
 
@@ -221,7 +231,7 @@ def new_node_key(path: str | os.PathLike, force: bool = False) -> tuple[Path, Pa
 def _load_ec_key(path: str | os.PathLike, loader, what: str, fmt: str, missing: str):
     p = Path(path)
     if not p.is_file():
-        raise PrivacyError(f"{what} must {missing}. Found {_not_a_file(p)}.")
+        raise PrivacyError(_not_a_file(p, what, missing))
     try:
         key = loader(p.read_bytes())
     except (ValueError, TypeError, UnsupportedAlgorithm):
@@ -238,16 +248,22 @@ def check_node_private_key(path: str | os.PathLike) -> Path:
     p = _load_ec_key(path, lambda b: serialization.load_ssh_private_key(b, None), "node key",
                      "an unencrypted OpenSSH private key",
                      f"be an existing private key file (run `fedshield keys new {path}`)")
-    mode = p.stat().st_mode & 0o077
-    if os.name == "posix" and mode:
+    st = p.stat()
+    mode = st.st_mode & 0o077
+    # As ssh: only a key of the user running this is held to it. A key owned by another account (root's,
+    # group-readable for a service user) is that account's arrangement; chmod 600 would lock this user out.
+    if os.name == "posix" and mode and st.st_uid == os.getuid():
         raise PrivacyError(f"node key {p} must be readable by its owner only (chmod 600 {p}). Found group/other "
                            f"permissions {mode:03o}.")
     return p
 
 
-def _not_a_file(p: Path) -> str:
-    """What is at ``p`` instead of a file, for an error message."""
-    return f"a directory at {p}" if p.is_dir() else f"no file at {p}"
+def _not_a_file(p: Path, what: str, missing: str, hint: str = "") -> str:
+    """The message for a path that is not a file: "<what> must <missing>" where nothing is there, "must be a
+    file" where a directory is (the advice for a missing file, ``hint``, would not move it)."""
+    if p.is_dir():
+        return f"{what} must be a file. Found a directory at {p}."
+    return f"{what} must {missing}. Found no file at {p}{hint}."
 
 
 def check_public_key(path: str | os.PathLike) -> Path:
@@ -258,7 +274,7 @@ def check_public_key(path: str | os.PathLike) -> Path:
 def check_ca_certificate(path: str | os.PathLike) -> Path:
     p = Path(path)
     if not p.is_file():
-        raise PrivacyError(f"root certificate must be a file. Found {_not_a_file(p)}.")
+        raise PrivacyError(_not_a_file(p, "root certificate", "exist"))
     try:
         cert = x509.load_pem_x509_certificate(p.read_bytes())
     except ValueError:

@@ -47,7 +47,7 @@ def _simulate(args: argparse.Namespace) -> int:
     from aggregation import get_device
 
     for scn in scenarios:  # the device (or FEDSHIELD_DEVICE) exists here: before a run directory is made or Ray starts
-        get_device(scn.run.server.device)
+        get_device(scn.run.server.device, key="run.device")
     stamp = time.strftime('%Y%m%d-%H%M%S')
     if not args.verbose:
         import logging

@@ -71,11 +71,9 @@ def ctrl_c_sets(stop: threading.Event) -> Iterator[Callable[[], bool]]:
         os.close(w)
         yield seen.is_set
         return
-    # SIGTERM (``kill``, a job scheduler) stops the run as Ctrl-C does. Its default action killed the
-    # process mid-round; under Flower's engine Ray's native handler printed a stack dump and aborted
-    # (exit 134). Ray sets its own Python handler in ``ray.init`` (sys.exit); Python's C-level handler
-    # still writes the signal to the wakeup fd first, so the watcher sees it either way.
-    old_term = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    # SIGTERM (``kill``, a job scheduler) stops the run as Ctrl-C does where a Python handler takes it
+    # (``fedshield simulate`` sets one; Ray's ``ray.init`` sets its own, sys.exit): Python's C-level
+    # handler writes the signal to the wakeup fd whichever it is.
 
     def watch() -> None:
         while data := os.read(r, 64):  # b"" once the write end is closed
@@ -88,7 +86,6 @@ def ctrl_c_sets(stop: threading.Event) -> Iterator[Callable[[], bool]]:
     try:
         yield seen.is_set
     finally:
-        signal.signal(signal.SIGTERM, old_term)
         signal.set_wakeup_fd(old)
         os.close(w)
         watcher.join(timeout=5)
@@ -308,11 +305,13 @@ def run_flower_engine(scn: Scenario, on_round: RoundCallback | None) -> dict[str
                     num_supernodes=scn.sim.num_supernodes,
                     backend_config=_backend_config(scn),
                 )
-            except BaseException:
+            except BaseException as exc:
                 # Ctrl-C (or any failure) reaches only this thread: the ServerApp's thread would go on
                 # running rounds with no clients (and the interpreter would wait for it at exit).
                 stop.set()
-                if interrupted():  # the ServerApp's RunInterrupted, or whatever else the stop caused
+                # The ServerApp's RunInterrupted, or whatever else the stop caused; or Ray's SIGTERM handler's
+                # sys.exit(SIGTERM), which can reach this thread before the watcher has read the signal.
+                if interrupted() or (isinstance(exc, SystemExit) and exc.code == signal.SIGTERM):
                     raise KeyboardInterrupt from None
                 if not watch.lost:  # (a lost cluster is reported below, whatever the engine raised on its way out)
                     raise

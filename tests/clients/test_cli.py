@@ -146,7 +146,11 @@ def test_text_quoting_flowers_exit_words_does_not_stop_the_agent(monkeypatch):
              "clients._errors.ClientError: codec must be one of ['dense']. Found 'Exit Code: 302'.\n",
              "INFO :      Sent successfully\n", "Traceback (most recent call last):\n", "  File \"x.py\", line 1\n",
              "clients._errors.ClientError: codec must be one of ['dense']. Found 'x [code: 2004] Giving up reconnection'.\n",
-             "INFO :      quoted: Exit Code: 302\n", "INFO :      Sent successfully\n"]
+             "INFO :      quoted: Exit Code: 302\n", "INFO :      Sent successfully\n",
+             # the ClientApp's own line for a refused message (an error reply, no traceback) quotes values too
+             "\x1b[93mWARNING \x1b[0m:   [fedshield] node refused a message: codec must be one of ['dense']. Found "
+             "'[code: 2004]'.\n",
+             "WARNING :   [fedshield] node refused a message: codec must be one of ['dense']. Found 'Exit Code: 302'.\n"]
     seen = cli._watch(_FakeSuperNode(lines))
     assert (seen.exit_code, seen.refusal, seen.served) == (None, None, 2) and started == []
     seen = cli._watch(_FakeSuperNode(["\x1b[91mERROR \x1b[0m:      Exit Code: 302\n"]))
@@ -236,7 +240,7 @@ def test_agent_state_dir_that_cannot_be_resolved_is_one_line(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(("env", "line"), [
-    ({"FEDSHIELD_DEVICE": "gpu"}, "FEDSHIELD_DEVICE must be 'auto', 'cpu' or 'cuda[:N]'. Found 'gpu'. (the training device)"),
+    ({"FEDSHIELD_DEVICE": "gpu"}, "FEDSHIELD_DEVICE must be 'auto', 'cpu' or 'cuda[:N]'. Found 'gpu'."),
     ({"FEDSHIELD_TORCH_THREADS": "two"}, "FEDSHIELD_TORCH_THREADS must be an integer in [1, 1024]. Found 'two'."),
 ])
 def test_agent_checks_the_environment_its_clientapps_read_before_it_starts(monkeypatch, capsys, env, line):

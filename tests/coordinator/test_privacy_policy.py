@@ -239,6 +239,7 @@ def test_a_budget_that_would_be_ignored_or_cannot_fit_one_round_is_refused_up_fr
     ({"dp": "central", "dp-noise-multiplier": 1.0, "local-noise-multiplier": 2.0},
      "run.local-noise-multiplier must be left at 1.0 unless dp is 'local'"),
     ({"local-max-grad-norm": 3.0}, "run.local-max-grad-norm must be left at 1.0 unless dp is 'local'"),
+    ({"dp-delta": 1e-6}, "run.dp-delta must be left at 1e-05 unless dp is 'central' or 'distributed' or 'local'"),
     ({"dp": "central", "dp-noise-multiplier": 1.0, "clip-learning-rate": 0.5},
      "run.clip-learning-rate must be left at 0.2 unless adaptive-clipping is true"),
 ])

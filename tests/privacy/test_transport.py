@@ -258,6 +258,15 @@ def test_a_node_key_others_can_read_is_refused(node_key, mode):
         check_node_private_key(priv)
 
 
+def test_a_node_key_of_another_account_is_not_held_to_its_owners_mode(node_key, monkeypatch):
+    """As ssh: a root-owned key, group-readable for the service user that runs the agent, is accepted
+    (chmod 600, the advice, would lock that user out)."""
+    priv, _ = node_key
+    os.chmod(priv, 0o640)
+    monkeypatch.setattr(os, "getuid", lambda: os.stat(priv).st_uid + 1)
+    assert check_node_private_key(priv) == priv
+
+
 # --------------------------------------------------------------------------- rejections
 
 
@@ -342,3 +351,22 @@ def test_ca_check_rejects_der_and_private_keys(tmp_path, certs):
         check_ca_certificate(der)
     with pytest.raises(PrivacyError, match="must be a PEM X.509 certificate"):
         check_ca_certificate(certs.server_key)
+
+
+def test_a_key_directory_that_takes_no_new_file_is_named(tmp_path, monkeypatch):
+    """A key is written beside its final name and renamed: the directory, not the file, must be writable
+    (a writable key in a read-only directory was blamed on the key). Simulated: root writes anywhere."""
+    import privacy.transport as transport
+
+    priv, _ = new_node_key(tmp_path / "k")
+    real_open = os.open
+
+    def no_new_files(path, flags, *args):
+        if flags & os.O_CREAT:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(transport.os, "open", no_new_files)
+    with pytest.raises(PrivacyError, match=f"^{tmp_path} must be a writable directory .*Found: Permission denied"):
+        new_node_key(tmp_path / "k", force=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["k", "k.pub"]

@@ -64,7 +64,7 @@ def test_a_device_this_machine_lacks_is_one_line_before_anything_starts(tmp_path
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     run = ["simulate", "--rounds", "1", "--run-dir", str(tmp_path / "r"), "--quiet"]
     assert main([*run, "--set", 'run.device="cuda"']) == 2
-    assert _one_error_line(capsys).endswith("device must name an available device. Found 'cuda', but CUDA is not "
+    assert _one_error_line(capsys).endswith("error: run.device must name an available device. Found 'cuda', but CUDA is not "
                                             "present (use 'cpu' or 'auto').")
     monkeypatch.setenv("FEDSHIELD_DEVICE", "cuda:1")
     assert main(run) == 2
