@@ -40,8 +40,8 @@ __all__ = [
     "effective_noise_multiplier",
     "init_certificates",
     "make_dir",
-    "write_atomic",
     "new_node_key",
     "quiet_import_opacus",
     "skellam_noise",
+    "write_atomic",
 ]
