@@ -35,6 +35,7 @@ from ._errors import CoordinatorError
 from .config import RunConfig
 from .progress import accuracy_text
 from .rundir import SUMMARY, check_run_dir
+from . import superlink
 from .tls import check_server_certificate, connect_host
 
 FEDERATION = "fedshield"
@@ -179,8 +180,7 @@ class Coordinator:
         # resumes from the run directory's checkpoint); agents then start again and re-join.
         # Flower's SuperLink behind fedshield's guard: the Control and Runtime APIs answer only this host
         # (coordinator.superlink: on Flower's own, anyone reaching the port could register keys and submit runs).
-        cmd = [sys.executable, "-m", "coordinator.superlink", "--host", s.host, "--port", str(s.port),
-               "--disable-runtime-dependency-installation"]
+        cmd = superlink.command("--host", s.host, "--port", str(s.port), "--disable-runtime-dependency-installation")
         if self.insecure:
             cmd.append("--insecure")
         else:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -88,7 +87,7 @@ def test_from_this_host(client, server, local):
 
 @pytest.mark.timeout(120)
 def test_the_coordinators_superlink_process_runs_behind_the_guard(tmp_path):
-    """The real process the coordinator starts (``python -m coordinator.superlink``), seen from a
+    """The real process the coordinator starts (``superlink.command``), seen from a
     'remote' peer: loopback counts as remote under the test-only (stricter) switch. Two settings of
     its environment that reopened the Control API (a review's demonstrations) are neutralised:
     uvicorn trusting X-Forwarded-For from $FORWARDED_ALLOW_IPS ("*": any peer could claim 127.0.0.1),
@@ -98,9 +97,9 @@ def test_the_coordinators_superlink_process_runs_behind_the_guard(tmp_path):
            "FORWARDED_ALLOW_IPS": "*", "FLWR_INTERNAL_GRPC_CONTROL_API": "1"}
     log = tmp_path / "superlink.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "coordinator.superlink", "--insecure", "--host", "127.0.0.1",
-                                 "--port", str(port), "--control-api-address", f"127.0.0.1:{grpc_control}",
-                                 "--disable-runtime-dependency-installation"],
+        proc = subprocess.Popen(superlink.command("--insecure", "--host", "127.0.0.1", "--port", str(port),
+                                                  "--control-api-address", f"127.0.0.1:{grpc_control}",
+                                                  "--disable-runtime-dependency-installation"),
                                 stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         base = f"http://127.0.0.1:{port}"
@@ -127,6 +126,7 @@ def test_the_coordinators_superlink_process_runs_behind_the_guard(tmp_path):
         assert body != REFUSED
         with socket.socket() as s:  # no gRPC Control API beside the guarded port
             assert s.connect_ex(("127.0.0.1", grpc_control)) != 0
+        maps = open(f"/proc/{proc.pid}/maps").read()  # the shared libraries the process has loaded
     finally:
         proc.terminate()
         try:
@@ -136,5 +136,6 @@ def test_the_coordinators_superlink_process_runs_behind_the_guard(tmp_path):
             proc.wait()
     text = log.read_text()
     assert "FLWR_INTERNAL_GRPC_CONTROL_API ignored" in text
+    assert "libtorch" not in maps, "the SuperLink's process loaded the coordinator package (and torch with it)"
     # The refused request is in the access log (a successful /health is not) under the socket's peer, not the header's
     assert "/v1/control/list-runs" in text and "198.51.100.7" not in text
