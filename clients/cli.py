@@ -22,7 +22,7 @@ import threading
 from pathlib import Path
 
 from ._errors import ClientError
-from .config import TaskSpec, build_config, resolve_path
+from .config import TaskSpec, build_config, renamed_key, resolve_path
 from .data import load_npz, save_npz
 from .tasks import get_task
 
@@ -52,14 +52,13 @@ def export_partitions(task: str, num_partitions: int, out: str, partitioning: st
     if out_dir.exists() and not out_dir.is_dir():
         raise ClientError(f"--out must be a directory. Found a file at {out_dir}.")
     flags = {"task": "--task", "partitioning": "--partitioning", "dirichlet-alpha": "--alpha", "data-seed": "--seed",
-             "num-partitions": "--num-partitions", "num-supernodes": "--num-partitions"}
+             "num-partitions": "--num-partitions"}
     try:
         spec = build_config(TaskSpec, {"task": task, "partitioning": partitioning, "dirichlet-alpha": alpha, "data-seed": seed})
         t = get_task(spec)
         parts = [t.partition(k, num_partitions) for k in range(num_partitions)]  # raises on a bad split, nothing made yet
     except ClientError as exc:  # named as the command's flags, not as the scenario keys they fill
-        key = str(exc).split(" ", 1)[0]
-        raise ClientError(flags[key] + str(exc)[len(key):] if key in flags else str(exc)) from None
+        raise ClientError(renamed_key(str(exc), flags)) from None
     created = missing_ancestor(out_dir)
     paths: list[Path] = []
     try:

@@ -9,10 +9,9 @@ import math
 import os
 import time
 import zlib
-
-import torch
 from logging import WARNING
 
+import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode

@@ -37,6 +37,13 @@ def check(ok: bool, key: str, rule: str, found: Any) -> None:
         raise ConfigError(f"{key} must {rule}. Found {shown(found)}.")
 
 
+def renamed_key(message: str, names: Mapping[str, str]) -> str:
+    """``message`` ("<key> must ...") with its leading key named as the caller's user knows it (``names``:
+    key -> name, such as a command's flag); unchanged when the key is not in ``names``."""
+    key, sep, rest = message.partition(" ")
+    return f"{names[key]}{sep}{rest}" if key in names else message
+
+
 def resolve_path(value: Any, key: str, base: Path | None = None) -> Path:
     """``value`` as an absolute path, ``~`` and ``~user`` expanded, relative to ``base`` (default: the
     working directory). One ConfigError naming ``key`` for a value that is not a string, holds a NUL

@@ -373,12 +373,13 @@ def check_partitions(scn: Scenario) -> None:
     """The task's data must split into one partition per simulated client: one clear line naming
     ``simulation.num-supernodes`` otherwise (the split itself speaks of num-partitions)."""
     from clients import ConfigError
+    from clients.config import renamed_key
     from clients.tasks import get_task
 
     try:
         get_task(scn.run.task).partition(0, scn.sim.num_supernodes)
     except ConfigError as exc:
-        raise ConfigError(str(exc).replace("num-partitions", "simulation.num-supernodes", 1)
+        raise ConfigError(renamed_key(str(exc), {"num-partitions": "simulation.num-supernodes"})
                           + f" Each simulated client gets one partition of task {scn.run.task.task!r}'s data.") from None
 
 
