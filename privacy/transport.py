@@ -116,7 +116,7 @@ def _write(path: Path, data: bytes, private: bool) -> None:
     try:
         write_atomic(path, data, 0o600 if private else 0o644, exact=True)
     except OSError as exc:
-        if exc.filename is not None and Path(exc.filename).name.startswith(f".{path.name}."):  # the new file itself
+        if exc.filename is not None and str(exc.filename) != str(path):  # creating or renaming the new file beside it
             raise PrivacyError(f"{path.parent} must be a writable directory (a key or certificate is written beside "
                                f"its final name, then renamed into place). Found: {_os_reason(exc)}.") from None
         raise PrivacyError(f"{path} must be writable. Found: {_os_reason(exc)}.") from None
