@@ -1,18 +1,20 @@
 """Aggregation core vs Flower, from Flower records as they arrive.
 
-    python benchmarks/aggregation.py [--clients 100] [--numel 1000000] [--json FILE] [--quick]
+    python benchmarks/aggregation.py [--clients 100] [--numel 1000000] [--json FILE] [--quick] [--device all|cpu|cuda]
 
 Cases (targets from the issue): dense fp32 mean vs flwr's aggregate_arrayrecords /
 legacy aggregate and the machine's read floor; top-1% sparse vs the read floor of
 its nonzeros' bytes; 8/4-bit QSGD vs our dense fp32; median and trimmed mean vs
 flwr's; peak memory of the dense mean path (in a subprocess). On CUDA the same
 cases run on the GPU with effective GB/s against the pinned host-to-device copy and
-the device's own read bandwidth.
+the device's own read bandwidth, and each codec's decode-and-add of updates already on
+the device against its copy bandwidth. ``--device cuda`` times the CUDA cases only.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import os
 import subprocess
@@ -33,6 +35,12 @@ from aggregation.codecs import create_codec  # noqa: E402
 from coordinator.config import ServerSettings  # noqa: E402
 
 MAX_NORM = ServerSettings.max_update_norm  # the coordinator's default max-update-norm
+
+
+def sync(device) -> None:
+    """Wait for the device's queued work (a CUDA timing must include it); nothing on CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def make_records(codec, n_clients: int, numel: int, seed: int = 0) -> list[RecordDict]:
@@ -81,8 +89,7 @@ def ours_mean(codec, records, numel: int, device, batched: bool = True) -> torch
         for p, w in zip(parsed, weights):
             acc.add_checked(codec, p, w, MAX_NORM)
     out = acc.result()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    sync(device)
     return out
 
 
@@ -161,6 +168,41 @@ def cuda_bandwidths(device, nbytes: int) -> tuple[float, float]:
     return nbytes / t["copy"] / 1e9, nbytes / t["read"] / 1e9
 
 
+def resident_cases(rep: Report, n: int, numel: int, device) -> None:
+    """CUDA only: each codec's decode-and-add (``codec.add_into``) of updates already on the device
+    (as after staging, or from clients on the same GPU), against the device's copy bandwidth. Bytes
+    counted: each update's encoded bytes read, and the float32 sum read and written per update."""
+    nbytes = 1 << 30
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).normal_()
+    dst = torch.empty_like(src)
+
+    def copy():
+        dst.copy_(src)
+        sync(device)
+
+    copy_gbs = 2 * nbytes / _report.medians_interleaved({"copy": copy}, repeat=9)["copy"] / 1e9
+    src = dst = None  # freed before the updates are made
+    for name, params in (("dense", {}), ("dense", {"dtype": "bfloat16"}), ("topk", {"ratio": 0.01}),
+                         ("qsgd", {"bits": 8}), ("qsgd", {"bits": 4}), ("sign", {})):
+        codec = create_codec(name, **params)
+        parsed = [dataclasses.replace(p, tensors={k: v.to(device) for k, v in p.tensors.items()})
+                  for p in parse_all(codec, make_records(codec, n, numel), numel)]
+        out = torch.zeros(numel, dtype=torch.float32, device=device)
+
+        def add_all():
+            for p in parsed:
+                codec.add_into(p, out, 1.0)
+            sync(device)
+
+        t = _report.medians_interleaved({"add": add_all}, repeat=9)["add"]
+        moved = sum(v.numel() * v.element_size() for p in parsed for v in p.tensors.values()) + n * numel * 8
+        label = name + "".join(f" {v}" for v in params.values())
+        rep.add(f"device-resident decode-and-add {label} {n}x{numel} [{device.type}]", moved / t / 1e9, "GB/s",
+                "device copy (read + write), GB/s", copy_gbs, "", None, ratio=moved / t / 1e9 / copy_gbs)
+        parsed = None
+        gc.collect()
+
+
 def sparse_kernel_fn(parsed, numel: int):
     """The scatter kernel alone over already-parsed top-k updates into a warm sum."""
     idx = kernels.typed_list([p.host["indices"] for p in parsed])
@@ -213,8 +255,7 @@ def robust_cases(rep: Report, n: int, numel: int, device) -> None:
             parsed = codec.parse(dict(rec["arrays"].items()), dict(rec["codec"]), numel, 1 << 40)
             agg.add_checked(codec, parsed, float(rec["metrics"]["num-examples"]), MAX_NORM)
         res = agg.result()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        sync(device)
         return res
 
     for rule, params, base_fn, base_name in (
@@ -284,14 +325,19 @@ def main() -> None:
     p.add_argument("--robust-clients", type=int, default=50)
     p.add_argument("--json", help="also write every figure as JSON to this file")
     p.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
+    p.add_argument("--device", choices=("all", "cpu", "cuda"), default="all",
+                   help="the aggregation devices to time: all (CPU, and CUDA when present), cpu, or cuda only")
     a = p.parse_args()
     if a.quick:
         a.clients, a.numel, a.robust_clients = 10, 100_000, 10
     torch.set_num_threads(os.cpu_count() or 1)
     rep = Report("aggregation")
+    if a.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda needs a CUDA device; none is present")
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, clients={a.clients}, numel={a.numel}")
     print(f"{'case':<58} {'ours':>10} {'unit':<5} | {'baseline':<34} {'value':>10} | {'ratio':>9} | target")
-    devices = [torch.device("cpu")] + ([get_device("cuda")] if torch.cuda.is_available() else [])
+    devices = ([torch.device("cpu")] if a.device in ("all", "cpu") else []) + (
+        [get_device("cuda")] if a.device in ("all", "cuda") and torch.cuda.is_available() else [])
     for dev in devices:
         dense_t = dense_cases(rep, a.clients, a.numel, dev)
         gc.collect()
@@ -301,7 +347,10 @@ def main() -> None:
         gc.collect()
         robust_cases(rep, a.robust_clients, a.numel, dev)
         gc.collect()
-    memory_case(rep, a.clients, a.numel)
+        if dev.type == "cuda":
+            resident_cases(rep, a.clients, a.numel, dev)
+    if a.device != "cuda":  # the peak-memory case is the CPU process's
+        memory_case(rep, a.clients, a.numel)
     rep.write_json(a.json)
 
 

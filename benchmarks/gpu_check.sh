@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# One run on a machine with a CUDA GPU: checks and times fedshield's CUDA paths.
+#
+#   OUT=/tmp/gpu bash benchmarks/gpu_check.sh     # from the repository root
+#
+# 1. the CUDA tests (tests/aggregation/test_cuda.py: every codec, rule, optimizer and the pinned
+#    staging on the real device, against the CPU path and float64 references);
+# 2. python benchmarks/aggregation.py --device cuda (the cases on the GPU, effective GB/s);
+# 3. short in-process simulations with the coordinator and the clients on the GPU (plain, topk,
+#    SecAgg+, local DP with Opacus).
+# Logs and the benchmark's JSON go to $OUT. Where the machine lacks the project's packages (a GPU
+# image without flwr, opacus...), wheels in .whl/ are installed into /tmp/site first.
+set -u
+OUT=${OUT:-/tmp/fedshield-gpu}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 FEDSHIELD_DEVICE=cuda
+PY=${PYTHON:-python3}
+if [ -d .whl ]; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || { echo "wheels did not install"; exit 1; }
+    export PYTHONPATH=/tmp/site:$PWD
+else
+    export PYTHONPATH=$PWD
+fi
+status=0
+
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+    $PY -c "import torch, numpy, flwr, sys; print(sys.version.split()[0], 'torch', torch.__version__, 'numpy', numpy.__version__, 'flwr', flwr.__version__, 'cuda', torch.cuda.is_available(), torch.cuda.get_device_name(0))"
+    nproc
+} 2>&1 | tee "$OUT/env.txt"
+
+echo "== 1. CUDA tests"
+timeout 150 $PY -m pytest -q -p no:cacheprovider --noconftest tests/aggregation/test_cuda.py 2>&1 | tee "$OUT/test_cuda.txt"
+[ "${PIPESTATUS[0]}" = 0 ] || status=1
+
+echo "== 2. benchmarks/aggregation.py --device cuda"
+timeout 270 $PY benchmarks/aggregation.py --device cuda --json "$OUT/aggregation_cuda.json" 2>&1 | tee "$OUT/aggregation_cuda.txt"
+[ "${PIPESTATUS[0]}" = 0 ] || status=1
+
+echo "== 3. in-process simulations on the GPU"
+{
+    for args in "--rounds 5" "--rounds 5 --set run.codec=\"topk\"" "examples/scenarios/secagg.toml --rounds 3" \
+                "--rounds 3 --set run.dp=\"local\""; do
+        rm -rf /tmp/fs-sim
+        echo "-- simulate --engine inprocess $args"
+        eval timeout 60 $PY -m simulations.cli simulate --engine inprocess --run-dir /tmp/fs-sim $args 2>&1 \
+            | grep -v "━" || status=1
+        ls /tmp/fs-sim 2>/dev/null | tr '\n' ' '; echo
+        [ -f /tmp/fs-sim/metrics.csv ] && tail -n 2 /tmp/fs-sim/metrics.csv
+    done
+} 2>&1 | tee "$OUT/simulate.txt"
+
+echo "== summary"
+grep -E "passed|failed|error" "$OUT/test_cuda.txt" | tail -n 2
+grep -E "^\S.*\[cuda\]" "$OUT/aggregation_cuda.txt"
+grep -E "^final|error" "$OUT/simulate.txt"
+exit $status
