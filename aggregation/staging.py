@@ -10,12 +10,15 @@ host buffer and one device buffer, sized to the largest update seen, so O(model 
    copy that last read that slot has finished);
 2. a side copy stream copies the slot to its device buffer, non-blocking, after the adds that last
    read that device buffer (an event on the compute stream), and records a "copied" event;
-3. the compute stream waits for "copied" (on the device, not the host), and update ``k`` is
-   handed to the caller, whose adds are queued behind it; when the caller asks for the next
-   update, a "consumed" event is recorded on the compute stream for the slot.
+3. when update ``k`` is handed to the caller, the compute stream waits for its "copied" event
+   (on the device, not the host), and the caller's adds are queued behind that; when the caller
+   asks for the next update, a "consumed" event is recorded on the compute stream for the slot.
 
 Update ``k + 1`` is staged before update ``k`` is handed over, so its copy runs while the caller
 checks and adds ``k`` (a norm check that reads a value back to the host syncs on ``k``'s work only).
+The compute stream's wait for ``k + 1``'s copy is queued only when ``k + 1`` is handed over: queued
+at staging, it sat in front of ``k``'s adds, and every norm check of ``k`` waited for the copy of
+``k + 1`` as well (found on an H200: no overlap at all).
 The device operations go through a small ``ops`` object (``CudaOps`` on CUDA); the tests drive the
 same code on CPU with operations that complete only when waited for, so a missing wait shows up as
 a wrong sum. On CPU the aggregator does not stage at all (the kernels read the records' bytes).
@@ -109,10 +112,18 @@ class DeviceStager:
     def stage(self, parsed: Any) -> tuple[Any, int]:
         """Start moving ``parsed`` to the device; returns (its device copy, the slot it holds). The
         copy is ordered before anything queued on the compute stream after this call."""
+        staged, i, copied = self._start(parsed)
+        if copied is not None:
+            self.ops.compute_wait(copied)
+        return staged, i
+
+    def _start(self, parsed: Any) -> tuple[Any, int, Any]:
+        """``stage`` without the compute stream's wait: also returns the event it must wait for
+        before it reads the device copy (None: nothing was copied)."""
         i = self._next
         self._next = (i + 1) % len(self._slots)
         if not dataclasses.is_dataclass(parsed) or not isinstance(getattr(parsed, "tensors", None), dict):
-            return parsed, i  # a duck-typed source: its own ``add_into`` moves what it reads
+            return parsed, i, None  # a duck-typed source: its own ``add_into`` moves what it reads
         layout, end = [], 0
         for name, t in parsed.tensors.items():
             if t.device == self.device and t.device.type != "cpu":
@@ -123,19 +134,18 @@ class DeviceStager:
             layout.append((name, t, end, nbytes))
             end += -(-nbytes // ALIGN) * ALIGN
         if not layout:
-            return parsed, i
+            return parsed, i, None
         slot = self._slot(i, end)
         self.ops.host_wait(slot.copied)  # the slot's previous copy has read its host buffer
         for _, t, off, nbytes in layout:
             if nbytes:
                 slot.host[off:off + nbytes].copy_(t.reshape(-1).view(torch.uint8))
         self.ops.copy_async(slot.dev[:end], slot.host[:end], slot.consumed, slot.copied)
-        self.ops.compute_wait(slot.copied)
         tensors = dict(parsed.tensors)
         for name, t, off, nbytes in layout:
             tensors[name] = slot.dev[off:off + nbytes].view(t.dtype) if nbytes else torch.empty(0, dtype=t.dtype,
                                                                                                    device=self.device)
-        return dataclasses.replace(parsed, tensors=tensors), i  # ``host`` arrays stay (small reads on the host)
+        return dataclasses.replace(parsed, tensors=tensors), i, slot.copied  # ``host`` arrays stay (small host reads)
 
     def consumed(self, i: int) -> None:
         """The caller has queued every operation that reads slot ``i``'s update."""
@@ -146,13 +156,18 @@ class DeviceStager:
     def pipeline(self, batch: Iterable[Any]) -> Iterator[Any]:
         """Each update of ``batch`` on the device, in order; the next one is staged before one is
         handed over. Use each before asking for the next (its slot is reused two updates later)."""
-        pending: tuple[Any, int] | None = None
+        pending: tuple[Any, int, Any] | None = None
         for parsed in batch:
-            staged = self.stage(parsed)
+            staged = self._start(parsed)
             if pending is not None:
-                yield pending[0]
+                yield self._hand_over(*pending)
                 self.consumed(pending[1])
             pending = staged
         if pending is not None:
-            yield pending[0]
+            yield self._hand_over(*pending)
             self.consumed(pending[1])
+
+    def _hand_over(self, staged: Any, i: int, copied: Any) -> Any:
+        if copied is not None:  # what the caller queues from now on reads the device copy
+            self.ops.compute_wait(copied)
+        return staged

@@ -141,31 +141,40 @@ def dense_cases(rep: Report, n: int, numel: int, device) -> float:
                 "torch sum over same bytes", floor * 1e3, ratio=t["kernel"] / floor)
     if device.type == "cuda":
         gbs = n * numel * 4 / ours / 1e9
-        h2d, dev_read = cuda_bandwidths(device, n * numel * 4)
+        h2d, dev_read, pack = cuda_bandwidths(device, n * numel * 4, numel * 4)
         rep.add(f"dense fp32 effective bandwidth [{device.type}]", gbs, "GB/s", "pinned host->device copy, GB/s",
                 h2d, "", None, ratio=gbs / h2d)
+        rep.add(f"dense fp32 effective bandwidth [{device.type}] vs host packing", gbs, "GB/s",
+                "pageable->pinned host copy, GB/s", pack, "", None, ratio=gbs / pack)
         rep.add(f"dense fp32 effective bandwidth [{device.type}] vs device memory", gbs, "GB/s",
                 "device read (torch sum), GB/s", dev_read, "", None, ratio=gbs / dev_read)
     return ours
 
 
-def cuda_bandwidths(device, nbytes: int) -> tuple[float, float]:
-    """The device's two bounds for a sum of updates that arrive in host memory, in GB/s: a pinned
-    host-to-device copy of ``nbytes`` (the updates must cross it) and a read of as many bytes in
-    device memory (a torch sum)."""
+def cuda_bandwidths(device, nbytes: int, piece: int) -> tuple[float, float, float]:
+    """The bounds for a sum of updates that arrive in host memory, in GB/s: a pinned host-to-device
+    copy of ``nbytes`` (the updates must cross it), a read of as many bytes in device memory (a
+    torch sum), and the host's copy of pageable memory into a pinned buffer in pieces of ``piece``
+    bytes (what staging does with each update before the device can copy it)."""
     host = torch.empty(nbytes // 4, dtype=torch.float32).pin_memory()
     on_dev = torch.empty_like(host, device=device)
+    pageable = [torch.randn(piece // 4) for _ in range(max(1, nbytes // piece))]
+    slot = torch.empty(piece // 4, dtype=torch.float32).pin_memory()
 
     def copy():
         on_dev.copy_(host, non_blocking=True)
-        torch.cuda.synchronize(device)
+        sync(device)
 
     def read():
         on_dev.sum()
-        torch.cuda.synchronize(device)
+        sync(device)
 
-    t = _report.medians_interleaved({"copy": copy, "read": read}, repeat=5)
-    return nbytes / t["copy"] / 1e9, nbytes / t["read"] / 1e9
+    def pack():
+        for p in pageable:
+            slot.copy_(p)
+
+    t = _report.medians_interleaved({"copy": copy, "read": read, "pack": pack}, repeat=5)
+    return nbytes / t["copy"] / 1e9, nbytes / t["read"] / 1e9, len(pageable) * piece / t["pack"] / 1e9
 
 
 def resident_cases(rep: Report, n: int, numel: int, device) -> None:

@@ -6,8 +6,9 @@
 # 1. the CUDA tests (tests/aggregation/test_cuda.py: every codec, rule, optimizer and the pinned
 #    staging on the real device, against the CPU path and float64 references);
 # 2. python benchmarks/aggregation.py --device cuda (the cases on the GPU, effective GB/s);
-# 3. short in-process simulations with the coordinator and the clients on the GPU (plain, topk,
-#    SecAgg+, local DP with Opacus).
+# 3. torch.profiler tables of the CUDA paths (benchmarks/gpu_profile.py; SKIP_PROFILE=1 skips it);
+# 4. short in-process simulations with the coordinator and the clients on the GPU (plain, topk,
+#    SecAgg+, local DP with Opacus; SKIP_SIM=1 skips them).
 # Logs and the benchmark's JSON go to $OUT. Where the machine lacks the project's packages (a GPU
 # image without flwr, opacus...), wheels in .whl/ are installed into /tmp/site first.
 set -u
@@ -38,7 +39,14 @@ echo "== 2. benchmarks/aggregation.py --device cuda"
 timeout 270 $PY benchmarks/aggregation.py --device cuda --json "$OUT/aggregation_cuda.json" 2>&1 | tee "$OUT/aggregation_cuda.txt"
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 
-echo "== 3. in-process simulations on the GPU"
+echo "== 3. where the time goes: torch.profiler tables (benchmarks/gpu_profile.py)"
+if [ "${SKIP_PROFILE:-0}" = 1 ]; then echo skipped; else
+    timeout 150 $PY benchmarks/gpu_profile.py > "$OUT/profile.txt" 2>&1 || status=1
+    grep "=====" "$OUT/profile.txt"
+fi
+
+echo "== 4. in-process simulations on the GPU"
+[ "${SKIP_SIM:-0}" = 1 ] && { echo skipped; exit $status; }
 {
     for args in "--rounds 5" "--rounds 5 --set run.codec=\"topk\"" "examples/scenarios/secagg.toml --rounds 3" \
                 "--rounds 3 --set run.dp=\"local\""; do

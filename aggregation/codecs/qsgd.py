@@ -157,6 +157,9 @@ class QSGDCodec(Codec):
     @staticmethod
     def _factors(parsed: Parsed, out: torch.Tensor, weight: float) -> torch.Tensor:
         """``weight * s`` per chunk (rounded once, in float64, to ``out``'s dtype), a column on its device."""
+        scales = parsed.tensors[SCALES]
+        if scales.device == out.device and out.device.type != "cpu":  # staged: made there, no host-to-device copy
+            return (scales.double() * weight).to(out.dtype)[:, None]
         s64 = _host_scales(parsed).astype(np.float64)
         factors = torch.from_numpy(s64 * weight).to(out.dtype)
         return factors.to(out.device, non_blocking=True)[:, None]
@@ -169,7 +172,9 @@ class QSGDCodec(Codec):
         unscaled, exact multiples of ``unit[0]`` (one pass less; the caller scales)."""
         bits, chunk, numel = parsed.params["bits"], parsed.params["chunk"], parsed.numel
         codes = parsed.tensors[CODES].to(device, non_blocking=True)
-        block = max(chunk, BLOCK)  # both powers of two: a whole number of chunks
+        # both powers of two: a whole number of chunks. On a GPU one step for the whole update: its
+        # kernel launches bound it there, not a cache (a transient float32 buffer of the model's size).
+        block = max(chunk, BLOCK) if device.type == "cpu" else -(-numel // chunk) * chunk
         buf = torch.empty(block + 8, dtype=torch.float32, device=device)
         # the 4-bit int16 spread reads its bytes little-endian (x86, ARM, CUDA)
         fast4 = bits == 4 and sys.byteorder == "little"

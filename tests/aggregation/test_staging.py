@@ -280,3 +280,29 @@ def test_aggregator_batches_through_the_stager_like_without(rule, params):
 
 def test_cpu_aggregators_do_not_stage():
     assert create_aggregator("mean", 10, "cpu", 2).staging is None
+
+
+def test_an_update_handed_over_waits_for_its_own_copy_only():
+    """When update k is handed over, the compute stream has waited for the copies of updates 0..k
+    and no later one: a wait for k + 1's copy queued ahead of k's adds made every norm check of k
+    wait for the next copy too (on a real GPU: no overlap of copies and adds at all)."""
+    codec = create_codec("dense")
+    batch = _updates(codec, 5, 300, 6)
+    ops = SimOps(0)
+    copies, waited = [], []
+    real_copy, real_wait = ops.copy_async, ops.compute_wait
+
+    def copy_async(dst, src, after, done):
+        real_copy(dst, src, after, done)
+        copies.append(done.op)
+
+    def compute_wait(event):
+        waited.append(event.op)
+        real_wait(event)
+
+    ops.copy_async, ops.compute_wait = copy_async, compute_wait
+    stager = DeviceStager("cpu", ops=ops)
+    for k, _ in enumerate(stager.pipeline(batch)):
+        assert len(copies) == min(k + 2, len(batch))  # the next update's copy is already queued
+        assert [copies.index(op) for op in waited] == list(range(k + 1))
+    ops.drain()
