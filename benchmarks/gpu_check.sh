@@ -8,7 +8,8 @@
 # 2. python benchmarks/aggregation.py --device cuda (the cases on the GPU, effective GB/s);
 # 3. torch.profiler tables of the CUDA paths (benchmarks/gpu_profile.py; SKIP_PROFILE=1 skips it);
 # 4. short in-process simulations with the coordinator and the clients on the GPU (plain, topk,
-#    SecAgg+, local DP with Opacus; SKIP_SIM=1 skips them).
+#    SecAgg+, local DP with Opacus; SKIP_SIM=1 skips them);
+# 5. with RUN_CPU=1, the benchmark's CPU cases on this machine's cores.
 # Logs and the benchmark's JSON go to $OUT. Where the machine lacks the project's packages (a GPU
 # image without flwr, opacus...), wheels in .whl/ are installed into /tmp/site first.
 set -u
@@ -28,6 +29,7 @@ status=0
 {
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
     $PY -c "import torch, numpy, flwr, sys; print(sys.version.split()[0], 'torch', torch.__version__, 'numpy', numpy.__version__, 'flwr', flwr.__version__, 'cuda', torch.cuda.is_available(), torch.cuda.get_device_name(0))"
+    $PY -c "from aggregation import kernels; print('fused CPU kernels (numba):', kernels.enabled())"
     nproc
 } 2>&1 | tee "$OUT/env.txt"
 
@@ -46,21 +48,29 @@ if [ "${SKIP_PROFILE:-0}" = 1 ]; then echo skipped; else
 fi
 
 echo "== 4. in-process simulations on the GPU"
-[ "${SKIP_SIM:-0}" = 1 ] && { echo skipped; exit $status; }
-{
-    for args in "--rounds 5" "--rounds 5 --set run.codec=\"topk\"" "examples/scenarios/secagg.toml --rounds 3" \
+if [ "${SKIP_SIM:-0}" = 1 ]; then echo skipped; else
+    (fail=0; for args in "--rounds 5" "--rounds 5 --set run.codec=\"topk\"" "examples/scenarios/secagg.toml --rounds 3" \
                 "--rounds 3 --set run.dp=\"local\""; do
         rm -rf /tmp/fs-sim
         echo "-- simulate --engine inprocess $args"
-        eval timeout 60 $PY -m simulations.cli simulate --engine inprocess --run-dir /tmp/fs-sim $args 2>&1 \
-            | grep -v "━" || status=1
+        eval timeout 60 $PY -m simulations.cli simulate --engine inprocess --run-dir /tmp/fs-sim $args > /tmp/fs-sim.log 2>&1 \
+            || { echo "exit status $?"; fail=1; }
+        grep -v "━" /tmp/fs-sim.log
         ls /tmp/fs-sim 2>/dev/null | tr '\n' ' '; echo
         [ -f /tmp/fs-sim/metrics.csv ] && tail -n 2 /tmp/fs-sim/metrics.csv
-    done
-} 2>&1 | tee "$OUT/simulate.txt"
+    done; exit $fail) 2>&1 | tee "$OUT/simulate.txt"
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+
+echo "== 5. the CPU cases on this machine's cores (RUN_CPU=1)"
+if [ "${RUN_CPU:-0}" = 1 ]; then
+    FEDSHIELD_DEVICE=cpu timeout 240 $PY benchmarks/aggregation.py --device cpu --json "$OUT/aggregation_cpu.json" 2>&1 \
+        | tee "$OUT/aggregation_cpu.txt"
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+else echo skipped; fi
 
 echo "== summary"
 grep -E "passed|failed|error" "$OUT/test_cuda.txt" | tail -n 2
 grep -E "^\S.*\[cuda\]" "$OUT/aggregation_cuda.txt"
-grep -E "^final|error" "$OUT/simulate.txt"
+[ -f "$OUT/simulate.txt" ] && grep -E "^final|error" "$OUT/simulate.txt"
 exit $status

@@ -73,8 +73,20 @@ def unpack_levels(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
     """
     if bits == 8:  # one code per byte: the same formula as the table, computed directly (faster)
         return packed[:numel].to(torch.float32).mul_(2).sub_(255).div_(255)
+    if packed.device.type != "cpu":
+        return unpack_levels_by_shifts(packed, bits, numel)
     table = _level_table(bits, packed.device)
     return table.index_select(0, packed.to(torch.int32)).view(-1)[:numel]
+
+
+def unpack_levels_by_shifts(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
+    """``unpack_levels`` for bits < 8 by shifts and the table's own formula (bit-identical results):
+    on a GPU, where the table's gather ran at 76 us per 1M codes on an H200 (about 50 GB/s) and
+    these elementwise kernels at memory speed."""
+    m = (1 << bits) - 1
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+    codes = ((packed.unsqueeze(1) >> shifts) & m).view(-1)[:numel]
+    return codes.to(torch.float32).mul_(2).sub_(m).div_(m)
 
 
 def split_chunks(values: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -443,6 +443,15 @@ class TestQSGD(CodecContract):
         assert torch.equal(levels, (2 * codes.float() - m) / m)
         assert float(levels.abs().max()) <= 1.0
 
+    @pytest.mark.parametrize("bits", [1, 2, 4])
+    @pytest.mark.parametrize("numel", [1, 37, 4096])
+    def test_the_gpu_unpacking_by_shifts_equals_the_table(self, bits, numel):
+        from aggregation.codecs.qsgd import pack_codes, unpack_levels, unpack_levels_by_shifts
+
+        codes = torch.randint(0, 2**bits, (numel,), dtype=torch.uint8, generator=torch.Generator().manual_seed(numel))
+        packed = pack_codes(codes, bits)
+        assert torch.equal(unpack_levels_by_shifts(packed, bits, numel), unpack_levels(packed, bits, numel))
+
     def test_zero_chunks_decode_to_zero(self):
         codec = QSGDCodec(bits=2, chunk=64)
         x = torch.zeros(200)

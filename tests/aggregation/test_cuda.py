@@ -208,6 +208,15 @@ def test_qsgd_encoded_on_the_device_stays_within_one_step(bits):
     assert bool((err <= step * (1 + 1e-6) + 1e-30).all())
 
 
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_unpacking_on_the_device_equals_the_cpu(bits):
+    from aggregation.codecs.qsgd import pack_codes, unpack_levels
+
+    codes = torch.randint(0, 2**bits, (NUMEL,), dtype=torch.uint8, generator=torch.Generator().manual_seed(bits))
+    packed = pack_codes(codes, bits)
+    assert torch.equal(unpack_levels(packed.to(CUDA), bits, NUMEL).cpu(), unpack_levels(packed, bits, NUMEL))
+
+
 @pytest.mark.parametrize("name,params", [("fedavg", {"lr": 0.7}), ("fedavgm", {"lr": 1.0, "momentum": 0.9}),
                                          ("fedadam", {"lr": 0.01}), ("fedyogi", {"lr": 0.01}),
                                          ("fedadagrad", {"lr": 0.01})])
