@@ -80,9 +80,10 @@ def unpack_levels(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
 
 
 def unpack_levels_by_shifts(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
-    """``unpack_levels`` for bits < 8 by shifts and the table's own formula (bit-identical results):
-    on a GPU, where the table's gather ran at 76 us per 1M codes on an H200 (about 50 GB/s) and
-    these elementwise kernels at memory speed."""
+    """``unpack_levels`` for bits < 8 by shifts and the table's own formula (on CPU bit-identical to
+    the table; CUDA divides by a scalar as a multiply by its reciprocal, within one float32 ulp): on
+    a GPU, where the table's gather ran at 76 us per 1M codes on an H200 (about 50 GB/s) and these
+    elementwise kernels at memory speed."""
     m = (1 << bits) - 1
     shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
     codes = ((packed.unsqueeze(1) >> shifts) & m).view(-1)[:numel]
