@@ -271,9 +271,10 @@ class SyncWorkflow:
             if len(nodes) >= s.min_nodes:
                 return nodes
             if self.clock.now() >= deadline:
+                hint = getattr(self.grid, "too_few_online_hint", None)  # the virtual engine's: nodes come and go
                 raise CoordinatorError(
                     f"min-nodes={s.min_nodes} nodes must be online within wait-nodes-timeout={s.wait_nodes_timeout} s. "
-                    f"Found {len(nodes)}."
+                    f"Found {len(nodes)}." + (f" {hint()}" if hint is not None else "")
                 )
             self.clock.sleep(min(1.0, s.wait_nodes_timeout))
 

@@ -260,6 +260,14 @@ class VirtualGrid(InProcessGrid):
         now = self.clock.now()
         return [n for n in self.contexts if self.is_online(n, now)]
 
+    def too_few_online_hint(self) -> str:
+        """What the coordinator's "too few nodes online" error adds on this engine: where the shortfall
+        comes from (the tiers' availability) and what to change."""
+        expected = sum(min(1.0, p.availability) for p in self.profiles.values())
+        return (f"On the virtual engine a node is online in each {self.window_s:g} s window with its tier's "
+                f"availability: {expected:.1f} of {len(self.profiles)} nodes on average here; lower run.min-nodes "
+                "(--set run.min-nodes=N) or raise the tiers' availability.")
+
     # -- resume ----------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs to go on as the uninterrupted one would: the clock (availability
