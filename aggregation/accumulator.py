@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ._errors import AggregationError, UpdateRejected, each_checked
+from .device import moved
 
 if TYPE_CHECKING:
     from .codecs import Codec, Parsed
@@ -65,7 +66,7 @@ class WeightedAccumulator:
         if update.dim() != 1 or update.numel() != self.numel:
             raise AggregationError(f"update must be 1-D of length {self.numel}. Found shape {tuple(update.shape)}.")
         self._check_weight(weight)
-        src = update.to(self._sum.device, non_blocking=True)
+        src = moved(update, self._sum.device)
         if src.dtype != self._sum.dtype:
             src = src.to(self._sum.dtype)
         self._ready().add_(src, alpha=weight)

@@ -39,6 +39,14 @@ def get_device(preference: str | None = None, key: str = "device") -> torch.devi
     raise AggregationError(f"{source} must be 'auto', 'cpu' or 'cuda[:N]'. Found {choice!r}.")
 
 
+def moved(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``tensor`` on ``device``: without waiting onto a GPU (ordered on its current stream, so later
+    work there sees it), waiting onto the host. ``non_blocking`` from a GPU to the host returns
+    before the copy lands (into pinned memory), and host code reading it then reads garbage."""
+    device = torch.device(device)
+    return tensor.to(device, non_blocking=device.type != "cpu")
+
+
 def memory_bytes(device: torch.device) -> int:
     """Total memory of ``device`` in bytes: the GPU's for CUDA, the machine's physical memory for CPU."""
     if device.type == "cuda":

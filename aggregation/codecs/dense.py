@@ -12,8 +12,9 @@ from flwr.app import Array
 
 from .. import kernels
 from ..wire import array_view, host_tensor, tensor_to_array
+from ..device import moved
 from .._errors import UpdateRejected
-from .base import (Codec, Encoded, Parsed, check_arrays, check_header, encode_input, norm_rule, register_codec,
+from .base import (FLT_MAX, Codec, Encoded, Parsed, check_arrays, check_header, encode_input, norm_rule, register_codec,
                    require, restorer, settle_batch)
 
 # bfloat16 has no numpy dtype: it travels as its raw 16 bits in an int16 array.
@@ -64,7 +65,7 @@ class DenseCodec(Codec):
                       host={VALUES: view} if dtype == "float32" and view.flags.aligned else {})
 
     def add_into(self, parsed: Parsed, out: torch.Tensor, weight: float) -> None:
-        out.add_(parsed.tensors[VALUES].to(out.device, non_blocking=True), alpha=weight)
+        out.add_(moved(parsed.tensors[VALUES], out.device), alpha=weight)
 
     def add_batch_checked(self, batch, out, weights, max_norm, budget, zero=False):
         """The fused kernel (``aggregation.kernels``): each update read once, the sum kept in cache.
@@ -125,4 +126,4 @@ class DenseCodec(Codec):
             if wide is not None:  # float16 / bfloat16: widened into one cache-sized buffer, then the dot
                 b = wide[: b.numel()].copy_(b)
             sq += float(torch.dot(b, b))
-        return math.sqrt(sq)
+        return math.sqrt(sq) if sq <= FLT_MAX else math.inf  # past float32's range: non-finite, as one dot said

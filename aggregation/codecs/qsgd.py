@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from flwr.app import Array
 
 from .. import kernels
+from ..device import moved
 from .._errors import AggregationError
 from ..wire import array_to_tensor, tensor_to_array
 from .base import (FLT_MAX, Codec, Encoded, Parsed, check_arrays, check_header, checked_add_two_pass, encode_input,
@@ -175,7 +176,7 @@ class QSGDCodec(Codec):
             return (scales.double() * weight).to(out.dtype)[:, None]
         s64 = _host_scales(parsed).astype(np.float64)
         factors = torch.from_numpy(s64 * weight).to(out.dtype)
-        return factors.to(out.device, non_blocking=True)[:, None]
+        return moved(factors, out.device)[:, None]
 
     def _blocks(self, parsed: Parsed, device: torch.device, unit: list[float] | None = None
                 ) -> Iterator[tuple[int, int, torch.Tensor]]:
@@ -184,10 +185,11 @@ class QSGDCodec(Codec):
         buffer, valid until the next block). With ``unit`` (a list to fill), the levels are left
         unscaled, exact multiples of ``unit[0]`` (one pass less; the caller scales)."""
         bits, chunk, numel = parsed.params["bits"], parsed.params["chunk"], parsed.numel
-        codes = parsed.tensors[CODES].to(device, non_blocking=True)
+        codes = moved(parsed.tensors[CODES], device)
         # both powers of two: a whole number of chunks. On a GPU one step for the whole update: its
-        # kernel launches bound it there, not a cache (a transient float32 buffer of the model's size).
-        block = max(chunk, BLOCK) if device.type == "cpu" else -(-numel // chunk) * chunk
+        # kernel launches bound it there, not a cache (transient buffers of 4 bytes per coordinate,
+        # 6 at 4 bits, besides the rule's own storage).
+        block = max(chunk, BLOCK) if device.type == "cpu" else max(chunk, -(-numel // chunk) * chunk)
         buf = torch.empty(block + 8, dtype=torch.float32, device=device)
         # the 4-bit int16 spread reads its bytes little-endian (x86, ARM, CUDA)
         fast4 = bits == 4 and sys.byteorder == "little"

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from flwr.app import Array
 
+from ..device import moved
 from .._errors import AggregationError
 from ..wire import array_to_tensor, tensor_to_array
 from .base import Codec, Encoded, Parsed, check_arrays, check_header, encode_input, register_codec, require
@@ -81,7 +82,7 @@ class SignCodec(Codec):
     def add_into(self, parsed: Parsed, out: torch.Tensor, weight: float) -> None:
         # Temporaries on out's device: the packed bytes, their int32 indices (4 bytes per
         # packed byte) and the +-1 signs (float32, numel) from a byte lookup.
-        signs = unpack_levels(parsed.tensors[BITS].to(out.device, non_blocking=True), 1, parsed.numel)
+        signs = unpack_levels(moved(parsed.tensors[BITS], out.device), 1, parsed.numel)
         out.add_(signs, alpha=weight * parsed.params["scale"])
 
     def norm(self, parsed: Parsed) -> float:

@@ -23,6 +23,7 @@ import torch
 from flwr.app import Array
 
 from .. import kernels
+from ..device import moved
 from .._errors import AggregationError, UpdateRejected
 from ..wire import array_view, host_tensor, tensor_to_array
 from .base import (Codec, Encoded, Parsed, check_arrays, check_header, check_norm, encode_input, register_codec,
@@ -140,8 +141,8 @@ class TopKCodec(Codec):
                       host={INDICES: idx_np, VALUES: v32})
 
     def add_into(self, parsed: Parsed, out: torch.Tensor, weight: float) -> None:
-        idx = parsed.tensors[INDICES].to(out.device, non_blocking=True)  # int32: index_add_ takes it as is
-        vals = parsed.tensors[VALUES].to(out.device, non_blocking=True).to(out.dtype)
+        idx = moved(parsed.tensors[INDICES], out.device)  # int32: index_add_ takes it as is
+        vals = moved(parsed.tensors[VALUES], out.device).to(out.dtype)
         out.index_add_(0, idx, vals, alpha=weight)
 
     def add_batch_checked(self, batch, out, weights, max_norm, budget, zero=False):

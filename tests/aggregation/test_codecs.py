@@ -13,7 +13,7 @@ from flwr.app import Array, ArrayRecord, ConfigRecord
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from aggregation import AggregationError, tensor_to_array
+from aggregation import AggregationError, UpdateRejected, tensor_to_array
 from aggregation.codecs import Codec, DenseCodec, Encoded, QSGDCodec, SignCodec, TopKCodec, create_codec
 from aggregation.codecs.base import Parsed
 
@@ -590,6 +590,26 @@ def test_dense_norm_of_a_long_update_stays_accurate(dtype):
     parsed = codec.parse(enc.arrays, enc.header, x.numel(), BIG)
     exact = float(torch.linalg.vector_norm(codec.decode(parsed).double()))
     assert codec.norm(parsed) == pytest.approx(exact, rel=1e-5)
+
+
+def test_dense_norm_past_float32s_range_is_non_finite_on_every_path():
+    """Blocks each within float32, their total past it: the blockwise float64 sum had made the norm a
+    finite 2e19, so ``add_checked`` accepted what ``add_checked_many`` rejected as non-finite."""
+    from aggregation import create_aggregator
+    from aggregation.codecs.dense import BLOCK
+
+    codec = create_codec("dense")
+    x = torch.zeros(2 * BLOCK)
+    x[0] = x[BLOCK] = 1.4e19  # each square 1.96e38 < 3.4e38, their sum past it
+    enc, _ = codec.encode(x)
+    parsed = codec.parse(enc.arrays, enc.header, x.numel(), BIG)
+    assert codec.norm(parsed) == math.inf
+    one = create_aggregator("mean", x.numel(), "cpu", 1)
+    with pytest.raises(UpdateRejected) as rej:
+        one.add_checked(codec, parsed, 1.0)
+    many = create_aggregator("mean", x.numel(), "cpu", 1)
+    (res,) = many.add_checked_many(codec, [parsed], [1.0])
+    assert rej.value.rule == res.rule == "non-finite"
 
 
 def test_dense_dtype_of_the_wrong_type_is_an_aggregation_error():

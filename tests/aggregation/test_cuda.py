@@ -145,6 +145,25 @@ def test_robust_rules_on_cuda_equal_the_cpu_path(rule, params, n):
         _close(got[0], want[0].double(), 1e-6)
 
 
+@pytest.mark.parametrize("rule,params", [("norm-bounded-mean", {"clip": 300.0}), ("median", {}),
+                                         ("trimmed-mean", {"beta": 0.2})])
+@pytest.mark.parametrize("name,codec_params", [("qsgd", {"bits": 8}), ("qsgd", {"bits": 2, "chunk": 64}),
+                                               ("topk", {"ratio": 0.01}), ("sign", {})])
+def test_compressed_updates_under_robust_rules_on_cuda_equal_the_cpu_path(rule, params, name, codec_params):
+    """These rules read each staged update's norm (qsgd's on the host: its codes copied back from the
+    device, which must land before they are read) or decode it into their buffer."""
+    codec = create_codec(name, **codec_params)
+    parsed = _parsed(codec, _updates(10, seed=17))
+    out = {}
+    for dev in ("cpu", CUDA):
+        agg = create_aggregator(rule, NUMEL, dev, 10, **params)
+        norms = agg.add_checked_many(codec, parsed, [1.0 + i for i in range(10)], 1e9)
+        out[str(dev)] = (agg.result(), norms)
+    _close(out["cuda"][0], out["cpu"][0].double(), 1e-6)
+    for a, b in zip(out["cuda"][1], out["cpu"][1]):
+        assert math.isclose(a, b, rel_tol=1e-6)
+
+
 def test_staging_pipeline_with_real_streams_and_growing_slots():
     """Updates of growing sizes through two pinned slots on a side copy stream: every update is
     added whole (a missing wait shows as a wrong sum, a freed slot still in use as garbage)."""
