@@ -11,7 +11,8 @@
 #    SecAgg+, local DP with Opacus; SKIP_SIM=1 skips them);
 # 5. with RUN_CPU=1, the benchmark's CPU cases on this machine's cores.
 # Logs and the benchmark's JSON go to $OUT. Where the machine lacks the project's packages (a GPU
-# image without flwr, opacus...), wheels in .whl/ are installed into /tmp/site first.
+# image without flwr, opacus...), wheels in .whl/ (benchmarks/gpu_wheels.sh fetches them) are
+# installed into /tmp/site first.
 set -u
 OUT=${OUT:-/tmp/fedshield-gpu}
 mkdir -p "$OUT"
