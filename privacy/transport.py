@@ -92,7 +92,9 @@ def write_atomic(path: Path, data: bytes, mode: int = 0o666, exact: bool = False
     """Write ``data`` to a new file beside ``path`` (exclusive, never through a link; ``mode`` less the
     umask, or exactly ``mode`` when ``exact``), fsync it, and rename it over ``path``: a crash leaves the
     old file or the new one, never part of one, and a reader that had the old one open keeps reading it.
-    OSError as raised; the temporary file is removed on failure."""
+    OSError as raised; the temporary file is removed on failure. The directory is fsynced after the
+    rename, so the new name survives a power loss too (a local-DP ledger that fell back to its old
+    epsilon would under-count the privacy spent)."""
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
     try:
@@ -106,6 +108,22 @@ def write_atomic(path: Path, data: bytes, mode: int = 0o666, exact: bool = False
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make a rename in ``directory`` durable; where directories cannot be opened or fsynced (not
+    POSIX, some network file systems), the rename stands as the file system keeps it."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _write(path: Path, data: bytes, private: bool) -> None:

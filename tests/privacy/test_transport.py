@@ -370,3 +370,22 @@ def test_a_key_directory_that_takes_no_new_file_is_named(tmp_path, monkeypatch):
     with pytest.raises(PrivacyError, match=f"^{tmp_path} must be a writable directory .*Found: Permission denied"):
         new_node_key(tmp_path / "k", force=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["k", "k.pub"]
+
+
+def test_write_atomic_makes_the_rename_durable(tmp_path, monkeypatch):
+    """The new file is fsynced before the rename and its directory after it: without the second, a
+    power loss could bring back the old file (a local-DP ledger's old epsilon) after the write returned."""
+    from privacy.transport import write_atomic
+
+    synced = []
+    real = os.fsync
+
+    def fsync(fd):
+        synced.append("dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file")
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    target = tmp_path / "ledger.json"
+    write_atomic(target, b"{}")
+    assert target.read_bytes() == b"{}" and synced == ["file", "dir"]
+    assert [p.name for p in tmp_path.iterdir()] == ["ledger.json"]  # no temporary file left
