@@ -88,7 +88,8 @@ class Task(ABC):
             raise ClientError(f"{source}: y must have shape ({x.shape[0]},) and n > 0. Found {y.shape}.")
         if y.min() < 0 or y.max() >= cls.num_classes:  # (integer dtype: checked above)
             raise ClientError(f"{source}: y must hold integer labels in [0, {cls.num_classes}). Found {y.dtype} {y.min()}..{y.max()}.")
-        x32 = x.astype(np.float32, copy=False)  # what training sees: 1e39 in float64 is inf here
+        with np.errstate(over="ignore"):  # the overflow is the finding, refused next with its reason
+            x32 = x.astype(np.float32, copy=False)  # what training sees: 1e39 in float64 is inf here
         if not np.isfinite(x32).all():
             raise ClientError(f"{source}: x must be finite as float32. Found NaN, inf or |x| > 3.4e38.")
         return Dataset(x32, y.astype(np.int64, copy=False))
