@@ -75,7 +75,9 @@ class ServerSettings:
         check(1 <= self.max_examples <= 10**38, "max-examples", "be in [1, 1e38] (weights are multiplied in float32)",
               self.max_examples)
         check(0 < self.max_update_mb <= 1e6, "max-update-mb", "be in (0, 1e6]", self.max_update_mb)
-        check(self.max_update_norm > 0, "max-update-norm", "be > 0", self.max_update_norm)
+        # Capped: past 1e18 an update's sum of squares nears float32's range (3.4e38), where the paths' float32
+        # roundings of it (one per block, per 8K step, per update) could accept and refuse the same update.
+        check(0 < self.max_update_norm <= 1e18, "max-update-norm", "be in (0, 1e18]", self.max_update_norm)
         check(self.selection in SELECTION_POLICIES, "selection", f"be one of {list(SELECTION_POLICIES)}", self.selection)
         check(math.isfinite(self.fairness) and self.fairness >= 1, "fairness",
               "be a finite number >= 1 (every client's participation stays >= fair share / fairness)", self.fairness)

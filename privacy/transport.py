@@ -11,6 +11,7 @@ Private keys are written with mode 0600 and never logged.
 from __future__ import annotations
 
 import datetime as dt
+import errno
 import ipaddress
 import os
 import re
@@ -111,17 +112,26 @@ def write_atomic(path: Path, data: bytes, mode: int = 0o666, exact: bool = False
     _fsync_dir(path.parent)
 
 
+# Errors that say a directory cannot be opened or fsynced here (not POSIX, some network or FUSE file
+# systems, a directory we may write but not read), not that the write failed.
+_NO_DIR_FSYNC = {errno.EACCES, errno.EPERM, errno.EISDIR, errno.EINVAL, errno.EBADF, errno.ENOTSUP,
+                 getattr(errno, "EOPNOTSUPP", errno.ENOTSUP)}
+
+
 def _fsync_dir(directory: Path) -> None:
-    """Make a rename in ``directory`` durable; where directories cannot be opened or fsynced (not
-    POSIX, some network file systems), the rename stands as the file system keeps it."""
+    """Make a rename in ``directory`` durable. Where directories cannot be opened or fsynced, the rename
+    stands as the file system keeps it; any other error (EIO, ENOSPC) is raised: the write is not durable."""
     try:
         fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return
+    except OSError as exc:
+        if exc.errno in _NO_DIR_FSYNC:
+            return
+        raise
     try:
         os.fsync(fd)
-    except OSError:
-        pass
+    except OSError as exc:
+        if exc.errno not in _NO_DIR_FSYNC:
+            raise
     finally:
         os.close(fd)
 

@@ -266,7 +266,8 @@ class VirtualGrid(InProcessGrid):
         expected = sum(min(1.0, p.availability) for p in self.profiles.values())
         return (f"On the virtual engine a node is online in each {self.window_s:g} s window with its tier's "
                 f"availability: {expected:.1f} of {len(self.profiles)} nodes on average here; lower run.min-nodes "
-                "(--set run.min-nodes=N) or raise the tiers' availability.")
+                "(--set run.min-nodes=N), or raise run.wait-nodes-timeout (each window draws afresh) or the tiers' "
+                "availability.")
 
     # -- resume ----------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

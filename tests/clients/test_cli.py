@@ -168,6 +168,7 @@ def _agent_error(tmp_path, capsys, *args) -> list[str]:
     (np.zeros((20, 64)), np.full(20, 12), "y must hold integer labels in [0, 10)"),
     (np.zeros((20, 64)), np.zeros(20), "y must hold integer labels"),
 ])
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # the refusal says it all: no numpy overflow warning first
 def test_agent_refuses_data_that_fits_no_task_before_it_starts(tmp_path, capsys, x, y, rule):
     """Such a file used to pass the agent's checks: it connected, and the ClientApp failed with a
     traceback once training started. Now one line names what each task needs, before anything starts."""

@@ -173,6 +173,8 @@ def test_krum_needs_enough_nodes_or_buffered_updates_by_config():
     ("server-lr", 1e39, "server-lr must be in (0, 1e6]"),  # overflowed float32 in the first step
     ("seed", 2**64, "seed must be in [0, 2**32)"),  # torch.manual_seed overflowed
     ("max-update-mb", 1e308, "max-update-mb must be in (0, 1e6]"),  # int(inf) when the run started
+    # a norm near 1.8e19 was accepted by one path and refused by another (float32 sums of squares)
+    ("max-update-norm", 1e30, "max-update-norm must be in (0, 1e18]"),
     ("device", "cuda:abc", "device must be auto, cpu or cuda[:N]"),
     ("run-dir", "a\0b", "run-dir must not contain a NUL character"),
 ])

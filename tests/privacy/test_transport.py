@@ -389,3 +389,29 @@ def test_write_atomic_makes_the_rename_durable(tmp_path, monkeypatch):
     write_atomic(target, b"{}")
     assert target.read_bytes() == b"{}" and synced == ["file", "dir"]
     assert [p.name for p in tmp_path.iterdir()] == ["ledger.json"]  # no temporary file left
+
+
+@pytest.mark.parametrize("err, raised", [("EINVAL", False), ("ENOTSUP", False), ("EIO", True), ("ENOSPC", True)])
+def test_a_directory_fsync_that_is_unsupported_is_skipped_and_a_failing_one_is_raised(tmp_path, monkeypatch, err,
+                                                                                       raised):
+    """A file system without directory fsync keeps the rename as it keeps it; an I/O error there means the
+    write may not survive a power loss, and the caller (a ledger's save) must hear of it."""
+    import errno
+
+    from privacy.transport import write_atomic
+
+    real = os.fsync
+
+    def fsync(fd):
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(getattr(errno, err), os.strerror(getattr(errno, err)))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    target = tmp_path / "ledger.json"
+    if raised:
+        with pytest.raises(OSError):
+            write_atomic(target, b"{}")
+    else:
+        write_atomic(target, b"{}")
+    assert target.read_bytes() == b"{}"  # renamed into place either way

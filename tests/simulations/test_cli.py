@@ -81,8 +81,8 @@ def test_too_few_nodes_online_on_the_virtual_engine_says_why_and_what_to_change(
     assert len(err) == 2 and err[0].startswith("fedshield simulate: scenario 'default', engine virtual")
     line = err[1]
     assert line.startswith("fedshield: error: ") and "min-nodes=20 nodes must be online within wait-nodes-timeout=120.0 s. Found " in line
-    assert line.endswith("16.7 of 20 nodes on average here; lower run.min-nodes (--set run.min-nodes=N) or raise the "
-                         "tiers' availability.")
+    assert line.endswith("16.7 of 20 nodes on average here; lower run.min-nodes (--set run.min-nodes=N), or raise "
+                         "run.wait-nodes-timeout (each window draws afresh) or the tiers' availability.")
     assert main([*run[:-3], "--run-dir", str(tmp_path / "r2"), "--quiet", "--set", "run.min-nodes=10"]) == 0
 
 
