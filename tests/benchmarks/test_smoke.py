@@ -59,3 +59,28 @@ def test_async_vs_sync_refuses_too_few_clients_in_one_line(tmp_path):
                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "--clients must be >= 10" in proc.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal where no GPU is present")
+@pytest.mark.parametrize("name, args", [("aggregation", ["--device", "cuda"]), ("gpu_profile", [])])
+def test_the_cuda_only_runs_refuse_in_one_line_without_a_gpu(tmp_path, name, args):
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), *args], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "CUDA" in proc.stderr.strip().splitlines()[-1]
+
+
+def test_the_device_resident_cases_run_on_any_device():
+    """``resident_cases`` is timed on CUDA only; on CPU the same code runs here, so it keeps working."""
+    import importlib.util
+
+    import torch
+
+    from simulations.bench import Report
+
+    spec = importlib.util.spec_from_file_location("fedshield_bench_aggregation", ROOT / "benchmarks" / "aggregation.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rep = Report("resident")
+    bench.resident_cases(rep, 3, 5000, torch.device("cpu"))
+    assert len(rep.figures) == 6 and all(f.unit == "GB/s" and f.value > 0 for f in rep.figures)
