@@ -88,6 +88,8 @@ class DeviceStager:
         if not isinstance(slots, int) or slots < 2:
             raise AggregationError(f"staging slots must be an integer >= 2. Found {slots!r}.")
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # as tensors name it: "cuda" is "cuda:N"
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.ops = ops if ops is not None else CudaOps(self.device)
         self._slots: list[_Slot | None] = [None] * slots
         self._next = 0

@@ -10,6 +10,7 @@ encode device tensors, and server optimizers whose state lives on the device.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -183,6 +184,17 @@ def test_staging_pipeline_with_real_streams_and_growing_slots():
     want = torch.stack([(x.double() * torch.linspace(0.5, 1.5, x.numel(), dtype=torch.float64)).sum() for x in xs])
     assert torch.allclose(sums.cpu(), want, rtol=1e-12, atol=1e-9)
     assert stager.slot_bytes >= 4 * 1_000_003
+
+
+def test_an_update_already_on_the_device_is_not_copied_again():
+    """``"cuda"`` (what a config names) and a tensor's ``cuda:0`` are one device: a caller's device
+    tensor is handed over as it is, not copied to the host and back."""
+    codec = create_codec("dense")
+    p = _parsed(codec, _updates(1, seed=19))[0]
+    on_dev = dataclasses.replace(p, tensors={k: v.to(CUDA) for k, v in p.tensors.items()})
+    stager = DeviceStager("cuda")
+    (got,) = list(stager.pipeline([on_dev]))
+    assert got.tensors["values"].data_ptr() == on_dev.tensors["values"].data_ptr() and stager.slot_bytes == 0
 
 
 def test_many_rounds_reuse_the_slots_without_mixing_updates():
