@@ -27,7 +27,7 @@ from privacy.secagg.protocol import MAX_DIM, PublicKeys, SecAggClient, SecAggPar
 from ._errors import ClientError
 from .profile import PROFILE_KEYS
 from .protocol import (ARRAYS, CONFIG, MASKED, METRICS, NEXT, NEXT_KEYS, NEXT_SHARES, SECAGG,
-                       SECAGG_KEYS, SECAGG_SHARES, SECAGG_UNOPENED, node_map)
+                       SECAGG_KEYS, SECAGG_SHARES, SECAGG_UNOPENED, node_map, records_of)
 
 STATE = "fedshield.secagg"
 RESIDUAL = "fedshield.secagg-residual"
@@ -43,10 +43,11 @@ def state_name(rnd: int) -> str:
 def _masked_input(msg: Message, context: Context, client: SecAggClient, plan: dict) -> dict:
     from .client_app import local_update
 
-    config = msg.content.config_records.get(CONFIG)
+    received = records_of(msg.content, ConfigRecord)
+    config = received.get(CONFIG)
     if config is None or config.get("round") != client.params.round:
         raise ClientError(f"secagg masked-input must train for round {client.params.round}, the round set up.")
-    unopened = client.receive_shares(node_map(msg.content.config_records.get(SECAGG_SHARES), SECAGG_SHARES))
+    unopened = client.receive_shares(node_map(received.get(SECAGG_SHARES), SECAGG_SHARES))
     for u, why in sorted(unopened.items()):  # named in the reply; this node holds none of u's shares
         log(WARNING, "[fedshield] secagg round %d: left out node %d's shares: %s", client.params.round, u, why)
     delta, metrics, _ = local_update(msg, context)
@@ -58,8 +59,9 @@ def _masked_input(msg: Message, context: Context, client: SecAggClient, plan: di
     if subset is None:
         values = delta
     else:  # error feedback: what this round does not send is added to the next update
-        if RESIDUAL in context.state.array_records:
-            delta = delta + array_to_tensor(context.state.array_records[RESIDUAL]["r"], "float32", numel)
+        saved = context.state.get(RESIDUAL)
+        if isinstance(saved, ArrayRecord):
+            delta = delta + array_to_tensor(saved["r"], "float32", numel)
         values = delta[subset]
         residual = delta
         residual[subset] = 0.0
@@ -73,9 +75,9 @@ def _masked_input(msg: Message, context: Context, client: SecAggClient, plan: di
         q, clipped = encode_input(values, weight, client.params)
     masked = client.mask(q)
     if residual is None:  # the residual changes only once the input is on its way
-        context.state.array_records.pop(RESIDUAL, None)
+        context.state.pop(RESIDUAL, None)
     else:
-        context.state.array_records[RESIDUAL] = ArrayRecord({"r": tensor_to_array(residual)})
+        context.state[RESIDUAL] = ArrayRecord({"r": tensor_to_array(residual)})
     if clipped:  # stated here, on the client: per-client counts are not sent (they depend on the data)
         log(WARNING, "[fedshield] secagg round %d: clipped %d of %d coordinates to +-secagg-clip=%g",
             client.params.round, clipped, values.numel(), client.params.clip)
@@ -91,7 +93,7 @@ def _masked_input(msg: Message, context: Context, client: SecAggClient, plan: di
 
 
 def _save(context: Context, client: SecAggClient, plan: dict) -> None:
-    context.state.config_records[state_name(client.params.round)] = ConfigRecord(
+    context.state[state_name(client.params.round)] = ConfigRecord(
         {**client.to_fields(), **{f"plan.{k}": v for k, v in plan.items()}})
 
 
@@ -127,7 +129,7 @@ def _setup(rec: ConfigRecord, context: Context, me: int) -> dict[str, ConfigReco
     subset = shared_subset(plan["subset-seed"], plan["numel"], float(plan["sparse-ratio"]))
     if input_length(plan["numel"], subset) != params.dim:
         raise ClientError(f"secagg vector length {params.dim} does not match the model and sparse ratio.")
-    done = context.state.config_records.get(LAST_INPUT, {}).get("round", -1)
+    done = records_of(context.state, ConfigRecord).get(LAST_INPUT, {}).get("round", -1)
     # A second instance of a round it already sent input for is refused (and masked-input checks that it
     # trains for the round set up). This stops replays of one round; differencing sums across rounds
     # with different survivors remains possible for any SecAgg (the threat model is a semi-honest server).
@@ -144,7 +146,7 @@ def _answer(msg: Message, context: Context, rec: ConfigRecord, keys: ConfigRecor
     stage, rnd, me = str(rec["stage"]), int(rec["round"]), int(context.node_id)
     if stage == "setup":
         return _setup(rec, context, me)
-    saved = context.state.config_records.get(state_name(rnd))
+    saved = records_of(context.state, ConfigRecord).get(state_name(rnd))
     if saved is None:
         raise ClientError(f"secagg {stage!r} message for round {rnd} arrived but this node has not set that round up.")
     client = SecAggClient.from_fields(dict(saved))
@@ -156,7 +158,7 @@ def _answer(msg: Message, context: Context, rec: ConfigRecord, keys: ConfigRecor
         out = {SECAGG_SHARES: ConfigRecord({str(v): ct for v, ct in client.share_keys(pub).items()})}
     elif stage == "masked-input":
         out = _masked_input(msg, context, client, plan)
-        context.state.config_records[LAST_INPUT] = ConfigRecord({"round": client.params.round})
+        context.state[LAST_INPUT] = ConfigRecord({"round": client.params.round})
     elif stage == "unmask":
         surv, drop = rec.get("survivors"), rec.get("dropped")
         if not isinstance(surv, list) or not isinstance(drop, list):
@@ -165,7 +167,7 @@ def _answer(msg: Message, context: Context, rec: ConfigRecord, keys: ConfigRecor
     else:
         raise ClientError(f"secagg stage must be one of setup, share-keys, masked-input, unmask. Found {stage[:20]!r}.")
     if client.stage == "done":
-        context.state.config_records.pop(state_name(rnd), None)  # the round's secrets are no longer needed
+        context.state.pop(state_name(rnd), None)  # the round's secrets are no longer needed
     else:
         _save(context, client, plan)
     return out
@@ -184,11 +186,11 @@ def run_secagg_stage(msg: Message, context: Context) -> Message:
     stage that is refused is logged and left out of the reply: the coordinator then runs the next
     round without this node, and this round's answer still goes back.
     """
-    records = msg.content.config_records
+    records = records_of(msg.content, ConfigRecord)
     stage, rnd = _header(records.get(SECAGG), SECAGG)
-    for name in [k for k in context.state.config_records if k.startswith(STATE + ":")]:
+    for name in [k for k in records_of(context.state, ConfigRecord) if k.startswith(STATE + ":")]:
         if int(name.rsplit(":", 1)[1]) < rnd:  # a round abandoned before its unmask stage: forget its secrets
-            context.state.config_records.pop(name)
+            context.state.pop(name)
     try:
         out = _answer(msg, context, records[SECAGG], records.get(SECAGG_KEYS))
     except PrivacyError as exc:

@@ -30,7 +30,7 @@ from logging import INFO, WARNING
 from typing import TYPE_CHECKING, Any
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common.logger import log
 
 from aggregation import tensor_to_array
@@ -94,7 +94,8 @@ class _Ask:
     def record(self, reply: Message, name: str) -> Any:
         if self.rides:
             name = {SECAGG: NEXT, SECAGG_KEYS: NEXT_KEYS, SECAGG_SHARES: NEXT_SHARES}[name]
-        return reply.content.config_records.get(name)
+        rec = reply.content.get(name)
+        return rec if isinstance(rec, ConfigRecord) else None
 
 
 @dataclass
@@ -327,9 +328,8 @@ class SecureRound:
             max_bytes = params.dim * ring_dtype(params.bits).itemsize + 1024
 
             def on_masked(node: int, reply: Message, ask: _Ask) -> None:
-                arrays = reply.content.array_records.get(ARRAYS)
-                metrics = reply.content.metric_records.get(METRICS)
-                if arrays is None or MASKED not in arrays or metrics is None:
+                arrays, metrics = reply.content.get(ARRAYS), reply.content.get(METRICS)
+                if not isinstance(arrays, ArrayRecord) or MASKED not in arrays or not isinstance(metrics, MetricRecord):
                     raise SecAggRejected(node, "missing-record", f"reply must hold '{ARRAYS}'/'{MASKED}' and '{METRICS}'")
                 array = arrays[MASKED]
                 if len(array.data) > max_bytes:
@@ -344,8 +344,9 @@ class SecureRound:
                     vector = array.numpy()
                 except Exception:  # noqa: BLE001 - any undecodable payload is the client's fault
                     raise SecAggRejected(node, "bad-array", "masked input is not a decodable array") from None
-                unopened = reply.content.config_records.get(SECAGG_UNOPENED)  # shares it could not open
-                unopened = () if unopened is None else self._node_map(unopened, SECAGG_UNOPENED, node)
+                unopened = reply.content.get(SECAGG_UNOPENED)  # shares it could not open
+                unopened = () if not isinstance(unopened, ConfigRecord) else self._node_map(unopened, SECAGG_UNOPENED,
+                                                                                             node)
                 server.add_masked(node, vector, unopened)
                 weights[node] = weight
 

@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from flwr.app import Array, Message
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord
 
 from aggregation import AggregationError, UpdateRejected
 from aggregation._errors import shown
@@ -113,15 +113,16 @@ def validate_reply(reply: Message, exp: RoundExpectation, *, check_norm: bool = 
     exp.replied.add(msg_id)
     check_envelope(reply, exp.sent[msg_id], exp.round)
     content = reply.content
-    if ARRAYS not in content.array_records or METRICS not in content.metric_records:
+    array_rec, metrics, codec_rec = content.get(ARRAYS), content.get(METRICS), content.get(CODEC)
+    if not isinstance(array_rec, ArrayRecord) or not isinstance(metrics, MetricRecord):
         raise RejectedReply(node, "missing-record", f"reply must hold '{ARRAYS}' and '{METRICS}'; found {shown(list(content.keys()))}")
     extra = sorted(set(content.keys()) - {ARRAYS, CODEC, METRICS})
     if extra:  # nothing else is read: unchecked, a record of any size would ride along uncounted
         raise RejectedReply(node, "unexpected-record", f"reply must hold only '{ARRAYS}', '{CODEC}' and '{METRICS}'; "
                             f"found {', '.join(repr(k[:40]) for k in extra[:3])}")
-    arrays: dict[str, Array] = dict(content.array_records[ARRAYS].items())
-    if CODEC in content.config_records:
-        header = dict(content.config_records[CODEC])
+    arrays: dict[str, Array] = dict(array_rec.items())
+    if isinstance(codec_rec, ConfigRecord):
+        header = dict(codec_rec)
     elif list(arrays) == [DELTA]:  # the plain format: dense float32 under "delta"
         header = {"codec": "dense", "numel": exp.numel, "dtype": "float32"}
         arrays = {"values": arrays[DELTA]}
@@ -145,7 +146,6 @@ def validate_reply(reply: Message, exp: RoundExpectation, *, check_norm: bool = 
             raise _norm_rejection(node, "non-finite", norm, exp.max_norm)
         if norm > exp.max_norm:
             raise _norm_rejection(node, "norm-too-large", norm, exp.max_norm)
-    metrics = content.metric_records[METRICS]
     num = check_num_examples(node, metrics, exp.max_examples)
     check_base_version(node, metrics, exp.version)
     loss = metrics.get("train-loss", float("nan"))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -16,7 +16,9 @@ from clients.protocol import (
     MESSAGE_TYPE_TRAIN,
     METRICS,
     WEIGHTS,
+    message_nbytes,
     parse_train_message,
+    records_of,
     train_reply_content,
 )
 
@@ -195,3 +197,25 @@ def test_a_bad_codec_record_is_refused_before_any_training(monkeypatch, codec):
     monkeypatch.setattr(client_app, "local_update", lambda *a: pytest.fail("trained before the codec was checked"))
     with pytest.raises(ClientError, match="codec record must describe a known codec"):
         client_app.run_train(_train_message(torch.zeros(4), codec), _context())
+
+
+def test_records_of_reads_what_the_typed_views_give_and_nbytes_counts_the_same():
+    """``records_of`` stands in for Flower's ``config_records`` / ``array_records`` / ``metric_records`` views
+    (which rebuild and type-check a dict on every access): same records, and a record of another kind under a
+    name is not one of them."""
+    content = RecordDict({CONFIG: ConfigRecord({"a": b"xyz", "n": 3}), ARRAYS: ArrayRecord({WEIGHTS: tensor_to_array(
+        torch.ones(5))}), METRICS: MetricRecord({"num-examples": 4}), "codec": ArrayRecord({})})
+    for kind, view in ((ConfigRecord, content.config_records), (ArrayRecord, content.array_records),
+                       (MetricRecord, content.metric_records)):
+        assert records_of(content, kind) == dict(view.items())
+    assert "codec" not in records_of(content, ConfigRecord)
+    msg = Message(content=content, dst_node_id=1, message_type=MESSAGE_TYPE_TRAIN)
+    old = sum(len(a.data) for rec in content.array_records.values() for a in rec.values()) + sum(
+        len(v) for rec in content.config_records.values() for v in rec.values() if isinstance(v, bytes))
+    assert message_nbytes(msg) == old == len(content[ARRAYS][WEIGHTS].data) + 3
+
+
+def test_a_train_message_whose_config_is_not_a_config_record_is_refused():
+    content = RecordDict({CONFIG: ArrayRecord({}), ARRAYS: ArrayRecord({WEIGHTS: tensor_to_array(torch.ones(2))})})
+    with pytest.raises(ClientError, match="must carry 'config' and 'arrays' records"):
+        parse_train_message(Message(content=content, dst_node_id=1, message_type=MESSAGE_TYPE_TRAIN))
