@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One run on a machine with a CUDA GPU: checks and times fedshield's CUDA paths.
 #
-#   OUT=/tmp/gpu bash benchmarks/gpu_check.sh     # from the repository root
+#   bash benchmarks/gpu_check.sh     # from the repository root; OUT=DIR for the outputs (default runs/gpu-check)
 #
 # 1. the CUDA tests (tests/aggregation/test_cuda.py: every codec, rule, optimizer and the pinned
 #    staging on the real device, against the CPU path and float64 references);
@@ -12,16 +12,19 @@
 # 5. with RUN_CPU=1, the benchmark's CPU cases on this machine's cores.
 # Logs and the benchmark's JSON go to $OUT. Where the machine lacks the project's packages (a GPU
 # image without flwr, opacus...), wheels in .whl/ (benchmarks/gpu_wheels.sh fetches them) are
-# installed into /tmp/site first.
+# installed into a temporary directory first.
 set -u
-OUT=${OUT:-/tmp/fedshield-gpu}
+OUT=${OUT:-runs/gpu-check}
+SIM=runs/gpu-check-sim  # each simulation's run directory (runs/ is not tracked)
+mkdir -p "$(dirname "$SIM")"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 FEDSHIELD_DEVICE=cuda
 PY=${PYTHON:-python3}
 if [ -d .whl ]; then
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    SITE=$(mktemp -d)
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
         || { echo "wheels did not install"; exit 1; }
-    export PYTHONPATH=/tmp/site:$PWD
+    export PYTHONPATH=$SITE:$PWD
 else
     export PYTHONPATH=$PWD
 fi
@@ -52,13 +55,13 @@ echo "== 4. in-process simulations on the GPU"
 if [ "${SKIP_SIM:-0}" = 1 ]; then echo skipped; else
     (fail=0; for args in "--rounds 5" "--rounds 5 --set run.codec=\"topk\"" "examples/scenarios/secagg.toml --rounds 3" \
                 "--rounds 3 --set run.dp=\"local\""; do
-        rm -rf /tmp/fs-sim
+        rm -rf "$SIM"
         echo "-- simulate --engine inprocess $args"
-        eval timeout 60 $PY -m simulations.cli simulate --engine inprocess --run-dir /tmp/fs-sim $args > /tmp/fs-sim.log 2>&1 \
+        eval timeout 60 $PY -m simulations.cli simulate --engine inprocess --run-dir "$SIM" $args > "$SIM.log" 2>&1 \
             || { echo "exit status $?"; fail=1; }
-        grep -v "━" /tmp/fs-sim.log
-        ls /tmp/fs-sim 2>/dev/null | tr '\n' ' '; echo
-        [ -f /tmp/fs-sim/metrics.csv ] && tail -n 2 /tmp/fs-sim/metrics.csv
+        grep -v "━" "$SIM.log"
+        ls "$SIM" 2>/dev/null | tr '\n' ' '; echo
+        [ -f "$SIM/metrics.csv" ] && tail -n 2 "$SIM/metrics.csv"
     done; exit $fail) 2>&1 | tee "$OUT/simulate.txt"
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi

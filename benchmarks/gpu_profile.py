@@ -13,6 +13,7 @@ import cProfile
 import dataclasses
 import importlib.util
 import io
+import os
 import pstats
 import sys
 import time
@@ -30,6 +31,15 @@ _spec.loader.exec_module(bench)
 from aggregation.codecs import create_codec  # noqa: E402
 
 CASES = (("dense", {}), ("topk", {"ratio": 0.01}), ("qsgd", {"bits": 8}), ("qsgd", {"bits": 4}), ("sign", {}))
+
+
+def _relative(text: str) -> str:
+    """cProfile names functions by absolute file path: shown relative to the entry of ``sys.path`` (or the
+    repository) they were imported from, so the printed tables name no machine's directories."""
+    roots = {str(Path(p).resolve()) for p in sys.path if p} | {str(_here.parent)}
+    for root in sorted(roots, key=len, reverse=True):
+        text = text.replace(root.rstrip(os.sep) + os.sep, "")
+    return text
 
 
 def _table(prof, key: str, rows: int) -> str:
@@ -62,7 +72,7 @@ def main() -> None:
         text = io.StringIO()
         pstats.Stats(py, stream=text).sort_stats("tottime").print_stats(14)
         print("host (Python) time by function, tottime:")
-        print("\n".join(text.getvalue().splitlines()[6:]))
+        print(_relative("\n".join(text.getvalue().splitlines()[6:])))
         parsed = [dataclasses.replace(q, tensors={k: v.to(dev) for k, v in q.tensors.items()})
                   for q in bench.parse_all(codec, records, a.numel)]
         out = torch.zeros(a.numel, device=dev)
