@@ -25,7 +25,7 @@ from .data import client_data
 from .ledger import OWNER_DELTA, STATE_DIR, LedgerFile, check_owner_limits, owner_limits
 from .profile import measure_profile
 from .config import build_config
-from .protocol import (CLIENT_TIME, CODEC, LOCAL_DP, WEIGHTS, codec_from_record, parse_train_message, records_of,
+from .protocol import (CLIENT_TIME, CODEC, LOCAL_DP, WEIGHTS, codec_from_record, parse_train_message, record_of,
                        train_reply_content)
 from .tasks import get_task
 from .training import flat_params, load_flat, train_local
@@ -75,7 +75,7 @@ def train_with_local_dp(model, data, instr, record, context: Context) -> dict[st
         dp = dataclasses.replace(dp, delta=min(dp.delta, OWNER_DELTA), poisson_sampling=True)
     store = LedgerFile(context.node_config[STATE_DIR], data) if STATE_DIR in context.node_config else None
     with store.locked() if store is not None else contextlib.nullcontext():
-        ledger = records_of(context.state, ConfigRecord).get(DP_LEDGER)
+        ledger = record_of(context.state, DP_LEDGER, ConfigRecord)
         state = store.load() if store is not None else None  # the device's file outlives this run's Context
         if state is None and ledger is not None:
             state = json.loads(str(ledger["state"]))
@@ -98,8 +98,8 @@ def encode_with_feedback(codec, delta: torch.Tensor, context: Context, gen: torc
     keeps on the device between rounds of a run; it never leaves the client.
     """
     residual = None
-    saved = context.state.get(RESIDUAL)
-    if isinstance(saved, ArrayRecord):
+    saved = record_of(context.state, RESIDUAL, ArrayRecord)
+    if saved is not None:
         try:
             residual = array_to_tensor(saved["r"], "float32", delta.numel()).clone()
         except AggregationError:
@@ -140,7 +140,7 @@ def local_update(msg: Message, context: Context) -> tuple[torch.Tensor, dict[str
     load_flat(model, weights)
     who = training_identity(context)
     gen = torch.Generator().manual_seed(hash((instr.seed, instr.round, who)) & 0x7FFFFFFF)
-    local_dp = records_of(msg.content, ConfigRecord).get(LOCAL_DP)
+    local_dp = record_of(msg.content, LOCAL_DP, ConfigRecord)
     if local_dp is None:
         check_owner_limits(context.node_config, None)
         stats = train_local(model, data, instr.train, gen)
@@ -166,7 +166,7 @@ def run_train(msg: Message, context: Context) -> Message:
     start = time.perf_counter()
     # the codec record is checked before training: a bad one refused after it wasted the round (and,
     # under local DP, charged its steps to the node's budget for a reply never sent)
-    codec = codec_from_record(records_of(msg.content, ConfigRecord).get(CODEC))
+    codec = codec_from_record(record_of(msg.content, CODEC, ConfigRecord))
     delta, metrics, gen = local_update(msg, context)
     encoded = encode_with_feedback(codec, delta, context, gen)
     metrics[CLIENT_TIME] = time.perf_counter() - start

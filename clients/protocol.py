@@ -107,8 +107,8 @@ def codec_from_record(record: ConfigRecord | None) -> Codec:
 
 def parse_train_message(msg: Message) -> tuple[TrainInstruction, ArrayRecord]:
     content = msg.content
-    config, arrays = content.get(CONFIG), content.get(ARRAYS)
-    if not isinstance(config, ConfigRecord) or not isinstance(arrays, ArrayRecord):
+    config, arrays = record_of(content, CONFIG, ConfigRecord), record_of(content, ARRAYS, ArrayRecord)
+    if config is None or arrays is None:
         raise ClientError(f"train message must carry '{CONFIG}' and '{ARRAYS}' records. Found {shown(list(content.keys()))}.")
     if WEIGHTS not in arrays:
         raise ClientError(f"train message must carry array '{WEIGHTS}'. Found {shown(list(arrays.keys()))}.")
@@ -129,6 +129,12 @@ def records_of(content: RecordDict, kind: type[R]) -> dict[str, R]:
     view of every such record on each access (microseconds a record; the SecAgg+ stages read them
     thousands of times a round). Write to ``content`` itself (``content[name] = record``)."""
     return {k: v for k, v in content.items() if isinstance(v, kind)}
+
+
+def record_of(content: RecordDict, name: str, kind: type[R]) -> R | None:
+    """``records_of(content, kind).get(name)`` for one record: a record of another kind under ``name`` is None."""
+    rec = content.get(name)
+    return rec if isinstance(rec, kind) else None
 
 
 def message_nbytes(msg: Message) -> int:

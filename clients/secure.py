@@ -27,7 +27,8 @@ from privacy.secagg.protocol import MAX_DIM, PublicKeys, SecAggClient, SecAggPar
 from ._errors import ClientError
 from .profile import PROFILE_KEYS
 from .protocol import (ARRAYS, CONFIG, MASKED, METRICS, NEXT, NEXT_KEYS, NEXT_SHARES, SECAGG,
-                       SECAGG_KEYS, SECAGG_SHARES, SECAGG_UNOPENED, node_map, records_of)
+                       SECAGG_KEYS, SECAGG_SHARES, SECAGG_UNOPENED, node_map, record_of,
+                       records_of)
 
 STATE = "fedshield.secagg"
 RESIDUAL = "fedshield.secagg-residual"
@@ -43,11 +44,10 @@ def state_name(rnd: int) -> str:
 def _masked_input(msg: Message, context: Context, client: SecAggClient, plan: dict) -> dict:
     from .client_app import local_update
 
-    received = records_of(msg.content, ConfigRecord)
-    config = received.get(CONFIG)
+    config = record_of(msg.content, CONFIG, ConfigRecord)
     if config is None or config.get("round") != client.params.round:
         raise ClientError(f"secagg masked-input must train for round {client.params.round}, the round set up.")
-    unopened = client.receive_shares(node_map(received.get(SECAGG_SHARES), SECAGG_SHARES))
+    unopened = client.receive_shares(node_map(record_of(msg.content, SECAGG_SHARES, ConfigRecord), SECAGG_SHARES))
     for u, why in sorted(unopened.items()):  # named in the reply; this node holds none of u's shares
         log(WARNING, "[fedshield] secagg round %d: left out node %d's shares: %s", client.params.round, u, why)
     delta, metrics, _ = local_update(msg, context)
@@ -59,8 +59,8 @@ def _masked_input(msg: Message, context: Context, client: SecAggClient, plan: di
     if subset is None:
         values = delta
     else:  # error feedback: what this round does not send is added to the next update
-        saved = context.state.get(RESIDUAL)
-        if isinstance(saved, ArrayRecord):
+        saved = record_of(context.state, RESIDUAL, ArrayRecord)
+        if saved is not None:
             delta = delta + array_to_tensor(saved["r"], "float32", numel)
         values = delta[subset]
         residual = delta
@@ -129,7 +129,7 @@ def _setup(rec: ConfigRecord, context: Context, me: int) -> dict[str, ConfigReco
     subset = shared_subset(plan["subset-seed"], plan["numel"], float(plan["sparse-ratio"]))
     if input_length(plan["numel"], subset) != params.dim:
         raise ClientError(f"secagg vector length {params.dim} does not match the model and sparse ratio.")
-    done = records_of(context.state, ConfigRecord).get(LAST_INPUT, {}).get("round", -1)
+    done = (record_of(context.state, LAST_INPUT, ConfigRecord) or {}).get("round", -1)
     # A second instance of a round it already sent input for is refused (and masked-input checks that it
     # trains for the round set up). This stops replays of one round; differencing sums across rounds
     # with different survivors remains possible for any SecAgg (the threat model is a semi-honest server).
@@ -146,7 +146,7 @@ def _answer(msg: Message, context: Context, rec: ConfigRecord, keys: ConfigRecor
     stage, rnd, me = str(rec["stage"]), int(rec["round"]), int(context.node_id)
     if stage == "setup":
         return _setup(rec, context, me)
-    saved = records_of(context.state, ConfigRecord).get(state_name(rnd))
+    saved = record_of(context.state, state_name(rnd), ConfigRecord)
     if saved is None:
         raise ClientError(f"secagg {stage!r} message for round {rnd} arrived but this node has not set that round up.")
     client = SecAggClient.from_fields(dict(saved))

@@ -52,6 +52,7 @@ from clients.protocol import (
     WEIGHTS,
     message_nbytes,
     node_map,
+    record_of,
 )
 from privacy import PrivacyError
 from privacy.secagg import SEED_BYTES
@@ -94,8 +95,7 @@ class _Ask:
     def record(self, reply: Message, name: str) -> Any:
         if self.rides:
             name = {SECAGG: NEXT, SECAGG_KEYS: NEXT_KEYS, SECAGG_SHARES: NEXT_SHARES}[name]
-        rec = reply.content.get(name)
-        return rec if isinstance(rec, ConfigRecord) else None
+        return record_of(reply.content, name, ConfigRecord)
 
 
 @dataclass
@@ -328,8 +328,9 @@ class SecureRound:
             max_bytes = params.dim * ring_dtype(params.bits).itemsize + 1024
 
             def on_masked(node: int, reply: Message, ask: _Ask) -> None:
-                arrays, metrics = reply.content.get(ARRAYS), reply.content.get(METRICS)
-                if not isinstance(arrays, ArrayRecord) or MASKED not in arrays or not isinstance(metrics, MetricRecord):
+                arrays = record_of(reply.content, ARRAYS, ArrayRecord)
+                metrics = record_of(reply.content, METRICS, MetricRecord)
+                if arrays is None or MASKED not in arrays or metrics is None:
                     raise SecAggRejected(node, "missing-record", f"reply must hold '{ARRAYS}'/'{MASKED}' and '{METRICS}'")
                 array = arrays[MASKED]
                 if len(array.data) > max_bytes:
@@ -344,9 +345,8 @@ class SecureRound:
                     vector = array.numpy()
                 except Exception:  # noqa: BLE001 - any undecodable payload is the client's fault
                     raise SecAggRejected(node, "bad-array", "masked input is not a decodable array") from None
-                unopened = reply.content.get(SECAGG_UNOPENED)  # shares it could not open
-                unopened = () if not isinstance(unopened, ConfigRecord) else self._node_map(unopened, SECAGG_UNOPENED,
-                                                                                             node)
+                unopened = record_of(reply.content, SECAGG_UNOPENED, ConfigRecord)  # shares it could not open
+                unopened = () if unopened is None else self._node_map(unopened, SECAGG_UNOPENED, node)
                 server.add_masked(node, vector, unopened)
                 weights[node] = weight
 

@@ -23,7 +23,7 @@ from aggregation import AggregationError, UpdateRejected
 from aggregation._errors import shown
 from aggregation.staleness import MIN_USEFUL_FACTOR
 from aggregation.codecs import Codec, Parsed
-from clients.protocol import ARRAYS, CODEC, DELTA, METRICS
+from clients.protocol import ARRAYS, CODEC, DELTA, METRICS, record_of
 
 
 class RejectedReply(Exception):
@@ -113,15 +113,16 @@ def validate_reply(reply: Message, exp: RoundExpectation, *, check_norm: bool = 
     exp.replied.add(msg_id)
     check_envelope(reply, exp.sent[msg_id], exp.round)
     content = reply.content
-    array_rec, metrics, codec_rec = content.get(ARRAYS), content.get(METRICS), content.get(CODEC)
-    if not isinstance(array_rec, ArrayRecord) or not isinstance(metrics, MetricRecord):
+    array_rec, metrics = record_of(content, ARRAYS, ArrayRecord), record_of(content, METRICS, MetricRecord)
+    codec_rec = record_of(content, CODEC, ConfigRecord)
+    if array_rec is None or metrics is None:
         raise RejectedReply(node, "missing-record", f"reply must hold '{ARRAYS}' and '{METRICS}'; found {shown(list(content.keys()))}")
     extra = sorted(set(content.keys()) - {ARRAYS, CODEC, METRICS})
     if extra:  # nothing else is read: unchecked, a record of any size would ride along uncounted
         raise RejectedReply(node, "unexpected-record", f"reply must hold only '{ARRAYS}', '{CODEC}' and '{METRICS}'; "
                             f"found {', '.join(repr(k[:40]) for k in extra[:3])}")
     arrays: dict[str, Array] = dict(array_rec.items())
-    if isinstance(codec_rec, ConfigRecord):
+    if codec_rec is not None:
         header = dict(codec_rec)
     elif list(arrays) == [DELTA]:  # the plain format: dense float32 under "delta"
         header = {"codec": "dense", "numel": exp.numel, "dtype": "float32"}

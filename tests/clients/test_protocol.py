@@ -18,6 +18,7 @@ from clients.protocol import (
     WEIGHTS,
     message_nbytes,
     parse_train_message,
+    record_of,
     records_of,
     train_reply_content,
 )
@@ -209,6 +210,8 @@ def test_records_of_reads_what_the_typed_views_give_and_nbytes_counts_the_same()
                        (MetricRecord, content.metric_records)):
         assert records_of(content, kind) == dict(view.items())
     assert "codec" not in records_of(content, ConfigRecord)
+    assert record_of(content, CONFIG, ConfigRecord) is content[CONFIG]
+    assert record_of(content, "codec", ConfigRecord) is None and record_of(content, "absent", ConfigRecord) is None
     msg = Message(content=content, dst_node_id=1, message_type=MESSAGE_TYPE_TRAIN)
     old = sum(len(a.data) for rec in content.array_records.values() for a in rec.values()) + sum(
         len(v) for rec in content.config_records.values() for v in rec.values() if isinstance(v, bytes))
