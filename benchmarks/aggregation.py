@@ -177,6 +177,17 @@ def cuda_bandwidths(device, nbytes: int, piece: int) -> tuple[float, float, floa
     return nbytes / t["copy"] / 1e9, nbytes / t["read"] / 1e9, len(pageable) * piece / t["pack"] / 1e9
 
 
+def on_device(parsed: list, device) -> list:
+    """Parsed updates with their tensors moved to ``device``: as staging leaves them, or as clients on
+    the same GPU would hand them over."""
+    return [dataclasses.replace(p, tensors={k: v.to(device) for k, v in p.tensors.items()}) for p in parsed]
+
+
+def case_label(name: str, params: dict) -> str:
+    """A codec case's name in the printed figures: "qsgd 8", "topk 0.01"."""
+    return name + "".join(f" {v}" for v in params.values())
+
+
 def resident_cases(rep: Report, n: int, numel: int, device) -> None:
     """CUDA only: each codec's decode-and-add (``codec.add_into``) of updates already on the device
     (as after staging, or from clients on the same GPU), against the device's copy bandwidth. Bytes
@@ -194,8 +205,7 @@ def resident_cases(rep: Report, n: int, numel: int, device) -> None:
     for name, params in (("dense", {}), ("dense", {"dtype": "bfloat16"}), ("topk", {"ratio": 0.01}),
                          ("qsgd", {"bits": 8}), ("qsgd", {"bits": 4}), ("sign", {})):
         codec = create_codec(name, **params)
-        parsed = [dataclasses.replace(p, tensors={k: v.to(device) for k, v in p.tensors.items()})
-                  for p in parse_all(codec, make_records(codec, n, numel), numel)]
+        parsed = on_device(parse_all(codec, make_records(codec, n, numel), numel), device)
         out = torch.zeros(numel, dtype=torch.float32, device=device)
 
         def add_all():
@@ -204,10 +214,10 @@ def resident_cases(rep: Report, n: int, numel: int, device) -> None:
             sync(device)
 
         t = _report.medians_interleaved({"add": add_all}, repeat=9)["add"]
-        moved = sum(v.numel() * v.element_size() for p in parsed for v in p.tensors.values()) + n * numel * 8
-        label = name + "".join(f" {v}" for v in params.values())
-        rep.add(f"device-resident decode-and-add {label} {n}x{numel} [{device.type}]", moved / t / 1e9, "GB/s",
-                "device copy (read + write), GB/s", copy_gbs, "", None, ratio=moved / t / 1e9 / copy_gbs)
+        traffic = sum(v.numel() * v.element_size() for p in parsed for v in p.tensors.values()) + n * numel * 8
+        rep.add(f"device-resident decode-and-add {case_label(name, params)} {n}x{numel} [{device.type}]",
+                traffic / t / 1e9, "GB/s", "device copy (read + write), GB/s", copy_gbs, "", None,
+                ratio=traffic / t / 1e9 / copy_gbs)
         parsed = None
         gc.collect()
 

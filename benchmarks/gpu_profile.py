@@ -1,7 +1,7 @@
 """Where the CUDA aggregation paths spend their time: torch.profiler tables (host ops and device
 kernels) and a cProfile of the host's Python for one coordinator-path mean per codec, from Flower
-records, and torch.profiler tables for the decode-and-add of device-resident updates. A diagnostic for a GPU machine (``benchmarks/gpu_check.sh`` runs it),
-not a benchmark: no baseline, no targets.
+records, and torch.profiler tables for the decode-and-add of device-resident updates. A diagnostic
+for a GPU machine (``benchmarks/gpu_check.sh`` runs it), not a benchmark: no baseline, no targets.
 
     python benchmarks/gpu_profile.py [--clients 100] [--numel 1000000]
 """
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import dataclasses
 import importlib.util
 import io
 import os
@@ -63,7 +62,7 @@ def main() -> None:
         wall = time.perf_counter() - t0
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             bench.ours_mean(codec, records, a.numel, dev)
-        label = name + "".join(f" {v}" for v in params.values())
+        label = bench.case_label(name, params)
         print(f"\n===== records path: {label}, {a.clients} x {a.numel}: {wall * 1e3:.1f} ms unprofiled")
         print(_table(prof, "self_cpu_time_total", 14))
         print(_table(prof, "self_cuda_time_total", 8))
@@ -73,8 +72,7 @@ def main() -> None:
         pstats.Stats(py, stream=text).sort_stats("tottime").print_stats(14)
         print("host (Python) time by function, tottime:")
         print(_relative("\n".join(text.getvalue().splitlines()[6:])))
-        parsed = [dataclasses.replace(q, tensors={k: v.to(dev) for k, v in q.tensors.items()})
-                  for q in bench.parse_all(codec, records, a.numel)]
+        parsed = bench.on_device(bench.parse_all(codec, records, a.numel), dev)
         out = torch.zeros(a.numel, device=dev)
         for q in parsed[:3]:
             codec.add_into(q, out, 1.0)

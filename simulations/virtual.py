@@ -263,7 +263,7 @@ class VirtualGrid(InProcessGrid):
     def too_few_online_hint(self) -> str:
         """What the coordinator's "too few nodes online" error adds on this engine: where the shortfall
         comes from (the tiers' availability) and what to change."""
-        expected = sum(min(1.0, p.availability) for p in self.profiles.values())
+        expected = sum(p.availability for p in self.profiles.values())  # each in (0, 1], checked by DeviceProfile
         return (f"On the virtual engine a node is online in each {self.window_s:g} s window with its tier's "
                 f"availability: {expected:.1f} of {len(self.profiles)} nodes on average here; lower run.min-nodes "
                 "(--set run.min-nodes=N), or raise run.wait-nodes-timeout (each window draws afresh) or the tiers' "
