@@ -70,8 +70,7 @@ def test_cuda_from_env_when_unavailable_raises(no_cuda, monkeypatch):
         get_device("cuda")  # the config key's value: named as the key
 
 
-def test_a_cuda_index_past_the_devices_is_refused(fake_cuda, monkeypatch):
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+def test_a_cuda_index_past_the_devices_is_refused(fake_cuda):
     assert get_device("cuda:1") == torch.device("cuda:1")
     with pytest.raises(AggregationError, match=r"Found 'cuda:2', but this machine has 2 CUDA device\(s\) \(cuda:0 to cuda:1\)"):
         get_device("cuda:2")
