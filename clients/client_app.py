@@ -22,7 +22,7 @@ from aggregation._errors import shown
 
 from ._errors import ClientError
 from .data import client_data
-from .ledger import OWNER_DELTA, STATE_DIR, LedgerFile, check_owner_limits, owner_limits
+from .ledger import OWNER_DELTA, STATE_DIR, LedgerFile, check_owner_limits, ledger_key, owner_limits
 from .profile import measure_profile
 from .config import build_config
 from .protocol import (CLIENT_TIME, CODEC, LOCAL_DP, WEIGHTS, codec_from_record, parse_train_message, record_of,
@@ -73,7 +73,8 @@ def train_with_local_dp(model, data, instr, record, context: Context) -> dict[st
         # The owner's limits are the device's, not the coordinator's: Poisson sampling (what the accountant
         # assumes) and epsilon at the owner's delta, whatever the coordinator's record says.
         dp = dataclasses.replace(dp, delta=min(dp.delta, OWNER_DELTA), poisson_sampling=True)
-    store = LedgerFile(context.node_config[STATE_DIR], data) if STATE_DIR in context.node_config else None
+    store = (LedgerFile(context.node_config[STATE_DIR], ledger_key(instr.task.task, data, context.node_config))
+             if STATE_DIR in context.node_config else None)
     with store.locked() if store is not None else contextlib.nullcontext():
         ledger = record_of(context.state, DP_LEDGER, ConfigRecord)
         state = store.load() if store is not None else None  # the device's file outlives this run's Context

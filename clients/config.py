@@ -25,6 +25,9 @@ T = TypeVar("T")
 
 MAX_NOISE_MULTIPLIER = 1e6  # local DP-SGD's noise multiplier: the accountant's sigma**2 overflows far past it,
 # and epsilon is already flat there
+MIN_NOISE_MULTIPLIER = 1e-3  # central DP's: below, epsilon overflows to infinity within a few rounds
+MIN_LOCAL_NOISE_MULTIPLIER = 1e-6  # local DP-SGD's: tests of clipping alone use it; below ~1e-154 opacus's RDP
+# arithmetic divides by a sigma**2 that underflowed to zero (a ledger holding such an event could not be charged)
 
 
 def kebab(name: str) -> str:

@@ -52,7 +52,7 @@ from torch import nn
 from privacy import quiet_import_opacus
 
 from ._errors import ClientError
-from .config import MAX_NOISE_MULTIPLIER, TrainSettings, check
+from .config import MAX_NOISE_MULTIPLIER, MIN_LOCAL_NOISE_MULTIPLIER, TrainSettings, check
 from .tasks import Dataset
 
 GRAD_SAMPLE_MODES = ("fast", "ghost", "hooks", "functorch")
@@ -87,9 +87,10 @@ class LocalDpSettings:
 
     def __post_init__(self) -> None:
         z, c, d = self.noise_multiplier, self.max_grad_norm, self.delta
-        check(_finite(z) and 0 < z <= MAX_NOISE_MULTIPLIER, "noise-multiplier",
-              f"be a number in (0, {MAX_NOISE_MULTIPLIER:g}] (0 adds no noise: no privacy; past {MAX_NOISE_MULTIPLIER:g} "
-              "the accountant overflows and epsilon no longer changes)", z)
+        check(_noise_ok(z), "noise-multiplier",
+              f"be a number in [{MIN_LOCAL_NOISE_MULTIPLIER:g}, {MAX_NOISE_MULTIPLIER:g}] (0 adds no noise: no privacy; below "
+              f"{MIN_LOCAL_NOISE_MULTIPLIER:g} the accountant cannot charge it; past {MAX_NOISE_MULTIPLIER:g} the accountant overflows and "
+              "epsilon no longer changes)", z)
         check(_finite(c) and c > 0, "max-grad-norm",
               "be a finite number > 0 (it bounds each example's influence)", c)
         check(_finite(d) and 0 < d < 1, "delta", "be in (0, 1)", d)
@@ -106,6 +107,11 @@ def private_generator() -> torch.Generator:
 
 def _finite(x: Any) -> bool:
     return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _noise_ok(z: Any) -> bool:
+    """A noise multiplier the accountant can charge: in [MIN_LOCAL_NOISE_MULTIPLIER, MAX_NOISE_MULTIPLIER]."""
+    return _finite(z) and MIN_LOCAL_NOISE_MULTIPLIER <= z <= MAX_NOISE_MULTIPLIER
 
 
 def resolve_grad_sample_mode(model: nn.Module, requested: str) -> str:
@@ -525,9 +531,10 @@ def accountant_from_state(state: Mapping[str, Any] | None) -> Any:
     for event in history:
         ok = isinstance(event, list | tuple) and len(event) == 3
         z, q, steps = event if ok else (None, None, None)
-        ok = ok and _finite(z) and z > 0 and _finite(q) and 0 < q <= 1
+        ok = ok and _noise_ok(z) and _finite(q) and 0 < q <= 1
         ok = ok and isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1
-        check(ok, f"{where}.history", "hold [noise_multiplier > 0, sample_rate in (0, 1], steps >= 1] events", event)
+        check(ok, f"{where}.history", f"hold [noise_multiplier in [{MIN_LOCAL_NOISE_MULTIPLIER:g}, {MAX_NOISE_MULTIPLIER:g}], "
+              "sample_rate in (0, 1], steps >= 1] events", event)
         events.append((float(z), float(q), int(steps)))
     accountant.history = events
     return accountant

@@ -4,8 +4,12 @@ Why on disk: the ledger in ``Context.state`` lives as long as one Flower run on 
 coordinator that restarts (a resumed run is a new Flower run) or an agent that restarts started a
 fresh accountant on the same data, and ``local-epsilon`` then understated what the data had spent.
 ``fedshield agent start`` gives each node a ``state-dir``; the ledger is kept there, one file per
-dataset (keyed by a hash of its contents, so the same data under another path shares it), written
-atomically after every round.
+dataset, written atomically after every round. A data file's ledger is keyed by a hash of its
+contents (the same data under another path shares it). A built-in partition's (``--partition``) is
+keyed by the task alone, one ledger for every partition of its data in the state dir: which examples
+a partition holds follows settings the coordinator sends (``data-seed``, ``partitioning``,
+``dirichlet-alpha``), so keyed by its examples, a coordinator could change them for an overlapping
+partition with a fresh ledger and train the shared examples past the owner's ``--max-local-epsilon``.
 
 Why limits of the owner's own: under local DP the coordinator is the party the noise protects
 against, yet it chooses the noise. ``--min-local-noise`` makes the device train only under local DP
@@ -37,7 +41,7 @@ PREFIX = "local-dp-ledger-"
 
 
 def data_key(data: Dataset) -> str:
-    """A hash of the data's contents (shapes, dtypes, bytes): what the ledger is about."""
+    """A hash of the data's contents (shapes, dtypes, bytes)."""
     h = hashlib.sha256()
     for a in (data.x, data.y):
         h.update(f"{a.dtype.str}{a.shape}".encode())
@@ -45,11 +49,19 @@ def data_key(data: Dataset) -> str:
     return h.hexdigest()[:32]
 
 
-class LedgerFile:
-    """The ledger of one dataset in ``state_dir`` (an accountant state, see ``dp_training``)."""
+def ledger_key(task_name: str, data: Dataset, node_config: Mapping[str, Any]) -> str:
+    """What a node's ledger is about: its data file's contents (``data_key``), or, for a built-in partition,
+    the task whose data it is drawn from (see the module's docstring)."""
+    if "data-path" in node_config:  # what client_data loads first
+        return data_key(data)
+    return f"task-{task_name}"  # a registered task's name (get_task refused any other before training)
 
-    def __init__(self, state_dir: str | os.PathLike, data: Dataset) -> None:
-        self.path = Path(state_dir) / f"{PREFIX}{data_key(data)}.json"
+
+class LedgerFile:
+    """The ledger under ``key`` (``ledger_key``) in ``state_dir`` (an accountant state, see ``dp_training``)."""
+
+    def __init__(self, state_dir: str | os.PathLike, key: str) -> None:
+        self.path = Path(state_dir) / f"{PREFIX}{key}.json"
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:

@@ -137,17 +137,32 @@ def record_of(content: RecordDict, name: str, kind: type[R]) -> R | None:
     return rec if isinstance(rec, kind) else None
 
 
+def _value_nbytes(value: Any) -> int:
+    """Bytes a config or metric record's value takes: bytes and str by length (str as UTF-8), a list by
+    its elements, a number as 8 (a bool as 1)."""
+    if isinstance(value, bytes):
+        return len(value)
+    if isinstance(value, str):
+        return len(value) if value.isascii() else len(value.encode("utf-8", "surrogatepass"))
+    if isinstance(value, list):
+        return sum(map(_value_nbytes, value))
+    return 1 if isinstance(value, bool) else 8
+
+
+def record_nbytes(rec: Any) -> int:
+    """Bytes one record carries: every key, every Array's data, every config or metric value."""
+    if isinstance(rec, ArrayRecord):
+        return sum(len(k) + len(a.data) for k, a in rec.items())
+    return sum(len(k) + _value_nbytes(v) for k, v in rec.items())
+
+
 def message_nbytes(msg: Message) -> int:
-    """Payload bytes of a message: Array data plus bytes values in config records (0 for an error message)."""
+    """Payload bytes of a message: every record's keys and values (``record_nbytes``) and the names they
+    go under (0 for an error message). Counts what a client can make the coordinator receive: an ignored
+    record, a long str or a list of numbers in a metric record too."""
     if msg.has_error():
         return 0
-    total = 0
-    for rec in msg.content.values():
-        if isinstance(rec, ArrayRecord):
-            total += sum(len(a.data) for a in rec.values())
-        elif isinstance(rec, ConfigRecord):
-            total += sum(len(v) for v in rec.values() if isinstance(v, bytes))
-    return total
+    return sum(len(name) + record_nbytes(rec) for name, rec in msg.content.items())
 
 
 _NODE_ID = re.compile(r"[0-9]{1,20}")

@@ -11,7 +11,7 @@ from typing import Any
 from aggregation import AggregationError, available_server_optimizers, create_aggregator, create_server_optimizer
 from aggregation.codecs import Codec, create_codec
 from aggregation.robust import krum_min_updates
-from clients.config import (MAX_NOISE_MULTIPLIER, TaskSpec, TrainSettings, build_config, check, config_keys,
+from clients.config import (MAX_NOISE_MULTIPLIER, MIN_LOCAL_NOISE_MULTIPLIER, MIN_NOISE_MULTIPLIER, TaskSpec, TrainSettings, build_config, check, config_keys,
                             split_mapping, to_mapping)
 from clients._errors import ConfigError
 
@@ -200,7 +200,6 @@ class AsyncSettings:
 
 
 DP_MODES = ("none", "central", "local", "distributed")
-MIN_NOISE_MULTIPLIER = 1e-3  # below, epsilon overflows to infinity within a few rounds
 MAX_DP_CLIP = 1e9  # with z <= 1e6 the noise's std stays far inside float32
 COUNT_BUDGET_SHARE = 0.1  # clip-count-noise = 0 (auto): the noised count takes this share of a round's budget
 
@@ -267,8 +266,9 @@ class PrivacySettings:
               f"be in [0, {MAX_NOISE_MULTIPLIER:g}] (0: auto, sqrt(10)/2 x the noise multiplier)", self.clip_count_noise)
         if self.adaptive_clipping and self.dp_noise_multiplier > 0:
             self.check_count_noise(self.dp_noise_multiplier, f"dp-noise-multiplier/2 = {self.dp_noise_multiplier / 2:g}")
-        check(0 < self.local_noise_multiplier <= MAX_NOISE_MULTIPLIER, "local-noise-multiplier",
-              f"be in (0, {MAX_NOISE_MULTIPLIER:g}] (no noise: no privacy; past that the accountant overflows)",
+        check(MIN_LOCAL_NOISE_MULTIPLIER <= self.local_noise_multiplier <= MAX_NOISE_MULTIPLIER, "local-noise-multiplier",
+              f"be in [{MIN_LOCAL_NOISE_MULTIPLIER:g}, {MAX_NOISE_MULTIPLIER:g}] (below, no privacy is left to account; past that the "
+              "accountant overflows)",
               self.local_noise_multiplier)
         check(self.local_max_grad_norm > 0, "local-max-grad-norm", "be > 0", self.local_max_grad_norm)
         # A setting that the chosen dp mode does not use must keep its default: set, it would be ignored

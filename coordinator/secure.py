@@ -70,12 +70,26 @@ from clients._errors import ClientError, ConfigError
 
 from ._errors import CoordinatorError
 from .privacy_policy import DistributedDp
-from .validation import RejectedReply, check_base_version, check_envelope, check_num_examples, pushed
+from .validation import (MAX_SIDE_BYTES, RejectedReply, check_base_version, check_envelope, check_num_examples,
+                         pushed)
 
 if TYPE_CHECKING:
     from .workflow import SyncWorkflow
 
 Handler = Callable[[int, Message, "_Ask"], None]
+
+# What each stage's reply holds besides its SECAGG header record; anything else is refused unread.
+_STAGE_RECORDS = {"setup": (SECAGG_KEYS,), "share-keys": (SECAGG_SHARES,), "unmask": (SECAGG_SHARES,),
+                  "masked-input": (ARRAYS, METRICS, SECAGG_UNOPENED)}
+_PER_NODE = 1024  # reply bytes allowed per node of the round: a ciphertext (share-keys) or a share (unmask), and its name
+
+
+def _cap(stage: str, nodes: int, masked_bytes: int = 0) -> int:
+    """Bytes a stage's reply may hold beyond ``MAX_SIDE_BYTES``: one entry per node of the round for the stages
+    that send shares, and the masked vector (plus one name per node it could not open) for masked-input."""
+    if stage == "masked-input":
+        return masked_bytes + 32 * nodes
+    return 0 if stage == "setup" else _PER_NODE * nodes
 
 
 def _new_stats() -> dict[str, Any]:
@@ -91,6 +105,14 @@ class _Ask:
     handle: Handler
     stats: dict[str, Any]  # the counters of the round this stage belongs to
     rides: bool = False  # piggybacked: its header and records travel under the NEXT names
+    cap: int = 0  # bytes its records may take in a reply, beyond MAX_SIDE_BYTES (see ``_cap``)
+
+    def names(self) -> set[str]:
+        """The records its part of a reply may hold (under the NEXT names when it rides)."""
+        own = _STAGE_RECORDS[self.stage]
+        if not self.rides:
+            return {SECAGG, *own}
+        return {NEXT, *({SECAGG_KEYS: NEXT_KEYS, SECAGG_SHARES: NEXT_SHARES}[n] for n in own)}
 
     def record(self, reply: Message, name: str) -> Any:
         if self.rides:
@@ -154,18 +176,16 @@ class SecureRound:
                     continue  # not ours or already seen: Grid ids are unique, nothing to count
                 node = sent[mid]
                 stats["replies"] += 1
+                stats["bytes_up"] += message_nbytes(reply)  # every reply that came up, refused ones too
                 try:
                     check_envelope(reply, node, asks[node][0].rnd)
+                    self._check_shape(node, reply, asks[node])
                 except RejectedReply as rej:  # counted once, in the message's round; a stage riding on it is unanswered
                     self._reject(asks[node][0], node, rej.rule, rej.detail)
                     continue
-                took = False
                 for ask in asks[node]:
                     if self._answer(ask, node, reply):
                         accepted[ask.rnd, ask.stage] += 1
-                        took = True
-                if took:
-                    stats["bytes_up"] += message_nbytes(reply)
             if not pending.keys() & mains:
                 break
             if clock.now() >= deadline:
@@ -178,6 +198,21 @@ class SecureRound:
         for (r, s), n in sorted(asked.items()):
             log(INFO, "[fedshield] round %d secagg %s: %d of %d nodes in %.2f s%s", r, s, accepted[r, s], n,
                 stats["stage_s"][stage], "" if (r, s) == (rnd, stage) else f" (with round {rnd}'s {stage})")
+
+    @staticmethod
+    def _check_shape(node: int, reply: Message, asks: list[_Ask]) -> None:
+        """Only the records its stages' replies hold, and within their bytes (``_cap``): a reply is refused
+        whole, before any part is read, if it carries more (an extra record, or extra fields in one that is
+        read, would otherwise ride along unchecked)."""
+        allowed = set().union(*(a.names() for a in asks))
+        extra = sorted(set(reply.content.keys()) - allowed)
+        if extra:
+            raise RejectedReply(node, "unexpected-record", f"reply must hold only {', '.join(sorted(allowed))}; "
+                                f"found {', '.join(repr(k[:40]) for k in extra[:3])}")
+        limit = MAX_SIDE_BYTES + sum(a.cap for a in asks)
+        size = message_nbytes(reply)
+        if size > limit:
+            raise RejectedReply(node, "oversized", f"reply must be <= {limit} bytes; found {size}")
 
     def _answer(self, ask: _Ask, node: int, reply: Message) -> bool:
         """Check and hand over one ask's part of a reply; False if it was rejected or left out."""
@@ -254,7 +289,7 @@ class SecureRound:
     def _share_ask(self, r: _Round) -> _Ask:
         def on_shares(node: int, reply: Message, ask: _Ask) -> None:
             r.server.on_shares(node, self._node_map(ask.record(reply, SECAGG_SHARES), SECAGG_SHARES, node))
-        return _Ask(r.rnd, "share-keys", on_shares, r.stats)
+        return _Ask(r.rnd, "share-keys", on_shares, r.stats, cap=_cap("share-keys", len(r.selected)))
 
     @staticmethod
     def _keys_record(keys: dict[int, PublicKeys]) -> ConfigRecord:
@@ -353,7 +388,7 @@ class SecureRound:
             contents = {n: RecordDict({SECAGG: ConfigRecord({"stage": "masked-input", "round": rnd}),
                                        SECAGG_SHARES: ConfigRecord({str(u): ct for u, ct in cts.items()}), **train})
                         for n, cts in requests3.items()}
-            ask = _Ask(rnd, "masked-input", on_masked, stats)
+            ask = _Ask(rnd, "masked-input", on_masked, stats, cap=_cap("masked-input", len(selected), max_bytes))
             asks = {n: [ask] for n in contents}
             if nxt is not None:  # round rnd + 1's setup rides on this stage
                 self._ride(contents, asks, self._setup_record(nxt), dict.fromkeys(nxt.selected), self._setup_ask(nxt))
@@ -371,7 +406,7 @@ class SecureRound:
             contents = {n: RecordDict({SECAGG: ConfigRecord({"stage": "unmask", "round": rnd, "survivors": surv,
                                                              "dropped": drop})})
                         for n, (surv, drop) in requests4.items()}
-            ask = _Ask(rnd, "unmask", on_unmask, stats)
+            ask = _Ask(rnd, "unmask", on_unmask, stats, cap=_cap("unmask", len(selected)))
             asks = {n: [ask] for n in contents}
             if nxt is not None:  # and its share-keys on this one
                 try:

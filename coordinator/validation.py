@@ -23,7 +23,7 @@ from aggregation import AggregationError, UpdateRejected
 from aggregation._errors import shown
 from aggregation.staleness import MIN_USEFUL_FACTOR
 from aggregation.codecs import Codec, Parsed
-from clients.protocol import ARRAYS, CODEC, DELTA, METRICS, record_of
+from clients.protocol import ARRAYS, CODEC, DELTA, METRICS, message_nbytes
 
 
 class RejectedReply(Exception):
@@ -96,6 +96,42 @@ def check_base_version(node: int, metrics: Any, version: int) -> None:
         raise RejectedReply(node, "stale-version", f"base-version must be {version}; found {shown(base, 40)}")
 
 
+_KINDS = {ARRAYS: ArrayRecord, METRICS: MetricRecord, CODEC: ConfigRecord}
+MAX_SIDE_BYTES = 1 << 16  # a reply's records besides its update (metrics, codec header): 64 KiB is ~100x what clients send
+
+
+def check_records(node: int, content: Any, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> None:
+    """The reply holds the ``required`` records, perhaps the ``optional`` ones, nothing else, each of its kind
+    (``_KINDS``); else RejectedReply ("missing-record", "unexpected-record", "wrong-record-kind")."""
+    missing = [name for name in required if name not in content]
+    if missing:
+        raise RejectedReply(node, "missing-record", f"reply must hold {' and '.join(repr(n) for n in required)}; "
+                            f"found {shown(list(content.keys()))}")
+    extra = sorted(set(content.keys()) - {*required, *optional})
+    if extra:  # nothing else is read: unchecked, a record of any size would ride along uncounted
+        allowed = ", ".join(repr(n) for n in (*required, *optional))
+        raise RejectedReply(node, "unexpected-record", f"reply must hold only {allowed}; "
+                            f"found {', '.join(repr(k[:40]) for k in extra[:3])}")
+    for name in (*required, *optional):
+        rec = content.get(name)
+        if rec is not None and not isinstance(rec, _KINDS[name]):
+            raise RejectedReply(node, "wrong-record-kind", f"'{name}' must be of kind {_KINDS[name].__name__}; "
+                                f"found {type(rec).__name__}")
+
+
+def check_side_bytes(node: int, reply: Message, update: ArrayRecord | None) -> int:
+    """Everything in the reply but ``update``'s array data (its metrics, codec header, keys, names) must stay
+    within ``MAX_SIDE_BYTES``: the update's own size is checked against the round's limit, and extra keys
+    in a record that is read (a codec header's, a metric record's) would otherwise ride along uncounted.
+    Returns the reply's bytes (``message_nbytes``)."""
+    total = message_nbytes(reply)
+    side = total - (sum(len(a.data) for a in update.values()) if update is not None else 0)
+    if side > MAX_SIDE_BYTES:
+        raise RejectedReply(node, "oversized", f"records besides the update must be <= {MAX_SIDE_BYTES} bytes; "
+                            f"found {side}")
+    return total
+
+
 def validate_reply(reply: Message, exp: RoundExpectation, *, check_norm: bool = True) -> ValidReply:
     """Check one reply against every rule; return its parts or raise RejectedReply.
 
@@ -110,17 +146,14 @@ def validate_reply(reply: Message, exp: RoundExpectation, *, check_norm: bool = 
         raise RejectedReply(node, "unknown-message", f"reply must answer a message sent this round; found {msg_id[:16]!r}")
     if msg_id in exp.replied:
         raise RejectedReply(node, "duplicate", "a reply to this message was already received")
-    exp.replied.add(msg_id)
+    # Before the message counts as answered: a reply from another node (refused here) must not use up the
+    # slot of the node asked, whose own reply would then be refused as a duplicate.
     check_envelope(reply, exp.sent[msg_id], exp.round)
+    exp.replied.add(msg_id)
     content = reply.content
-    array_rec, metrics = record_of(content, ARRAYS, ArrayRecord), record_of(content, METRICS, MetricRecord)
-    codec_rec = record_of(content, CODEC, ConfigRecord)
-    if array_rec is None or metrics is None:
-        raise RejectedReply(node, "missing-record", f"reply must hold '{ARRAYS}' and '{METRICS}'; found {shown(list(content.keys()))}")
-    extra = sorted(set(content.keys()) - {ARRAYS, CODEC, METRICS})
-    if extra:  # nothing else is read: unchecked, a record of any size would ride along uncounted
-        raise RejectedReply(node, "unexpected-record", f"reply must hold only '{ARRAYS}', '{CODEC}' and '{METRICS}'; "
-                            f"found {', '.join(repr(k[:40]) for k in extra[:3])}")
+    check_records(node, content, required=(ARRAYS, METRICS), optional=(CODEC,))
+    array_rec, metrics, codec_rec = content[ARRAYS], content[METRICS], content.get(CODEC)
+    check_side_bytes(node, reply, array_rec)
     arrays: dict[str, Array] = dict(array_rec.items())
     if codec_rec is not None:
         header = dict(codec_rec)
@@ -151,8 +184,8 @@ def validate_reply(reply: Message, exp: RoundExpectation, *, check_norm: bool = 
     check_base_version(node, metrics, exp.version)
     loss = metrics.get("train-loss", float("nan"))
     loss = float(loss) if isinstance(loss, int | float) and abs(loss) <= MAX_TRAIN_LOSS else float("nan")
-    eps = metrics.get("local-epsilon")
-    eps = float(eps) if isinstance(eps, int | float) and not isinstance(eps, bool) and math.isfinite(eps) else None
+    eps = metrics.get("local-epsilon")  # a negative or non-finite claim is no claim
+    eps = float(eps) if isinstance(eps, int | float) and not isinstance(eps, bool) and 0 <= eps < math.inf else None
     return ValidReply(node_id=node, parsed=parsed, num_examples=num, train_loss=loss, nbytes=nbytes, norm=norm,
                       local_epsilon=eps)
 

@@ -73,12 +73,13 @@ def test_settings_defaults_are_valid():
     ("kwargs", "message"),
     [
         ({"noise_multiplier": 0.0},
-         "noise-multiplier must be a number in (0, 1e+06] (0 adds no noise: no privacy; past 1e+06 the accountant "
-         "overflows and epsilon no longer changes). Found 0.0."),
-        ({"noise_multiplier": -1.0}, "noise-multiplier must be a number in (0, 1e+06]"),
-        ({"noise_multiplier": float("nan")}, "noise-multiplier must be a number in (0, 1e+06]"),
-        ({"noise_multiplier": float("inf")}, "noise-multiplier must be a number in (0, 1e+06]"),
-        ({"noise_multiplier": 1e300}, "noise-multiplier must be a number in (0, 1e+06]"),  # OverflowError in Opacus
+         "noise-multiplier must be a number in [1e-06, 1e+06] (0 adds no noise: no privacy; below 1e-06 the accountant "
+         "cannot charge it; past 1e+06 the accountant overflows and epsilon no longer changes). Found 0.0."),
+        ({"noise_multiplier": -1.0}, "noise-multiplier must be a number in [1e-06, 1e+06]"),
+        ({"noise_multiplier": float("nan")}, "noise-multiplier must be a number in [1e-06, 1e+06]"),
+        ({"noise_multiplier": float("inf")}, "noise-multiplier must be a number in [1e-06, 1e+06]"),
+        ({"noise_multiplier": 1e300}, "noise-multiplier must be a number in [1e-06, 1e+06]"),  # OverflowError in Opacus
+        ({"noise_multiplier": 1e-300}, "noise-multiplier must be a number in [1e-06, 1e+06]"),  # ZeroDivisionError there
         ({"max_grad_norm": 0.0},
          "max-grad-norm must be a finite number > 0 (it bounds each example's influence). Found 0.0."),
         ({"max_grad_norm": float("inf")}, "max-grad-norm must be a finite number > 0"),
@@ -98,7 +99,7 @@ def test_bad_settings_raise_config_error(kwargs, message):
 def test_settings_build_from_kebab_mapping():
     dp = build_config(LocalDpSettings, {"noise-multiplier": 2, "max-grad-norm": 0.5, "grad-sample-mode": "hooks"})
     assert (dp.noise_multiplier, dp.max_grad_norm, dp.grad_sample_mode) == (2.0, 0.5, "hooks")
-    with pytest.raises(ConfigError, match=r"^local-dp\.noise-multiplier must be a number in \(0, 1e\+06\]"):
+    with pytest.raises(ConfigError, match=r"^local-dp\.noise-multiplier must be a number in \[1e-06, 1e\+06\]"):
         build_config(LocalDpSettings, {"noise-multiplier": 0}, "local-dp")
     with pytest.raises(ConfigError, match="noise-multipler is not a known key"):
         build_config(LocalDpSettings, {"noise-multipler": 1.0})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -11,7 +12,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from aggregation import tensor_to_array
 from clients import ClientError, TaskSpec, TrainInstruction, TrainSettings
 from clients.client_app import run_train
-from clients.ledger import PREFIX, LedgerFile
+from clients.ledger import PREFIX, ledger_key
 from clients.protocol import ARRAYS, CONFIG, LOCAL_DP, MESSAGE_TYPE_TRAIN, WEIGHTS
 from clients.tasks import get_task
 
@@ -19,8 +20,8 @@ TASK = TaskSpec(task="synthetic", partitioning="iid", data_seed=4)
 NODE = {"partition-id": 0, "num-partitions": 40}
 
 
-def _message(rnd: int, z: float | None = 1.0, epochs: int = 1) -> Message:
-    instr = TrainInstruction(round=rnd, version=rnd - 1, seed=11, task=TASK,
+def _message(rnd: int, z: float | None = 1.0, epochs: int = 1, data_seed: int = TASK.data_seed) -> Message:
+    instr = TrainInstruction(round=rnd, version=rnd - 1, seed=11, task=dataclasses.replace(TASK, data_seed=data_seed),
                              train=TrainSettings(local_epochs=epochs, batch_size=16, lr=0.1, momentum=0.0))
     numel = sum(p.numel() for p in get_task(TASK).build_model().parameters())
     content = RecordDict({CONFIG: instr.to_record(), ARRAYS: ArrayRecord({WEIGHTS: tensor_to_array(torch.zeros(numel))})})
@@ -58,17 +59,35 @@ def _steps(path) -> int:
     return sum(int(e[2]) for e in json.loads(path.read_text())["history"])
 
 
-def test_the_ledger_is_keyed_by_the_data_not_the_node(tmp_path):
-    data = get_task(TASK).partition(0, 40)
-    other = get_task(TASK).partition(1, 40)
-    assert LedgerFile(tmp_path, data).path == LedgerFile(tmp_path, data).path != LedgerFile(tmp_path, other).path
+def test_the_ledger_is_keyed_by_the_data_not_the_node():
+    """A data file's ledger by its contents; a built-in partition's by its task: which examples a partition holds
+    follows the coordinator's data-seed, partitioning and dirichlet-alpha, and keyed by the examples, a coordinator
+    changing them gave an overlapping partition a fresh ledger, past the owner's --max-local-epsilon (a review)."""
+    data, other = get_task(TASK).partition(0, 40), get_task(TASK).partition(1, 40)
+    files = {"data-path": "a.npz"}
+    assert ledger_key(TASK.task, data, files) == ledger_key("digits", data, {"data-path": "b.npz"})
+    assert ledger_key(TASK.task, data, files) != ledger_key(TASK.task, other, files)
+    parts = {"partition-id": 0, "num-partitions": 40}
+    assert ledger_key(TASK.task, data, parts) == ledger_key(TASK.task, other, {**parts, "partition-id": 1})
+    assert ledger_key(TASK.task, data, parts) != ledger_key("digits", data, parts)
+
+
+def test_a_coordinator_cannot_reset_a_partition_s_ledger_by_moving_its_examples(tmp_path):
+    """Other data-seeds give overlapping partitions: all are charged to one ledger, so the owner's bound holds."""
+    eps = []
+    for seed in (0, 1, 2):
+        ctx = _context(**{"state-dir": str(tmp_path)})
+        eps.append(_epsilon(run_train(_message(1, data_seed=seed), ctx)))
+    assert eps[0] < eps[1] < eps[2] and len(list(tmp_path.glob(f"{PREFIX}*.json"))) == 1
 
 
 def test_an_unreadable_ledger_refuses_training_instead_of_starting_afresh(tmp_path):
     ctx = _context(**{"state-dir": str(tmp_path)})
     run_train(_message(1), ctx)
     (path,) = tmp_path.glob(f"{PREFIX}*.json")
-    for bad in ('{"mechanism": "rdp", "history": [[1.0, 2.0, 3]]}', "[" * 200_000):  # a sample rate > 1; deep nesting
+    # a sample rate > 1; deep nesting; a noise multiplier whose square underflows (opacus divided by it: ZeroDivisionError)
+    for bad in ('{"mechanism": "rdp", "history": [[1.0, 2.0, 3]]}', "[" * 200_000,
+                '{"mechanism": "rdp", "history": [[1e-300, 1.0, 1]]}'):
         path.write_text(bad)
         with pytest.raises(ClientError, match="local DP ledger .* must be readable"):
             run_train(_message(2), _context(**{"state-dir": str(tmp_path)}))

@@ -213,9 +213,10 @@ def test_records_of_reads_what_the_typed_views_give_and_nbytes_counts_the_same()
     assert record_of(content, CONFIG, ConfigRecord) is content[CONFIG]
     assert record_of(content, "codec", ConfigRecord) is None and record_of(content, "absent", ConfigRecord) is None
     msg = Message(content=content, dst_node_id=1, message_type=MESSAGE_TYPE_TRAIN)
-    old = sum(len(a.data) for rec in content.array_records.values() for a in rec.values()) + sum(
-        len(v) for rec in content.config_records.values() for v in rec.values() if isinstance(v, bytes))
-    assert message_nbytes(msg) == old == len(content[ARRAYS][WEIGHTS].data) + 3
+    # every name and key, bytes by length, a number as 8: config {"a": b"xyz", "n": 3}, arrays {weights},
+    # metrics {"num-examples": 4}, an empty ArrayRecord under "codec"
+    assert message_nbytes(msg) == ((len(CONFIG) + 1 + 3 + 1 + 8) + (len(ARRAYS) + len(WEIGHTS) + len(
+        content[ARRAYS][WEIGHTS].data)) + (len(METRICS) + len("num-examples") + 8) + len("codec"))
 
 
 def test_a_train_message_whose_config_is_not_a_config_record_is_refused():

@@ -176,6 +176,21 @@ def _wrong_unmask_shares(reply, replies, msg):
     return reply
 
 
+def _extra_record(reply, replies, msg):
+    reply.content["padding"] = ArrayRecord({"x": Array(np.zeros(1 << 18, np.float32))})
+    return reply
+
+
+def _huge_header_field(reply, replies, msg):
+    reply.content[SECAGG]["pad"] = b"x" * (1 << 20)  # a field no stage reads
+    return reply
+
+
+def _huge_metric(reply, replies, msg):
+    reply.content.metric_records["metrics"]["pad"] = [0.0] * (1 << 17)
+    return reply
+
+
 BAD = {  # (stage, mutate, rule, counted as survivor?)
     "replayed reply of another node": ("setup", _replayed_setup, "unknown-sender", False),
     "keys claimed for another node": ("setup", _claims_other_node, "unknown-sender", False),
@@ -185,6 +200,11 @@ BAD = {  # (stage, mutate, rule, counted as survivor?)
     "oversized masked vector": ("masked-input", _huge_vector, "oversized", False),
     "zero examples claimed": ("masked-input", _zero_examples, "bad-num-examples", False),
     "unmask names unknown shares": ("unmask", _bogus_unmask, "wrong-share-count", True),
+    # a review: nothing bounded a SecAgg+ reply's other records, so a client could send megabytes past the limit
+    "extra record with the masked input": ("masked-input", _extra_record, "unexpected-record", False),
+    "a megabyte in the keys' header record": ("setup", _huge_header_field, "oversized", False),
+    "a megabyte of metrics with the masked input": ("masked-input", _huge_metric, "oversized", False),
+    "a megabyte in the unmask header record": ("unmask", _huge_header_field, "oversized", True),
 }
 
 
@@ -198,6 +218,8 @@ def test_bad_messages_are_rejected_with_a_reason_and_the_round_completes(tmp_pat
     survivors = [n for n in range(1001, 1001 + N) if n != 1002 or survives]
     assert row["secagg_survivors"] == len(survivors)
     torch.testing.assert_close(wf.weights, plain_reference(tmp_path, survivors), rtol=0, atol=1e-6)
+    if mutate in (_huge_vector, _extra_record, _huge_header_field, _huge_metric):  # refused, yet it came up: counted
+        assert row["bytes_up"] > 1 << 20, row
 
 
 @pytest.mark.parametrize("stage, mutate", [("share-keys", _tampered_share), ("unmask", _wrong_unmask_shares)])

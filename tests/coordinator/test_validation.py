@@ -113,7 +113,8 @@ def test_a_huge_value_from_a_client_is_cut_short_in_the_logged_reason(reply):
     """A rejection's reason is logged: a client must not be able to write 100 kB into the log per reply."""
     with pytest.raises(RejectedReply) as info:
         validate_reply(reply(_instruction(11, "m1")), _exp())
-    assert len(str(info.value)) < 400 and "characters)" in str(info.value)
+    # cut short, or (a huge metric) refused for its size before its value is shown
+    assert len(str(info.value)) < 400 and ("characters)" in str(info.value) or info.value.rule == "oversized")
 
 
 def test_error_reply():
@@ -151,7 +152,7 @@ def test_a_record_the_coordinator_does_not_read_is_rejected():
     ins = _instruction(11, "m1")
     reply = _reply(ins, delta=torch.ones(N))
     reply.content["padding"] = ArrayRecord({"x": Array(np.zeros(1 << 20, np.float32))})
-    with pytest.raises(RejectedReply, match="reply must hold only 'arrays', 'codec' and 'metrics'; found 'padding'") as exc:
+    with pytest.raises(RejectedReply, match="reply must hold only 'arrays', 'metrics', 'codec'; found 'padding'") as exc:
         validate_reply(reply, _exp())
     assert exc.value.rule == "unexpected-record"
 
@@ -236,3 +237,62 @@ def test_add_reply_equals_validate_then_add():
     plain.add(exp_b.codec, ref.parsed, 3.0, norm=ref.norm)
     assert ok.norm == pytest.approx(ref.norm, rel=1e-6)
     assert torch.equal(fused.result(), plain.result())
+
+
+def _padded(ins: Message, where: str) -> Message:
+    """A valid reply with ~1 MB hidden where the size limit used to miss it (a review found each)."""
+    reply = _reply(ins)
+    if where == "codec as an ArrayRecord":  # read as "no codec record": the plain form, the record never sized
+        reply.content[CODEC] = ArrayRecord({"x": Array(np.zeros(1 << 18, np.float32))})
+    elif where == "extra codec header keys":
+        reply.content[CODEC] = ConfigRecord({"codec": "dense", "numel": N, "dtype": "float32", "pad": "x" * (1 << 20)})
+        reply.content[ARRAYS] = ArrayRecord({"values": tensor_to_array(torch.zeros(N))})
+    elif where == "extra metrics":
+        reply.content[METRICS]["pad"] = [0.0] * (1 << 17)
+    else:
+        reply.content[METRICS]["pad"] = list(range(10))  # small: fine
+    return reply
+
+
+@pytest.mark.parametrize(("where", "rule"), [("codec as an ArrayRecord", "wrong-record-kind"),
+                                             ("extra codec header keys", "oversized"), ("extra metrics", "oversized")])
+def test_bytes_hidden_beside_the_update_are_refused(where, rule):
+    assert _rule(_padded(_instruction(11, "m1"), where)) == rule
+    assert validate_reply(_padded(_instruction(11, "m1"), "a few extra metrics"), _exp()).num_examples == 10
+
+
+def test_message_nbytes_counts_every_key_and_value():
+    from clients.protocol import message_nbytes
+
+    content = RecordDict({"c": ConfigRecord({"s": "é" * 10, "b": b"12", "l": ["ab", "c"], "f": 1.5, "t": True}),
+                          "m": MetricRecord({"x": [1, 2, 3]})})
+    msg = Message(content, dst_node_id=1, message_type="train")
+    assert message_nbytes(msg) == 1 + (1 + 20) + (1 + 2) + (1 + 3) + (1 + 8) + (1 + 1) + 1 + (1 + 24)
+
+
+@pytest.mark.parametrize("name, wrong", [(ARRAYS, ConfigRecord({})), (METRICS, ArrayRecord({})),
+                                         (CODEC, MetricRecord({"numel": N}))])
+def test_a_record_of_the_wrong_kind_is_named_as_such(name, wrong):
+    """It was "missing-record: reply must hold 'arrays' and 'metrics'; found ['arrays', 'metrics']"."""
+    reply = _reply(_instruction(11, "m1"))
+    reply.content[name] = wrong
+    with pytest.raises(RejectedReply) as info:
+        validate_reply(reply, _exp())
+    assert info.value.rule == "wrong-record-kind" and f"'{name}' must be of kind" in info.value.detail
+    assert type(wrong).__name__ in info.value.detail
+
+
+def test_a_reply_from_another_node_does_not_use_up_the_asked_node_s_slot():
+    """Marked answered before the sender was checked, node 12's reply to node 11's message made node 11's own
+    reply a "duplicate"."""
+    exp = _exp()
+    ins = _instruction(11, "m1")
+    assert _rule(_reply(ins, src=12), exp) == "unknown-sender"
+    assert validate_reply(_reply(ins), exp).node_id == 11
+    assert _rule(_reply(ins), exp) == "duplicate"
+
+
+@pytest.mark.parametrize("eps, kept", [(-1.0, None), (float("inf"), None), (0.0, 0.0), (3.5, 3.5)])
+def test_a_negative_or_infinite_local_epsilon_is_no_claim(eps, kept):
+    reply = _reply(_instruction(11, "m1"), metrics={"num-examples": 10, "base-version": 7, "local-epsilon": eps})
+    assert validate_reply(reply, _exp()).local_epsilon == kept
