@@ -53,7 +53,7 @@ def run(rounds: int, client=None, **kw) -> tuple[float, int]:
     cfg = RunConfig.from_mapping({"num-rounds": rounds, "min-nodes": CLIENTS, **kw})
     with tempfile.TemporaryDirectory() as d:
         s = SyncWorkflow(cfg, InProcessGrid(client or app, CLIENTS), RunDirectory(d)).run()
-    return s["final_test_accuracy"], s["total_bytes_up"]
+    return s["final_test_accuracy"], s["total_update_bytes_up"]  # the updates' bytes: what a codec compresses
 
 
 def main() -> None:
@@ -75,7 +75,7 @@ def main() -> None:
         acc, up = run(a.rounds, **kw)
         rep.add(f"{name}: accuracy (baseline dense)", acc, "acc", "dense fp32", acc0,
                 f">= dense - {tol}" if tol else "", (acc >= acc0 - tol) if tol else None, ratio=acc - acc0)
-        rep.add(f"{name}: uplink bytes", up / 1e6, "MB", "dense fp32 MB", up0 / 1e6,
+        rep.add(f"{name}: uplink update bytes", up / 1e6, "MB", "dense fp32 MB", up0 / 1e6,
                 f">= {min_ratio}x fewer" if min_ratio else "", (up0 / up >= min_ratio) if min_ratio else None)
     for rule, kw in (("mean (FedAvg)", {}), ("median", {"aggregator": "median"}),
                      ("trimmed-mean 0.25", {"aggregator": "trimmed-mean", "trim-beta": 0.25}),

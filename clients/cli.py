@@ -166,7 +166,7 @@ def _ledger_config(args: argparse.Namespace) -> str:
     """The node-config entries of the device's local-DP ledger and its owner's limits (``clients.ledger``)."""
     from privacy import make_dir
 
-    from .ledger import MAX_EPSILON, MIN_NOISE, STATE_DIR
+    from .ledger import MAX_EPSILON, MIN_NOISE, STATE_DIR, STATE_DIR_ENV
 
     out = ""
     for flag, key, value in (("--min-local-noise", MIN_NOISE, getattr(args, "min_local_noise", 0.0)),
@@ -175,9 +175,11 @@ def _ledger_config(args: argparse.Namespace) -> str:
             raise ClientError(f"{flag} must be a finite number >= 0 (0: none). Found {value!r}.")
         if value > 0:
             out += f" {key}={float(value)}"
-    state = resolve_path(getattr(args, "state_dir", None) or "~/.fedshield/agent", "--state-dir")
-    value = _literal_path(state, "--state-dir")
-    make_dir(state, "--state-dir", ClientError)
+    given, env = getattr(args, "state_dir", None), os.environ.get(STATE_DIR_ENV, "")
+    flag = "--state-dir" if given or not env.strip() else f"${STATE_DIR_ENV}"  # errors name where the path came from
+    state = resolve_path(given or env.strip() or "~/.fedshield/agent", flag)
+    value = _literal_path(state, flag)
+    make_dir(state, flag, ClientError)
     return out + f" {STATE_DIR}={value}"
 
 
@@ -216,6 +218,9 @@ def supernode_command(args: argparse.Namespace) -> list[str]:
     if args.insecure:
         print("fedshield agent: WARNING: --insecure: no TLS, updates travel in clear text and the node is not "
               "authenticated. Use only for local tests.", file=sys.stderr)
+        unused = [flag for flag, value in (("--root-cert", args.root_cert), ("--key", args.key)) if value]
+        if unused:
+            print(f"fedshield agent: WARNING: --insecure: {' and '.join(unused)} not used.", file=sys.stderr)
         cmd.append("--insecure")
     else:
         if not args.root_cert:

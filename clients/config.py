@@ -34,6 +34,20 @@ def kebab(name: str) -> str:
     return name.replace("_", "-")
 
 
+def parse_toml(text: str, source: str) -> dict[str, Any]:
+    """``text`` read as TOML, or ConfigError naming ``source``. tomllib raises TOMLDecodeError for bad syntax,
+    and also a plain ValueError (an integer past Python's 4300 digits) or RecursionError (arrays nested
+    thousands deep): each is one line, not a traceback."""
+    import tomllib
+
+    try:
+        return tomllib.loads(text)
+    except RecursionError:
+        raise ConfigError(f"{source} must be valid TOML. Found arrays or tables nested too deep.") from None
+    except ValueError as exc:  # TOMLDecodeError included
+        raise ConfigError(f"{source} must be valid TOML. Found error: {shown(str(exc), 200)}.") from None
+
+
 def check(ok: bool, key: str, rule: str, found: Any) -> None:
     """Raise ``ConfigError("<key> must <rule>. Found <found>.")`` unless ``ok``."""
     if not ok:

@@ -36,6 +36,7 @@ from ._errors import ClientError, ConfigError
 from .tasks import Dataset
 
 STATE_DIR, MIN_NOISE, MAX_EPSILON = "state-dir", "min-local-noise", "max-local-epsilon"
+STATE_DIR_ENV = "FEDSHIELD_AGENT_STATE_DIR"  # the agent's --state-dir when the flag is not given
 OWNER_DELTA = 1e-5  # the delta --max-local-epsilon is stated at (or the coordinator's, if smaller)
 PREFIX = "local-dp-ledger-"
 

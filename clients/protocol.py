@@ -165,6 +165,13 @@ def message_nbytes(msg: Message) -> int:
     return sum(len(name) + record_nbytes(rec) for name, rec in msg.content.items())
 
 
+def update_nbytes(msg: Message) -> int:
+    """Bytes of the update a reply carries: its ``arrays`` record's data (0 without one): what a codec's
+    compression is measured on, apart from the records every reply has (metrics, the codec header, names)."""
+    rec = None if msg.has_error() else msg.content.get(ARRAYS)
+    return sum(len(a.data) for a in rec.values()) if isinstance(rec, ArrayRecord) else 0
+
+
 _NODE_ID = re.compile(r"[0-9]{1,20}")
 
 

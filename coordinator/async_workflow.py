@@ -37,7 +37,7 @@ from aggregation import tensor_to_array
 from privacy import BudgetExhausted
 from aggregation.staleness import StalenessFunction, create_staleness
 from clients.protocol import (ARRAYS, CODEC, CONFIG, LOCAL_DP, MESSAGE_TYPE_TRAIN, WEIGHTS, TrainInstruction,
-                              message_nbytes)
+                              message_nbytes, update_nbytes)
 from clients.training import evaluate, load_flat
 
 from ._errors import CoordinatorError
@@ -263,12 +263,14 @@ class BufferedAsyncWorkflow(SyncWorkflow):
 
     @staticmethod
     def _fresh_window() -> dict[str, Any]:
-        return {"selected": 0, "bytes_down": 0, "replies": 0, "rejected": Counter(), "bytes_up": 0, "loss": LossMean(),
+        return {"selected": 0, "bytes_down": 0, "replies": 0, "rejected": Counter(), "bytes_up": 0, "update_bytes_up": 0,
+                "loss": LossMean(),
                 "staleness": [], "local_eps": [], "norms": []}
 
     def _take(self, reply: Message, mid: str, flight: Flight, acc: Any, window: dict[str, Any]) -> bool:
         """Validate one reply and add it to the buffer; return whether it was accepted."""
         window["bytes_up"] += message_nbytes(reply)  # what came up, refused or not (as the sync rows count)
+        window["update_bytes_up"] += update_nbytes(reply)
         try:
             ok = validate_reply(reply, flight.expectation, check_norm=False)
             staleness = self.version - flight.base_version
@@ -316,6 +318,7 @@ class BufferedAsyncWorkflow(SyncWorkflow):
             "round": self.round, "nodes_online": len(nodes), "selected": window["selected"],
             "bytes_down": window["bytes_down"], "replies": window["replies"], "accepted": acc.count,
             "rejected": sum(rejected.values()), "rejected_by_rule": dict(rejected), "bytes_up": window["bytes_up"],
+            "update_bytes_up": window["update_bytes_up"],
             "train_loss": window["loss"].value, "test_accuracy": test_acc, "test_loss": test_loss,
             "version": self.version, "round_time_s": now - last_release, **self._run_times(now - last_release),
             "mean_staleness": sum(window["staleness"]) / len(window["staleness"]),

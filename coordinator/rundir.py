@@ -26,7 +26,7 @@ CHECKPOINT, METRICS, SUMMARY, MODEL, PLOT, CONFIG = (
 )
 METRIC_FIELDS = [
     "round", "version", "nodes_online", "selected", "replies", "accepted", "rejected", "late",
-    "test_accuracy", "test_loss", "train_loss", "bytes_down", "bytes_up",
+    "test_accuracy", "test_loss", "train_loss", "bytes_down", "bytes_up", "update_bytes_up",
     "round_time_s", "wall_time_s", "rejected_by_rule", "epsilon", "local_epsilon_max", "clip",
     "sim_time_s", "mean_staleness", "secagg_degree", "secagg_threshold", "secagg_survivors", "secagg_dropped",
     "secagg_server_s", "secagg_shares_left_out", "secagg_stage_s", "secagg_pipelined", "secagg_failure", "late_accepted", "reduced_work",
@@ -122,6 +122,13 @@ def check_run_dir(run_dir: Path, flag: str = "--run-dir") -> tuple[int, dict[str
     existing = run_dir if top is None else top.parent  # what mkdir -p would build on
     if not existing.is_dir():
         raise CoordinatorError(f"{flag} must be a directory. Found a file at {existing}; pick another {flag}.")
+    if top is not None:  # a probe, removed at once: one that cannot be made (/proc/x, a read-only mount) fails here,
+        try:             # before a SuperLink starts or a run is announced, not in the ServerApp
+            top.mkdir()
+            top.rmdir()
+        except OSError as exc:
+            raise CoordinatorError(f"{flag} {run_dir} must be creatable. Found: {exc.strerror or exc} "
+                                   f"({top}); pick another {flag}.") from None
     if not (run_dir / CHECKPOINT).exists():
         results = [name for name in (METRICS, SUMMARY, MODEL) if (run_dir / name).exists()]
         if results:  # a run's results without the checkpoint to resume it: starting afresh would overwrite them
@@ -163,7 +170,11 @@ class RunDirectory:
                                    f"{exc.strerror or exc}); move it away or pick another --run-dir.") from None
         except Exception as exc:  # torch/pickle raise many kinds (UnpicklingError, RuntimeError, EOFError, KeyError...)
             text = str(exc).strip().splitlines()
-            if "Weights only load failed" in str(exc):  # torch's long explanation: what it means here, in a few words
+            with open(path, "rb") as f:
+                magic = f.read(4)
+            if magic != b"PK\x03\x04":  # torch.save writes a zip archive; torch calls any other file's failure a
+                reason = "not a zip archive, as torch.save writes"  # weights-only refusal
+            elif "Weights only load failed" in str(exc):  # torch's long explanation: what it means here, in a few words
                 reason = "it holds objects other than tensors and plain data, which are not unpickled"
             else:
                 reason = f"{type(exc).__name__}: {text[0][:100]}" if text else type(exc).__name__

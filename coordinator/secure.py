@@ -51,6 +51,7 @@ from clients.protocol import (
     TrainInstruction,
     WEIGHTS,
     message_nbytes,
+    update_nbytes,
     node_map,
     record_of,
 )
@@ -93,7 +94,8 @@ def _cap(stage: str, nodes: int, masked_bytes: int = 0) -> int:
 
 
 def _new_stats() -> dict[str, Any]:
-    return {"replies": 0, "bytes_up": 0, "bytes_down": 0, "rejected_by_rule": Counter(), "server_s": {}, "stage_s": {}}
+    return {"replies": 0, "bytes_up": 0, "update_bytes_up": 0, "bytes_down": 0, "rejected_by_rule": Counter(),
+            "server_s": {}, "stage_s": {}}
 
 
 @dataclass
@@ -177,6 +179,7 @@ class SecureRound:
                 node = sent[mid]
                 stats["replies"] += 1
                 stats["bytes_up"] += message_nbytes(reply)  # every reply that came up, refused ones too
+                stats["update_bytes_up"] += update_nbytes(reply)  # the masked vectors
                 try:
                     check_envelope(reply, node, asks[node][0].rnd)
                     self._check_shape(node, reply, asks[node])
@@ -329,7 +332,8 @@ class SecureRound:
                 log(WARNING, "[fedshield] round %d: secure aggregation cannot run with %d nodes: %s; the global model "
                     "is unchanged", rnd, len(selected), exc)
                 return None, {"replies": 0, "accepted": 0, "rejected": 0, "late": len(selected), "rejected_by_rule": {},
-                              "bytes_up": 0, "bytes_down": 0, "train_loss": float("nan"), "secagg_survivors": 0,
+                              "bytes_up": 0, "update_bytes_up": 0, "bytes_down": 0, "train_loss": float("nan"),
+                              "secagg_survivors": 0,
                               "secagg_dropped": 0, "secagg_failure": str(exc)}
         nxt = None
         if upcoming:
@@ -472,7 +476,7 @@ class SecureRound:
         row = {
             "replies": stats["replies"], "accepted": len(survivors) if update is not None else 0,
             "rejected": sum(rejected.values()), "late": len(selected) - len(survivors), "rejected_by_rule": dict(rejected),
-            "bytes_up": stats["bytes_up"], "bytes_down": stats["bytes_down"],
+            "bytes_up": stats["bytes_up"], "update_bytes_up": stats["update_bytes_up"], "bytes_down": stats["bytes_down"],
             "train_loss": float("nan"),  # a client's own loss is not sent under secure aggregation
             "secagg_degree": params.degree, "secagg_threshold": params.threshold, "secagg_survivors": len(survivors),
             "secagg_dropped": len(dropped), "secagg_shares_left_out": len(server.left_out),

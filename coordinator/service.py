@@ -19,22 +19,22 @@ import ssl
 import subprocess
 import sys
 import time
-import tomllib
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 import tomli_w
 
-from aggregation import get_device
+from aggregation import get_device, kernels
 from clients.cli import bind_probe, host_port
-from clients.config import ConfigError, build_config, check, resolve_path
+from clients.config import ConfigError, build_config, check, parse_toml, resolve_path
 from privacy import CertificatePaths, check_public_key, make_dir
 
 from ._errors import CoordinatorError
 from .config import RunConfig
 from .progress import accuracy_text
 from .rundir import SUMMARY, check_run_dir
+from .workflow import check_resumable
 from . import superlink
 from .tls import check_server_certificate, connect_host
 
@@ -81,12 +81,11 @@ def load_coordinator_config(path: str | os.PathLike, run_dir: str | None = None)
         raise ConfigError(f"--config must be an existing TOML file. Found {str(p)!r} "
                           f"({'a directory' if p.is_dir() else 'no such file'}).")
     try:
-        data = tomllib.loads(p.read_text(encoding="utf-8"))
+        text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
         raise ConfigError(f"--config {str(p)!r} must be UTF-8 text (TOML). Found byte 0x{exc.object[exc.start]:02x} at "
                           f"offset {exc.start}.") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{p} must be valid TOML. Found error: {exc}.") from None
+    data = parse_toml(text, str(p))
     unknown = sorted(set(data) - {"coordinator", "run"})
     if unknown:
         raise ConfigError(f"{p}: [{unknown[0]}] is not a known table. Known tables: [coordinator], [run].")
@@ -133,6 +132,7 @@ class Coordinator:
     def __init__(self, cfg: CoordinatorFile, insecure: bool) -> None:
         self.cfg, self.insecure = cfg, insecure
         get_device(cfg.run.server.device, key="run.device")  # the ServerApp's device (or FEDSHIELD_DEVICE) exists here, before anything starts
+        kernels.enabled()  # and FEDSHIELD_KERNELS is one it knows (else found at the first aggregation, agents trained)
         s = cfg.service
         self.state = cfg.path(s.state_dir, "coordinator.state-dir")
         self.address = host_port(s.host, s.port)  # where the SuperLink listens
@@ -318,8 +318,10 @@ def start_coordinator(config: str, insecure: bool = False, run_dir: str | None =
               "reach the port can join and read the model. Use only for local tests.", file=sys.stderr)
     coord = Coordinator(cfg, insecure)
     run_path = Path(cfg.run.server.run_dir)
-    if cfg.run.server.run_dir:  # a file in the way or a bad checkpoint: before the SuperLink starts
-        check_run_dir(run_path, "run-dir")
+    if cfg.run.server.run_dir:  # a file in the way, a bad checkpoint or another run's: before the SuperLink starts
+        _, ckpt = check_run_dir(run_path, "run-dir")
+        if ckpt is not None:
+            check_resumable(cfg.run, ckpt, run_path, None, "flower")  # as the ServerApp would, once agents had joined
     print(f"fedshield coordinator: SuperLink on {coord.address} ({'INSECURE' if insecure else 'TLS + node authentication'}), "
           f"run directory {run_path}", file=sys.stderr)
 

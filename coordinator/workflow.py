@@ -26,7 +26,7 @@ from aggregation import create_server_optimizer, get_device, tensor_to_array
 from aggregation._errors import shown
 from aggregation.staleness import create_staleness
 from clients.protocol import (ARRAYS, CLIENT_TIME, CODEC, CONFIG, LOCAL_DP, MESSAGE_TYPE_TRAIN, METRICS, WEIGHTS, TrainInstruction,
-                              message_nbytes)
+                              message_nbytes, update_nbytes)
 from clients.tasks import get_task
 from clients.training import evaluate, load_flat
 
@@ -102,9 +102,11 @@ RESUMABLE_CHANGES = frozenset({"num-rounds", "run-dir", "device", "poll-interval
 FINGERPRINT_VERSION = 2
 
 
-def run_fingerprint(cfg: RunConfig, numel: int, nodes: int | None = None) -> dict[str, Any]:
+def run_fingerprint(cfg: RunConfig, numel: int, nodes: int | None = None, engine: str | None = None) -> dict[str, Any]:
     """What a run directory's checkpoint must agree with to be resumed: every setting but those in
-    RESUMABLE_CHANGES, the model's size and (simulations) the node count. Resuming non-private rounds
+    RESUMABLE_CHANGES, the model's size, (simulations) the node count and the engine (``engine_of``: a
+    virtual run resumed in process mixed simulated and wall time in one history; the other way, the
+    checkpoint's engine state could not be read). Resuming non-private rounds
     under DP would claim a guarantee for rounds that had none, another codec, learning rate or data
     split would make the run a mix of two experiments; ``target-epsilon`` counts only where it sets
     the noise (a budget that only stops the run may be raised to go on)."""
@@ -117,7 +119,24 @@ def run_fingerprint(cfg: RunConfig, numel: int, nodes: int | None = None) -> dic
     out.update({"numel": numel, "fingerprint-version": FINGERPRINT_VERSION})
     if nodes is not None:
         out["nodes"] = nodes
+    if engine is not None:
+        out["engine"] = engine
     return out
+
+
+def engine_of(grid: Any) -> str:
+    """The engine a Grid belongs to, as a scenario's ``engine`` names it: fedshield's ``inprocess`` or ``virtual``,
+    else ``flower`` (Flower's simulation engine, or a SuperLink's clients)."""
+    return getattr(grid, "ENGINE", "flower")
+
+
+def check_resumable(cfg: RunConfig, ckpt: dict[str, Any], run_dir: Any, nodes: int | None, engine: str) -> None:
+    """Before a run starts (``fedshield simulate``, ``coordinator start``): CoordinatorError naming each setting in
+    which ``run_dir``'s checkpoint differs from this run (as the workflow checks again when it resumes)."""
+    from clients.tasks import get_task
+
+    numel = sum(p.numel() for p in get_task(cfg.task).build_model().parameters())
+    check_fingerprint(ckpt, run_fingerprint(cfg, numel, nodes, engine), run_dir)
 
 
 def check_fingerprint(ckpt: dict[str, Any], want: dict[str, Any], path: Any) -> None:
@@ -126,8 +145,9 @@ def check_fingerprint(ckpt: dict[str, Any], want: dict[str, Any], path: Any) -> 
     must agree."""
     have = ckpt["fingerprint"]
     keys = set(have) | set(want) if have.get("fingerprint-version") == FINGERPRINT_VERSION else set(have)
-    if "nodes" not in have:  # a Flower-engine simulation's checkpoint from before it recorded its node count
-        keys.discard("nodes")
+    for key in ("nodes", "engine"):  # a checkpoint from before it recorded its node count (Flower's engine), its engine
+        if key not in have:
+            keys.discard(key)
     keys -= {k for k in IGNORABLE_KEYS if k not in want}  # not read now: whatever the checkpoint says of them
     diff = ", ".join(f"{k} = {shown(have.get(k, '(unset)'), 40)} there, {shown(want.get(k, '(unset)'), 40)} now"
                      for k in sorted(keys, key=str) if have.get(k) != want.get(k))
@@ -209,7 +229,7 @@ class SyncWorkflow:
     def fingerprint(self) -> dict[str, Any]:
         """What a run directory's checkpoint must agree with to be resumed: see :func:`run_fingerprint`."""
         nodes = len(self.grid.contexts) if isinstance(getattr(self.grid, "contexts", None), dict) else self.sim_nodes
-        return run_fingerprint(self.cfg, self.numel, nodes)
+        return run_fingerprint(self.cfg, self.numel, nodes, engine_of(self.grid))
 
     def _resume(self) -> None:
         ckpt = self.run_dir.load_checkpoint()
@@ -355,7 +375,7 @@ class SyncWorkflow:
         norms: list[float] = []
         local_eps: list[float] = []
         rejected: Counter[str] = Counter()
-        loss, bytes_up, replies = LossMean(), 0, 0
+        loss, bytes_up, update_bytes, replies = LossMean(), 0, 0, 0
         pending = dict.fromkeys(sent)  # ordered: in-process engines then add in send order
         deadline = sent_at + s.round_timeout
         late_in, stalenesses, closed_early = 0, [], False
@@ -373,6 +393,7 @@ class SyncWorkflow:
                     pending.pop(mid, None)
                 replies += 1
                 bytes_up += message_nbytes(reply)  # what came up, refused or not
+                update_bytes += update_nbytes(reply)
                 try:
                     ok_exp = late_exp or exp_for.get(mid, exp)
                     ok = validate_reply(reply, ok_exp, check_norm=False)
@@ -445,7 +466,7 @@ class SyncWorkflow:
         if stalenesses:
             extra.update({"late_accepted": late_in, "mean_staleness": sum(stalenesses) / len(stalenesses)})
         return {**extra, "replies": replies, "accepted": acc.count, "rejected": sum(rejected.values()), "late": len(pending),
-                "rejected_by_rule": dict(rejected), "bytes_up": bytes_up,
+                "rejected_by_rule": dict(rejected), "bytes_up": bytes_up, "update_bytes_up": update_bytes,
                 "train_loss": loss.value}
 
     def run_round(self, rnd: int) -> dict[str, Any]:
@@ -539,6 +560,8 @@ class SyncWorkflow:
             "final_test_accuracy": last.get("test_accuracy"), "final_test_loss": last.get("test_loss"),
             "total_bytes_down": sum(r["bytes_down"] for r in self.history),
             "total_bytes_up": sum(r["bytes_up"] for r in self.history),
+            # a row from before update bytes were counted apart: its bytes_up (all it counted then was the updates)
+            "total_update_bytes_up": sum(r.get("update_bytes_up", r["bytes_up"]) for r in self.history),
             "rejected_total": sum(self.rejections.values()), "rejected_by_rule": dict(self.rejections),
             "wall_time_s": self._wall_time(), "num_parameters": self.numel,
             "run_dir": str(self.run_dir.path),

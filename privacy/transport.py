@@ -166,7 +166,8 @@ def check_san(name: str) -> str:
         pass
     labels = name[2:].split(".") if name.startswith("*.") else name.split(".")
     if not (0 < len(name) <= 253 and all(_DNS_LABEL.fullmatch(label) for label in labels)):
-        raise PrivacyError(f"--san must be a DNS name (letters, digits, '-' and dots) or an IP address. Found {name!r}.")
+        raise PrivacyError(f"--san must be a DNS name (letters, digits, '-' and dots; '*.' may start it) or an IP "
+                           f"address. Found {name!r}.")
     if labels[-1].isdigit():  # no top-level domain is numeric: a mistyped address (999.1.1.1), not a host name
         raise PrivacyError(f"--san must be a DNS name (whose last label is not all digits) or an IP address. Found "
                            f"{name!r}.")
@@ -291,7 +292,20 @@ def _not_a_file(p: Path, what: str, missing: str, hint: str = "") -> str:
     file" where a directory is (the advice for a missing file, ``hint``, would not move it)."""
     if p.is_dir():
         return f"{what} must be a file. Found a directory at {p}."
+    if p.exists():  # a device, a FIFO, a socket: reading it would block or give no key
+        return f"{what} must be a regular file. Found {_kind(p)} at {p}."
     return f"{what} must {missing}. Found no file at {p}{hint}."
+
+
+def _kind(p: Path) -> str:
+    import stat
+
+    mode = p.stat().st_mode
+    for test, name in ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "something other than a file"
 
 
 def check_public_key(path: str | os.PathLike) -> Path:

@@ -7,7 +7,6 @@ all the others; heavy imports happen inside the handlers so ``--help`` is fast.
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 import time
@@ -17,6 +16,13 @@ from pathlib import Path
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, exit 2
         self.exit(2, f"fedshield: error: {message}\n")
+
+
+def _path(text: str) -> str:
+    """A path argument: an empty one ('' from an unset shell variable) is refused, not read as the current directory."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"must be a path. Found {text!r}")
+    return text
 
 
 def _simulate(args: argparse.Namespace) -> int:
@@ -44,10 +50,11 @@ def _simulate(args: argparse.Namespace) -> int:
             overrides[key] = value
     paths = args.scenario or [None]
     scenarios = [_in_file(p, len(paths) > 1, load_scenario, p, overrides) for p in paths]  # all checked before any runs
-    from aggregation import get_device
+    from aggregation import get_device, kernels
 
     for scn in scenarios:  # the device (or FEDSHIELD_DEVICE) exists here: before a run directory is made or Ray starts
         get_device(scn.run.server.device, key="run.device")
+    kernels.enabled()  # FEDSHIELD_KERNELS too (else found at the first aggregation)
     stamp = time.strftime('%Y%m%d-%H%M%S')
     if not args.verbose:
         import logging
@@ -130,11 +137,9 @@ def _own_run_dir(scn) -> Path | None:
 
 def _check_same_run(scn, ckpt: dict, run_dir: Path) -> None:
     """CoordinatorError naming each setting in which ``run_dir``'s checkpoint differs from ``scn``."""
-    from clients.tasks import get_task
-    from coordinator.workflow import check_fingerprint, run_fingerprint
+    from coordinator.workflow import check_resumable
 
-    numel = sum(p.numel() for p in get_task(scn.run.task).build_model().parameters())
-    check_fingerprint(ckpt, run_fingerprint(scn.run, numel, scn.sim.num_supernodes), run_dir)  # (as every engine's)
+    check_resumable(scn.run, ckpt, run_dir, scn.sim.num_supernodes, scn.sim.engine)  # (as every engine's)
 
 
 def _in_file(path: str | None, name_it: bool, fn, *args):
@@ -193,7 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="fedshield", description="Federated, privacy-preserving learning on Flower.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    s = sub.add_parser("simulate", help="run a scenario on one machine (Flower's simulation engine)")
+    s = sub.add_parser("simulate", help="run a scenario on one machine (Flower's simulation engine, fedshield's "
+                       "in-process Grid or its virtual clock; or on a Ray cluster)")
     s.add_argument("scenario", nargs="*", help="scenario TOML (default: the packaged default scenario); several: "
                    "a comparison, one run each and one accuracy_vs_time.png over all")
     s.add_argument("--engine", choices=["flower", "inprocess", "virtual"],
@@ -207,30 +213,31 @@ def build_parser() -> argparse.ArgumentParser:
 
     certs = sub.add_parser("certs", help="TLS certificates").add_subparsers(dest="action", required=True, parser_class=_Parser)
     ci = certs.add_parser("init", help="make a CA and a server certificate (SAN localhost, 127.0.0.1)")
-    ci.add_argument("dir")
+    ci.add_argument("dir", type=_path)
     ci.add_argument("--san", action="append", help="extra DNS name or IP for the server certificate")
     ci.add_argument("--force", action="store_true")
     ci.set_defaults(func=_certs_init)
 
     keys = sub.add_parser("keys", help="node authentication keys").add_subparsers(dest="action", required=True, parser_class=_Parser)
     kn = keys.add_parser("new", help="make a client key pair DIR/NAME and DIR/NAME.pub (ECDSA P-384, OpenSSH)")
-    kn.add_argument("path")
+    kn.add_argument("path", type=_path)
     kn.add_argument("--force", action="store_true")
     kn.set_defaults(func=_keys_new)
 
     data = sub.add_parser("data", help="client data files").add_subparsers(dest="action", required=True, parser_class=_Parser)
     de = data.add_parser("export", help="write a task's partitions as client-K.npz files (for agents' --data)")
-    de.add_argument("--task", default="digits")
+    de.add_argument("--task", default="digits", help="digits or synthetic (default: %(default)s)")
     de.add_argument("--num-partitions", type=int, required=True)
-    de.add_argument("--out", required=True)
-    de.add_argument("--partitioning", default="dirichlet")
-    de.add_argument("--alpha", type=float, default=0.5)
-    de.add_argument("--seed", type=int, default=0)
+    de.add_argument("--out", required=True, type=_path, help="directory for client-K.npz (made if missing)")
+    de.add_argument("--partitioning", default="dirichlet", help="dirichlet (label skew) or iid (default: %(default)s)")
+    de.add_argument("--alpha", type=float, default=0.5, help="Dirichlet concentration: smaller, more skew "
+                    "(default: %(default)s)")
+    de.add_argument("--seed", type=int, default=0, help="the split's seed, as run.data-seed (default: %(default)s)")
     de.set_defaults(func=_data_export)
 
     co = sub.add_parser("coordinator", help="the coordinator service").add_subparsers(dest="action", required=True, parser_class=_Parser)
     cs = co.add_parser("start", help="start a SuperLink (TLS, node auth) and run fedshield's ServerApp on it")
-    cs.add_argument("--config", required=True, help="coordinator TOML")
+    cs.add_argument("--config", required=True, type=_path, help="coordinator TOML")
     cs.add_argument("--insecure", action="store_true", help="NO TLS and no node authentication (testing only)")
     cs.add_argument("--run-dir", help="override [run] run-dir (relative to the working directory)")
     cs.set_defaults(func=_coordinator_start)
@@ -238,16 +245,16 @@ def build_parser() -> argparse.ArgumentParser:
     ag = sub.add_parser("agent", help="the client agent").add_subparsers(dest="action", required=True, parser_class=_Parser)
     ast = ag.add_parser("start", help="start a SuperNode running fedshield's ClientApp")
     ast.add_argument("--coordinator", required=True, metavar="HOST:PORT")
-    ast.add_argument("--root-cert", help="the coordinator's CA certificate (ca.crt)")
-    ast.add_argument("--key", help="this node's private key (from `fedshield keys new`)")
-    ast.add_argument("--data", help="this node's data (.npz with x and y)")
+    ast.add_argument("--root-cert", type=_path, help="the coordinator's CA certificate (ca.crt)")
+    ast.add_argument("--key", type=_path, help="this node's private key (from `fedshield keys new`)")
+    ast.add_argument("--data", type=_path, help="this node's data (.npz with x and y)")
     ast.add_argument("--partition", metavar="ID/N", help="use partition ID of N of the task's built-in data instead of --data")
     ast.add_argument("--port", type=int, default=0, help="local ClientAppIO port (default: a free one)")
     ast.add_argument("--link-mbps", type=float, default=0.0,
                      help="this device's uplink in Mbit/s, reported to the coordinator (slow links get a compressing codec)")
-    ast.add_argument("--state-dir", default=os.environ.get("FEDSHIELD_AGENT_STATE_DIR") or "~/.fedshield/agent",
+    ast.add_argument("--state-dir", type=_path,
                      help="where this device keeps its local-DP ledger across runs and restarts (default: "
-                          "$FEDSHIELD_AGENT_STATE_DIR, else %(default)s)")
+                          "$FEDSHIELD_AGENT_STATE_DIR, else ~/.fedshield/agent)")
     ast.add_argument("--min-local-noise", type=float, default=0.0, metavar="Z",
                      help="train only under local DP with a noise multiplier >= Z (refuse the coordinator otherwise)")
     ast.add_argument("--max-local-epsilon", type=float, default=0.0, metavar="EPS",

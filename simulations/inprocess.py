@@ -55,6 +55,8 @@ class InProcessGrid(Grid):
     ``node_config(i)`` gives node i's node config (default: partition i of num_nodes).
     """
 
+    ENGINE = "inprocess"  # what a checkpoint records (coordinator.workflow.engine_of)
+
     def __init__(self, client: ClientFn, num_nodes: int,
                  node_config: Callable[[int], dict[str, Any]] | None = None, run_id: int = 1) -> None:
         ensure_task_identity(run_id)

@@ -10,7 +10,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from clients.config import ConfigError, build_config, check
+from aggregation._errors import shown
+from clients.config import ConfigError, build_config, check, parse_toml
 from coordinator.config import RunConfig
 
 from .virtual import PROFILE_RULES, DeviceProfile, rule_holds
@@ -122,10 +123,7 @@ def load_scenario(path: str | Path | None = None, overrides: Mapping[str, Any] |
                               f"0x{exc.object[exc.start]:02x} at offset {exc.start}.") from None
         except OSError as exc:
             raise ConfigError(f"scenario {str(p)!r} must be readable. Found: {exc.strerror or exc}.") from None
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{source} must be valid TOML. Found error: {exc}.") from None
+    data = parse_toml(text, source)
     for dotted, value in (overrides or {}).items():
         table, _, key = dotted.partition(".")
         if table not in ("simulation", "run") or not key:
@@ -141,9 +139,11 @@ def parse_override(text: str) -> tuple[str, Any]:
     """``run.num-rounds=5`` -> ("run.num-rounds", 5); the value is read as TOML, else as a string."""
     key, sep, raw = text.partition("=")
     if not sep or not key.strip():
-        raise ConfigError(f"--set must be KEY=VALUE. Found {text!r}.")
+        raise ConfigError(f"--set must be KEY=VALUE. Found {shown(text, 80)}.")
+    if "\n" in raw or "\r" in raw:  # read as TOML, a second line would set another key, silently dropped
+        raise ConfigError(f"--set {key.strip()[:40]}=VALUE must be one line. Found a line break in {shown(raw, 80)}.")
     try:
         value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
+    except (ValueError, RecursionError):  # not TOML (TOMLDecodeError, a 5000-digit integer, deep nesting): a string
         value = raw
     return key.strip(), value

@@ -210,6 +210,8 @@ def _expired(msg: Message) -> Message:
 class VirtualGrid(InProcessGrid):
     """An in-process Grid on a virtual clock; node ``1001 + i`` has profile ``profile_fn(i)``."""
 
+    ENGINE = "virtual"
+
     def __init__(self, client: ClientFn, num_nodes: int, clock: VirtualClock,
                  profile_fn: Callable[[int], DeviceProfile] | Sequence[DeviceProfile],
                  node_config: Callable[[int], dict[str, Any]] | None = None, seed: int = 0,

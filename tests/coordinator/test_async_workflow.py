@@ -176,8 +176,8 @@ def test_sim_time_only_on_a_simulated_clock_and_a_resumed_run_goes_on_from_its_t
     for row in ckpt["history"]:  # as if the first session had taken 1000 s longer
         row["wall_time_s"] += 1000.0
     run_dir.save_checkpoint(ckpt)
-    resumed = BufferedAsyncWorkflow(cfg(**{"num-rounds": 4}), InProcessGrid(constant_client({}), 3), run_dir,
-                                    concurrency=3, buffer_size=2)
+    resumed, *_ = make(tmp_path, constant_client({}), [FAST, SLOW, MEDIUM], name="virtual",
+                       config=cfg(**{"num-rounds": 4}), concurrency=3, buffer_size=2)  # the same engine: a resume
     assert resumed._seq == first._seq  # its dispatches go on: no sample or training seed drawn again
     wf, s = run(4)
     rows = wf.history

@@ -16,6 +16,7 @@ import stat
 import threading
 
 import pytest
+import torch
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 
@@ -231,3 +232,54 @@ def test_more_min_nodes_than_enrolled_keys_is_refused_before_anything_starts(tmp
     assert _one_error_line(capsys) == ("fedshield: error: run.min-nodes must be <= the 1 enrolled client key(s) (only "
                                        "enrolled nodes can join: no round could start). Found 2.")
     assert not (tmp_path / "coordinator-state").exists(), "refused before anything starts"
+
+
+# -- found before the SuperLink starts (a review: each was found by the ServerApp, after agents joined) ----------
+def _coordinator_error(tmp_path, capsys, monkeypatch, *extra: str) -> str:
+    started = []
+    monkeypatch.setattr(Coordinator, "start_superlink", lambda self: started.append(1))
+    assert main(["coordinator", "start", "--config", str(tmp_path / "c.toml"), *extra]) == 2
+    assert not started, "refused before the SuperLink starts"
+    return _one_error_line(capsys)
+
+
+def test_a_run_dir_of_another_configuration_is_refused_before_the_superlink_starts(tmp_path, capsys, monkeypatch):
+    from coordinator import RunConfig, RunDirectory
+    from coordinator.workflow import run_fingerprint
+
+    _tls_config(tmp_path)
+    numel = 64 * 128 + 128 + 128 * 10 + 10  # the digits MLP's
+    old = RunConfig.from_mapping({"min-nodes": 1, "lr": 0.2})
+    RunDirectory(tmp_path / "r").save_checkpoint({"round": 1, "version": 1, "weights": torch.zeros(numel), "history": [
+        {"round": 1}], "optimizer": {}, "rejections": {}, "fingerprint": run_fingerprint(old, numel, None, "flower")})
+    line = _coordinator_error(tmp_path, capsys, monkeypatch, "--run-dir", str(tmp_path / "r"))
+    assert "must hold a checkpoint of this configuration to resume. Found lr = 0.2 there, 0.1 now" in line
+
+
+def test_a_run_dir_that_cannot_be_made_is_refused_before_the_superlink_starts(tmp_path, capsys, monkeypatch):
+    _tls_config(tmp_path)
+    line = _coordinator_error(tmp_path, capsys, monkeypatch, "--run-dir", "/proc/fedshield-no-such/run")
+    assert "run-dir /proc/fedshield-no-such/run must be creatable" in line
+
+
+def test_a_bad_kernels_variable_is_refused_before_the_superlink_starts(tmp_path, capsys, monkeypatch):
+    _tls_config(tmp_path)
+    monkeypatch.setenv("FEDSHIELD_KERNELS", "bogus")
+    assert "FEDSHIELD_KERNELS must be 'auto', 'numba' or 'torch'. Found 'bogus'" in _coordinator_error(
+        tmp_path, capsys, monkeypatch)
+
+
+@pytest.mark.parametrize("value, found", [("9" * 5000, "Exceeds the limit"), ("[" * 3000, "nested too deep")])
+def test_toml_that_python_cannot_read_is_one_line(tmp_path, capsys, value, found):
+    """tomllib raises ValueError past 4300 digits and RecursionError for deep arrays, besides TOMLDecodeError."""
+    (tmp_path / "c.toml").write_text(f"[run]\nlr = {value}\n")
+    assert main(["coordinator", "start", "--config", str(tmp_path / "c.toml")]) == 2
+    line = _one_error_line(capsys)
+    assert "must be valid TOML" in line and found in line and len(line) < 400
+
+
+def test_a_key_or_certificate_that_is_not_a_regular_file_says_what_it_is(tmp_path, capsys):
+    """/dev/null was "Found no file at /dev/null" (and for a key: run `fedshield keys new /dev/null`)."""
+    assert main(["agent", "start", "--coordinator", "127.0.0.1:9", "--root-cert", "/dev/null", "--key", "/dev/null",
+                 "--partition", "0/2"]) == 2
+    assert "must be a regular file. Found a character device at /dev/null" in _one_error_line(capsys)

@@ -352,3 +352,67 @@ def test_a_bad_torch_threads_variable_is_one_line_for_simulate_too(monkeypatch, 
     monkeypatch.setenv("FEDSHIELD_TORCH_THREADS", "abc")
     assert main(["simulate", "--engine", "inprocess", "--rounds", "1", "--quiet"]) == 2
     assert "FEDSHIELD_TORCH_THREADS must be an integer in [1, 1024]. Found 'abc'." in _one_error_line(capsys)
+
+
+@pytest.mark.parametrize("value", ["9" * 5000, "[" * 3000])
+def test_toml_that_python_cannot_read_is_one_line_in_scenarios_and_set_values(tmp_path, capsys, value):
+    (tmp_path / "s.toml").write_text(f"[run]\nlr = {value}\n")
+    assert main(["simulate", str(tmp_path / "s.toml"), "--quiet"]) == 2
+    assert "must be valid TOML" in _one_error_line(capsys)
+    assert main(["simulate", "--engine", "inprocess", "--set", f"run.lr={value}", "--quiet"]) == 2  # a string, refused
+    assert "run.lr must be" in _one_error_line(capsys)
+
+
+def test_a_set_value_with_a_line_break_is_refused_not_read_as_two_keys(capsys):
+    """Read as TOML, the second line set a key of its own, silently dropped."""
+    assert main(["simulate", "--engine", "inprocess", "--set", "run.lr=0.1\nv2 = 5", "--quiet"]) == 2
+    assert "must be one line" in _one_error_line(capsys)
+
+
+def test_a_run_is_not_resumed_on_another_engine(tmp_path):
+    """Virtual -> in-process mixed simulated and wall time in one history; the other way failed on the clock."""
+    from clients.tasks import get_task
+    from coordinator import CoordinatorError
+    from coordinator.workflow import run_fingerprint
+    from simulations.scenario import load_scenario
+
+    def scn(engine):
+        return load_scenario(None, {"simulation.engine": engine, "simulation.num-supernodes": 4, "run.min-nodes": 2})
+
+    numel = sum(p.numel() for p in get_task(scn("virtual").run.task).build_model().parameters())
+    ckpt = {"fingerprint": run_fingerprint(scn("virtual").run, numel, 4, "virtual")}
+    cli._check_same_run(scn("virtual"), ckpt, tmp_path)
+    with pytest.raises(CoordinatorError, match="engine = 'virtual' there, 'inprocess' now"):
+        cli._check_same_run(scn("inprocess"), ckpt, tmp_path)
+    cli._check_same_run(scn("inprocess"), {"fingerprint": run_fingerprint(scn("virtual").run, numel, 4)}, tmp_path)
+
+
+def test_an_engine_run_records_its_engine(tmp_path):
+    small = ["--set", "simulation.num-supernodes=4", "--set", "run.min-nodes=2"]
+    assert main(["simulate", "--engine", "virtual", "--rounds", "1", "--run-dir", str(tmp_path / "v"), "--quiet",
+                 *small]) == 0
+    assert RunDirectory(tmp_path / "v").load_checkpoint()["fingerprint"]["engine"] == "virtual"
+    assert main(["simulate", "--engine", "inprocess", "--rounds", "2", "--run-dir", str(tmp_path / "v"), "--quiet",
+                 *small]) == 2
+
+
+def test_a_bad_kernels_variable_is_one_line_before_a_run_directory_is_made(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("FEDSHIELD_KERNELS", "bogus")
+    assert main(["simulate", "--engine", "inprocess", "--rounds", "1", "--run-dir", str(tmp_path / "r"), "--quiet"]) == 2
+    assert "FEDSHIELD_KERNELS must be" in _one_error_line(capsys) and not (tmp_path / "r").exists()
+
+
+def test_a_checkpoint_that_is_not_a_zip_archive_says_so(tmp_path, capsys):
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / CHECKPOINT).write_text("junk\n")
+    assert main(["simulate", "--engine", "inprocess", "--rounds", "1", "--run-dir", str(d), "--quiet"]) == 2
+    assert "not a zip archive" in _one_error_line(capsys)
+
+
+@pytest.mark.parametrize("argv", [["certs", "init", ""], ["keys", "new", " "], ["data", "export", "--num-partitions", "2",
+                                  "--out", ""], ["agent", "start", "--coordinator", "127.0.0.1:9", "--state-dir", ""]])
+def test_an_empty_path_is_refused_not_read_as_the_current_directory(argv, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2 and "must be a path" in _one_error_line(capsys)

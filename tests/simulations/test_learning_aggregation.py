@@ -24,7 +24,8 @@ def run(tmp_path, client=None, **kw):
     cfg = RunConfig.from_mapping({"num-rounds": ROUNDS, "min-nodes": CLIENTS, "seed": 0, **kw})
     wf = SyncWorkflow(cfg, InProcessGrid(client or app, CLIENTS), RunDirectory(tmp_path / "-".join(map(str, kw.values())) or "dense"))
     summary = wf.run()
-    return summary["final_test_accuracy"], summary["total_bytes_up"]
+    # the updates' bytes (what a codec compresses) and everything that came up (metrics, codec headers, names too)
+    return summary["final_test_accuracy"], summary["total_update_bytes_up"], summary["total_bytes_up"]
 
 
 @pytest.fixture(scope="module")
@@ -37,13 +38,14 @@ def test_dense_baseline_band(dense):
 
 
 def test_topk_one_percent_close_to_dense_with_50x_fewer_bytes(tmp_path, dense):
-    acc, up = run(tmp_path, codec="topk", **{"topk-ratio": 0.01})
+    acc, up, total = run(tmp_path, codec="topk", **{"topk-ratio": 0.01})
     assert dense[0] - 0.02 <= acc <= 0.995
     assert dense[1] / up >= 50
+    assert dense[2] / total >= 25  # each reply's ~0.4 kB of metrics and names, besides its update
 
 
 def test_qsgd_8bit_within_one_point(tmp_path, dense):
-    acc, up = run(tmp_path, codec="qsgd", **{"qsgd-bits": 8})
+    acc, up, _ = run(tmp_path, codec="qsgd", **{"qsgd-bits": 8})
     assert dense[0] - 0.01 <= acc <= 0.995
     assert dense[1] / up >= 3.5  # 8 bits vs 32, plus per-chunk scales
 
@@ -72,7 +74,7 @@ def _attacker(scale: float = -4.0):
 ])
 def test_robust_rules_survive_attack_fedavg_collapses(tmp_path, dense, rule, params):
     clean = dense[0]
-    acc, _ = run(tmp_path, client=_attacker(), aggregator=rule, **params)
+    acc, *_ = run(tmp_path, client=_attacker(), aggregator=rule, **params)
     assert clean - 0.05 <= acc <= 0.995, f"{rule} under attack: {acc:.4f} vs clean {clean:.4f}"
 
 
@@ -81,13 +83,13 @@ def test_single_krum_resists_but_pays_for_non_iid(tmp_path, dense):
     skew one client is a poor estimate (measured 0.78 vs 0.956 clean FedAvg), so it sits between.
     The attack costs it nothing against its own clean run (measured 0.65: which single client is
     kept each round moves it more than the attackers do)."""
-    acc, _ = run(tmp_path / "attacked", client=_attacker(), aggregator="krum", **{"krum-f": 4})
-    clean_krum, _ = run(tmp_path / "clean", aggregator="krum", **{"krum-f": 4})
+    acc, *_ = run(tmp_path / "attacked", client=_attacker(), aggregator="krum", **{"krum-f": 4})
+    clean_krum, *_ = run(tmp_path / "clean", aggregator="krum", **{"krum-f": 4})
     assert 0.60 <= acc <= dense[0]
     assert 0.55 <= clean_krum <= dense[0]
     assert acc >= clean_krum - 0.05, f"krum under attack {acc:.4f} vs krum clean {clean_krum:.4f}"
 
 
 def test_fedavg_collapses_under_attack(tmp_path, dense):
-    acc, _ = run(tmp_path, client=_attacker())
+    acc, *_ = run(tmp_path, client=_attacker())
     assert acc < dense[0] - 0.20, f"plain FedAvg should collapse under attack; got {acc:.4f}"
