@@ -216,9 +216,9 @@ def qsgd_range(codes_l, scales_l, bits, chunk, ws, cap2, out, block, sq, added, 
             total, stop, adding = 0.0, b0, True
             for c0 in range(b0, b1, chunk):
                 c1 = min(b1, c0 + chunk)
-                s = float(scales[c0 // chunk])
-                qsgd_levels(codes, bits, c0, c1, lev)
-                chunk_sq = float(levels_sq(lev, c1 - c0)) * s * s
+                s = np.float64(scales[c0 // chunk])  # float() of a float32 stays float32 under numba: s * s
+                qsgd_levels(codes, bits, c0, c1, lev)     # overflowed past 1.8e19
+                chunk_sq = np.float64(levels_sq(lev, c1 - c0)) * s * s
                 total += chunk_sq
                 if adding and chunk_sq <= cap2[c]:
                     levels_add(lev, out, c0, c1, np.float32(f * s))
@@ -236,7 +236,7 @@ def qsgd_add(codes, scales, bits, chunk, f, out, lo, hi):
     for c0 in range(lo, hi, chunk):
         c1 = min(hi, c0 + chunk)
         qsgd_levels(codes, bits, c0, c1, lev)
-        levels_add(lev, out, c0, c1, np.float32(f * float(scales[c0 // chunk])))
+        levels_add(lev, out, c0, c1, np.float32(f * np.float64(scales[c0 // chunk])))
 
 
 @jit

@@ -74,15 +74,21 @@ class WeightedAccumulator:
         self.total_weight += float(weight)
         self.count += 1
 
-    def add_parsed(self, codec: "Codec", parsed: "Parsed", weight: float, norm: float | None = None) -> None:
+    def add_parsed(self, codec: "Codec", parsed: "Parsed", weight: float, norm: float | None = None,
+                   scale: float = 1.0) -> None:
         """Decode a validated encoding straight into the sum (``codec.add_into``): no dense copy.
-        ``norm`` (the update's L2 norm, when known) keeps later checked adds on their one-pass path."""
+        ``norm`` (the update's L2 norm, when known) keeps later checked adds on their one-pass path.
+        ``scale`` in [0, 1] multiplies the weight after its check (a clip factor: the product may be far
+        below the smallest weight accepted, for an update whose norm is far above the clip)."""
         if parsed.numel != self.numel:
             raise AggregationError(f"update must have {self.numel} elements. Found {parsed.numel}.")
         self._check_weight(weight)
-        codec.add_into(parsed, self._ready(), float(weight))
-        self._bound += math.inf if norm is None else float(weight) * norm
-        self.total_weight += float(weight)
+        if not (isinstance(scale, int | float) and 0 <= scale <= 1):  # 0: a clip factor that underflowed
+            raise AggregationError(f"scale must be in [0, 1]. Found {scale!r}.")
+        w = float(weight) * float(scale)
+        codec.add_into(parsed, self._ready(), w)
+        self._bound += math.inf if norm is None else w * norm
+        self.total_weight += w
         self.count += 1
 
     def add_parsed_checked(self, codec: "Codec", parsed: "Parsed", weight: float, max_norm: float = math.inf) -> float:

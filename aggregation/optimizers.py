@@ -43,8 +43,8 @@ class ServerOptimizer(ABC):
     def state_dict(self) -> dict[str, Any]:
         return {}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:  # noqa: B027 - optional hook
-        pass
+    def load_state_dict(self, state: dict[str, Any], numel: int | None = None) -> None:  # noqa: B027 - optional hook
+        """Restore ``state_dict``'s output; ``numel``, when given, is the model's size the state must fit."""
 
 
 def _check_lr(lr: float) -> float:
@@ -111,7 +111,11 @@ class _Stateful(ServerOptimizer):
         """``{"t": steps}`` plus a copy of each state tensor once the first step made them."""
         return {"t": self.t, **{k: v.detach().clone() for k, v in self._state.items()}}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], numel: int | None = None) -> None:
+        """As ``ServerOptimizer.load_state_dict``: a state of another model's size is refused here, not at the
+        first step after a resumed round's training."""
+        if not isinstance(state, dict):
+            raise AggregationError(f"optimizer state must be a dict. Found {type(state).__name__}.")
         t = state.get("t")
         if not (isinstance(t, int) and not isinstance(t, bool) and t >= 0):
             raise AggregationError(f"optimizer state 't' must be an int >= 0. Found {t!r}.")
@@ -125,6 +129,9 @@ class _Stateful(ServerOptimizer):
         if len(shapes) > 1 or None in shapes:
             raise AggregationError(f"optimizer state {sorted(tensors)} must be 1-D floating tensors of one shape. "
                                    f"Found {[_describe(v) for v in tensors.values()]}.")
+        if numel is not None and tensors and shapes != {(numel,)}:
+            raise AggregationError(f"optimizer state {sorted(tensors)} must have the model's shape ({numel},). "
+                                   f"Found {shapes.pop()}.")
         if self._state and tensors and shapes != {tuple(self._state[self._slots[0]].shape)}:
             raise AggregationError(f"optimizer state {sorted(tensors)} must have the current state's shape "
                                    f"{tuple(self._state[self._slots[0]].shape)}. Found {shapes.pop()}.")

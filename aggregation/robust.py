@@ -264,7 +264,7 @@ class _Streaming(Aggregator):
         if norm is None:
             norm = float(codec.norm(parsed))
             _check(math.isfinite(norm), "update norm", "be finite", norm)
-        self._acc.add_parsed(codec, parsed, weight * self._scale(norm), norm)
+        self._acc.add_parsed(codec, parsed, weight, norm, scale=self._scale(norm))
 
     def _result(self) -> torch.Tensor:
         return self._acc.total / self.total_weight  # the unscaled weights: a clipped update counts fully

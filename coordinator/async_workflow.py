@@ -143,7 +143,7 @@ class BufferedAsyncWorkflow(SyncWorkflow):
         # the counts of the sessions before a resume (the ledger itself is this session's)
         self.dispatched, self._accepted_before, self._rejected_before = count("dispatched"), count("accepted"), count("rejected")
         self._resolved: set[str] = set()
-        self._in_buffer: set[int] = set()  # nodes with an update in the buffer (not dispatched again under DP)
+        self._in_buffer: set[int] = set()  # nodes with an update in the buffer (not dispatched again: _one_per_node)
 
     def _extra_state(self) -> dict[str, Any]:
         return {"dispatch-seq": self._seq, "dispatched": self.dispatched, "accepted": self.accepted_total,
@@ -162,6 +162,15 @@ class BufferedAsyncWorkflow(SyncWorkflow):
         return self._rejected_before + sum(1 for e in self.ledger if e.outcome != "accepted")
 
     # -- dispatch ------------------------------------------------------------
+    @property
+    def _one_per_node(self) -> str:
+        """Why a node adds at most one update to a release ('' when it may add several): under central DP the
+        sum's sensitivity is one clip norm; the robust rules count updates as distinct clients (a fast node
+        filling a release with its updates was the median of it)."""
+        if self.dp is not None:
+            return "under central DP"
+        return "" if self.cfg.aggregation.aggregator == "mean" else f"under the {self.cfg.aggregation.aggregator} rule"
+
     def _new_aggregator(self) -> Any:
         if self.dp is not None:  # each update clipped to the DP clip norm
             return self.dp.make_aggregator(self.numel, self.device, self.buffer_size)
@@ -170,7 +179,7 @@ class BufferedAsyncWorkflow(SyncWorkflow):
     def _dispatch(self, nodes: list[int]) -> tuple[int, int]:
         """Send the current model to idle online nodes until C are busy; return (messages, bytes)."""
         busy = {f.node_id for f in self.inflight.values()}
-        if self.dp is not None:  # one update per node per release: the sum's sensitivity is one clip norm
+        if self._one_per_node:  # one update per node per release
             busy |= self._in_buffer
         idle = [n for n in sorted(nodes) if n not in busy]
         room = self.concurrency - len(self.inflight)
@@ -248,9 +257,9 @@ class BufferedAsyncWorkflow(SyncWorkflow):
                 break
             if self.clock.now() - last_progress >= self.stall_timeout:
                 rejected = ", ".join(f"{rule} {n}" for rule, n in sorted(window["rejected"].items())) or "none"
-                if self.dp is not None and len(set(nodes)) < self.buffer_size:
+                if self._one_per_node and len(set(nodes)) < self.buffer_size:
                     raise CoordinatorError(
-                        f"a release under central DP must take buffer-size = {self.buffer_size} updates from as many "
+                        f"a release {self._one_per_node} must take buffer-size = {self.buffer_size} updates from as many "
                         f"nodes (one each). Found {len(set(nodes))} nodes online for {self.stall_timeout:g} s; lower "
                         "buffer-size or start more nodes.")
                 raise CoordinatorError(
@@ -274,9 +283,9 @@ class BufferedAsyncWorkflow(SyncWorkflow):
         try:
             ok = validate_reply(reply, flight.expectation, check_norm=False)
             staleness = self.version - flight.base_version
-            if self.dp is not None and flight.node_id in self._in_buffer:
+            if self._one_per_node and flight.node_id in self._in_buffer:
                 raise RejectedReply(ok.node_id, "duplicate-contributor", "a node adds at most one update to a release "
-                                                                         "under central DP")
+                                                                         f"{self._one_per_node}")
             # Under central DP a client's weight is its staleness factor (<= 1), so its influence on the
             # noised sum stays at most the clip norm.
             factor = staleness_factor(self.staleness_fn, staleness, self.max_staleness, ok.node_id)

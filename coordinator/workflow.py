@@ -22,7 +22,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 
-from aggregation import create_server_optimizer, get_device, tensor_to_array
+from aggregation import AggregationError, create_server_optimizer, get_device, tensor_to_array
 from aggregation._errors import shown
 from aggregation.staleness import create_staleness
 from clients.protocol import (ARRAYS, CLIENT_TIME, CODEC, CONFIG, LOCAL_DP, MESSAGE_TYPE_TRAIN, METRICS, WEIGHTS, TrainInstruction,
@@ -242,7 +242,11 @@ class SyncWorkflow:
                                    "at zero. Use another run-dir.")
         self.round, self.version = int(ckpt["round"]), int(ckpt["version"])
         self.weights = ckpt["weights"].to(self.device)
-        self.optimizer.load_state_dict(ckpt["optimizer"])
+        try:
+            self.optimizer.load_state_dict(ckpt["optimizer"], numel=self.numel)
+        except AggregationError as exc:
+            raise CoordinatorError(f"run directory {self.run_dir.path}: the checkpoint's server optimizer state must fit "
+                                   f"this run. Found: {exc}; use another run-dir.") from None
         self.history = list(ckpt["history"])
         self.rejections = Counter(ckpt["rejections"])
         if self.dp is not None:

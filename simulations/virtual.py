@@ -28,8 +28,10 @@ Every random draw is keyed by ``(seed, node, k-th message to that node)`` or
 ``(seed, node, window)``, never by call order across nodes, so a run replays
 exactly with the same seed. The workflows save :meth:`VirtualGrid.state_dict`
 (the clock, the per-node message counts, when each node is next free) with every
-round's checkpoint and restore it on resume, so a resumed run replays the
-uninterrupted one too.
+round's checkpoint and restore it on resume, so a resumed synchronous run
+replays the uninterrupted one too (tested). A resumed FedBuff run does not: the
+replies in flight at its last release are not kept (README, "Results"), so the
+releases after the resume take other updates.
 """
 
 from __future__ import annotations

@@ -239,8 +239,8 @@ def settle_batch(sq: np.ndarray, added: np.ndarray, scale: float, max_norm: floa
     if float32_norm:
         rules = [norm_rule(t, max_norm) for t in totals.tolist()]
     else:
-        rules = [None if t <= max_norm * max_norm else ("non-finite" if math.isnan(t) else "norm-too-large")
-                 for t in totals.tolist()]
+        rules = [("non-finite" if not math.isfinite(t) else None if t <= max_norm * max_norm else "norm-too-large")
+                 for t in totals.tolist()]  # inf <= inf: an infinite norm passed an unbounded max_norm
     lengths = np.minimum(block, numel - np.arange(added.shape[1], dtype=np.int64) * block)
     accepted = np.array([r is None for r in rules], dtype=bool)
     dirty = ((~accepted)[:, None] & (added != 0)).any(axis=0)  # blocks holding part of a rejected update

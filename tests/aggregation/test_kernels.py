@@ -348,3 +348,19 @@ def test_fresh_and_reset_sums_are_zeroed_by_whichever_path_comes_first():
         assert torch.equal(acc.mean(), x)
     float64 = WeightedAccumulator(10, dtype=torch.float64)  # not the kernels' case: zeroed when made
     assert torch.equal(float64._sum, torch.zeros(10, dtype=torch.float64))
+
+
+def test_a_qsgd_scale_past_float32_s_square_root_keeps_a_finite_norm_and_an_infinite_one_is_refused():
+    """The kernel squared each chunk's float32 scale in float32 (numba keeps float() of a float32 a float32): a
+    scale past 1.8e19 made the norm inf, and an unbounded max_norm then accepted it (inf <= inf). A review."""
+    from aggregation.codecs.base import settle_batch
+
+    codec = create_codec("qsgd", bits=8, chunk=64)
+    x = torch.full((256,), 1e20)
+    ref = float(np.linalg.norm(codec.decode(_parse(codec, x)).double().numpy()))
+    norms = WeightedAccumulator(256).add_parsed_checked_many(codec, [_parse(codec, x)], [1.0])
+    assert norms[0] == pytest.approx(ref, rel=1e-6)
+    sq, added = np.array([[math.inf]]), np.zeros((1, 1), np.int64)
+    (verdict,) = settle_batch(sq, added, 1.0, math.inf, 256, 256, lambda c, lo, hi: None, lambda lo, hi: None,
+                              float32_norm=False)
+    assert isinstance(verdict, UpdateRejected) and verdict.rule == "non-finite"

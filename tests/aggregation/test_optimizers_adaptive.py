@@ -206,3 +206,16 @@ def test_unknown_settings_are_ignored_and_adaptive_lr_is_required():
     for name in ADAPTIVE:
         with pytest.raises(AggregationError, match="server-lr must be given"):
             create_server_optimizer(name, beta1=0.5)
+
+
+@pytest.mark.parametrize("name", list(PARAMS))
+def test_a_state_of_another_model_s_size_is_refused_at_load_not_at_the_first_step(name):
+    """A fresh optimizer took any length, and the resumed run failed after its first round of training."""
+    opt = create_server_optimizer(name, **PARAMS[name])
+    _steps(opt, 2)
+    fresh = create_server_optimizer(name, **PARAMS[name])
+    fresh.load_state_dict(opt.state_dict(), numel=3)
+    with pytest.raises(AggregationError, match=r"must have the model's shape \(4,\). Found \(3,\)"):
+        create_server_optimizer(name, **PARAMS[name]).load_state_dict(opt.state_dict(), numel=4)
+    with pytest.raises(AggregationError, match="optimizer state must be a dict. Found list"):
+        create_server_optimizer(name, **PARAMS[name]).load_state_dict([1, 2])

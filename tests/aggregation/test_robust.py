@@ -356,3 +356,18 @@ def test_registry_lists_sorted_names_and_refuses_duplicates(monkeypatch):
         register_aggregator("median")(robust.Median)
     with pytest.raises(TypeError):
         Aggregator(4, "cpu", 2)  # type: ignore[abstract]
+
+
+def test_norm_bounded_mean_clips_an_update_whose_factor_is_below_the_smallest_weight():
+    """weight * clip / norm went to the accumulator as a weight, under its 1e-30 floor: AggregationError, and the
+    rest of the batch was dropped with the first updates counted (a review)."""
+    from aggregation.codecs import create_codec
+
+    codec = create_codec("dense")
+    xs = [torch.full((8,), 1e17), torch.full((8,), 0.5e-13), torch.full((8,), -1e17)]
+    parsed = [codec.parse(dict(e.arrays), e.header, 8, 1 << 20) for e in (codec.encode(x)[0] for x in xs)]
+    agg = create_aggregator("norm-bounded-mean", 8, "cpu", 3, clip=1e-13)
+    results = agg.add_checked_many(codec, parsed, [1.0, 1.0, 1.0])
+    assert not any(isinstance(r, Exception) for r in results) and agg.count == 3
+    ref = sum(x.double() * min(1.0, 1e-13 / float(x.double().norm())) for x in xs) / 3
+    torch.testing.assert_close(agg.result().double(), ref, rtol=1e-5, atol=0)

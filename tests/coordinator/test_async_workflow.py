@@ -273,3 +273,28 @@ def test_bytes_up_counts_refused_replies_too(tmp_path):
     assert wf.rejected_total > 0
     came_up = sum(r.bytes_up for mid, r in grid.records.items() if mid not in wf.inflight)
     assert sum(row["bytes_up"] for row in wf.history) == came_up
+
+
+def _contributors(wf) -> list[list[int]]:
+    by_release: dict[int, list[int]] = {}
+    for e in wf.ledger:
+        if e.outcome == "accepted":
+            by_release.setdefault(e.released_in, []).append(e.node_id)
+    return [sorted(v) for _, v in sorted(by_release.items())]
+
+
+@pytest.mark.parametrize("rule, params", [("median", {}), ("trimmed-mean", {"trim-beta": 0.34}),
+                                          ("norm-bounded-mean", {"clip-norm": 1.0})])
+def test_under_a_robust_rule_a_release_takes_one_update_per_node(tmp_path, rule, params):
+    """A review: without DP a fast node was sent new work as soon as its reply was in, and filled releases with its
+    own updates ([1001, 1001, 1001]): a fast Byzantine node was then the median. The robust rules count updates
+    as distinct clients, as central DP does; the mean (FedBuff's own) may still take several from one node."""
+    profiles = [FAST, SLOW, SLOW, SLOW, SLOW]
+    wf, grid, *_ = make(tmp_path, constant_client({1001: 5.0}), profiles, name=rule,
+                        config=cfg(**{"num-rounds": 6, "aggregator": rule, **params}), concurrency=5, buffer_size=3)
+    wf.run()
+    assert len(wf.history) == 6 and all(len(set(c)) == len(c) == 3 for c in _contributors(wf)), _contributors(wf)
+    mean, grid, *_ = make(tmp_path, constant_client({1001: 5.0}), profiles, name="mean",
+                          config=cfg(**{"num-rounds": 6}), concurrency=5, buffer_size=3)
+    mean.run()
+    assert any(len(set(c)) < len(c) for c in _contributors(mean))  # the setting a fast node used to exploit
