@@ -26,6 +26,7 @@ import hashlib
 import json
 import math
 import os
+import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -58,11 +59,22 @@ def ledger_key(task_name: str, data: Dataset, node_config: Mapping[str, Any]) ->
     return f"task-{task_name}"  # a registered task's name (get_task refused any other before training)
 
 
+_CONTENT_KEY = re.compile(r"[0-9a-f]{32}")
+
+
 class LedgerFile:
     """The ledger under ``key`` (``ledger_key``) in ``state_dir`` (an accountant state, see ``dp_training``)."""
 
     def __init__(self, state_dir: str | os.PathLike, key: str) -> None:
         self.path = Path(state_dir) / f"{PREFIX}{key}.json"
+        self._inherits = key.startswith("task-")
+
+    def _legacy(self) -> list[Path]:
+        """The ledgers keyed by contents in this state dir. Before 2026-12-04 a built-in partition's ledger was
+        keyed by its examples too; a task's ledger starts from all of them (their histories composed: it may
+        over-count, never under-count), so an upgrade does not start a partition's epsilon again at zero."""
+        return sorted(p for p in self.path.parent.glob(f"{PREFIX}*.json")
+                      if _CONTENT_KEY.fullmatch(p.name[len(PREFIX):-len(".json")]))
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
@@ -82,16 +94,26 @@ class LedgerFile:
 
     def load(self) -> dict[str, Any] | None:
         """The stored state (None: no file yet). A file that cannot be read as a ledger is an error,
-        not a fresh start: a lost ledger under-reports epsilon."""
+        not a fresh start: a lost ledger under-reports epsilon. A task's ledger not yet written starts from
+        the ledgers keyed by contents (``_legacy``)."""
+        if not self.path.exists():
+            if not self._inherits:
+                return None
+            states = [self._read(p) for p in self._legacy()]
+            if not states:
+                return None
+            return {**states[0], "history": [event for s in states for event in s["history"]]}
+        return self._read(self.path)
+
+    @staticmethod
+    def _read(path: Path) -> dict[str, Any]:
         from .dp_training import accountant_from_state
 
-        if not self.path.exists():
-            return None
         try:
-            state = json.loads(self.path.read_text(encoding="utf-8"))
+            state = json.loads(path.read_text(encoding="utf-8"))
             accountant_from_state(state)  # validates every event
         except (OSError, ValueError, RecursionError, ConfigError) as exc:  # RecursionError: deep nesting
-            raise ClientError(f"local DP ledger {self.path} must be readable (a lost ledger under-reports epsilon; "
+            raise ClientError(f"local DP ledger {path} must be readable (a lost ledger under-reports epsilon; "
                               f"move it away only to start this data's accounting afresh). Found: {exc}") from None
         return state
 

@@ -12,6 +12,7 @@ import hashlib
 import io
 import json
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -115,20 +116,28 @@ def _inconsistency(state: dict[str, Any]) -> str | None:
 
 def check_run_dir(run_dir: Path, flag: str = "--run-dir") -> tuple[int, dict[str, Any] | None]:
     """Before a run starts: the rounds ``run_dir``'s checkpoint holds (0 when new) and the checkpoint.
-    One CoordinatorError, creating nothing, when a file is in the way or the checkpoint is not one."""
+    One CoordinatorError, leaving nothing behind, when a file is in the way, the directory cannot be made or
+    written to (probed: a directory or a file made and removed at once), or the checkpoint is not one."""
     from clients.cli import missing_ancestor
 
     top = missing_ancestor(run_dir)
     existing = run_dir if top is None else top.parent  # what mkdir -p would build on
     if not existing.is_dir():
         raise CoordinatorError(f"{flag} must be a directory. Found a file at {existing}; pick another {flag}.")
-    if top is not None:  # a probe, removed at once: one that cannot be made (/proc/x, a read-only mount) fails here,
-        try:             # before a SuperLink starts or a run is announced, not in the ServerApp
+    if top is not None and top.is_symlink():
+        raise CoordinatorError(f"{flag} {run_dir} must be creatable. Found {top}, a link to {os.readlink(top)}, which "
+                               f"does not exist; pick another {flag}.")
+    # A probe, removed at once: a directory that cannot be made or written to (/proc/x, a read-only mount) fails
+    # here, before a SuperLink starts or a run is announced, not at the first round's write.
+    try:
+        if top is not None:
             top.mkdir()
             top.rmdir()
-        except OSError as exc:
-            raise CoordinatorError(f"{flag} {run_dir} must be creatable. Found: {exc.strerror or exc} "
-                                   f"({top}); pick another {flag}.") from None
+        else:
+            tempfile.TemporaryFile(dir=run_dir).close()
+    except OSError as exc:
+        raise CoordinatorError(f"{flag} {run_dir} must be {'creatable' if top is not None else 'writable'}. Found: "
+                               f"{exc.strerror or exc} ({top or run_dir}); pick another {flag}.") from None
     if not (run_dir / CHECKPOINT).exists():
         results = [name for name in (METRICS, SUMMARY, MODEL) if (run_dir / name).exists()]
         if results:  # a run's results without the checkpoint to resume it: starting afresh would overwrite them

@@ -392,9 +392,12 @@ class SyncWorkflow:
             batch: list[tuple[Message, RoundExpectation | None, ValidReply, float, RoundExpectation]] = []
             for reply in self.grid.pull_messages(list(pending) + list(self._late)):
                 mid = reply.metadata.reply_to_message_id
-                late_exp = self._late.pop(mid, None)
-                if late_exp is None:
-                    pending.pop(mid, None)
+                late_exp = self._late.get(mid)
+                asked = (late_exp or exp_for.get(mid, exp)).sent.get(mid)
+                if asked is None or reply.has_error() or reply.metadata.src_node_id == asked:
+                    # the message is answered; a reply from another node (refused below) leaves it open for its own
+                    if self._late.pop(mid, None) is None:
+                        pending.pop(mid, None)
                 replies += 1
                 bytes_up += message_nbytes(reply)  # what came up, refused or not
                 update_bytes += update_nbytes(reply)

@@ -204,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "a comparison, one run each and one accuracy_vs_time.png over all")
     s.add_argument("--engine", choices=["flower", "inprocess", "virtual"],
                    help="override the scenario's engine (virtual: simulated time from device tiers)")
-    s.add_argument("--run-dir", help="results directory (default: runs/NAME-TIMESTAMP); an existing one resumes")
+    s.add_argument("--run-dir", type=_path, help="results directory (default: runs/NAME-TIMESTAMP); an existing one resumes")
     s.add_argument("--rounds", type=int, help="override run.num-rounds")
     s.add_argument("--set", action="append", metavar="TABLE.KEY=VALUE", help="override any scenario key")
     s.add_argument("--quiet", action="store_true", help="no live progress")
@@ -239,7 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     cs = co.add_parser("start", help="start a SuperLink (TLS, node auth) and run fedshield's ServerApp on it")
     cs.add_argument("--config", required=True, type=_path, help="coordinator TOML")
     cs.add_argument("--insecure", action="store_true", help="NO TLS and no node authentication (testing only)")
-    cs.add_argument("--run-dir", help="override [run] run-dir (relative to the working directory)")
+    cs.add_argument("--run-dir", type=_path, help="override [run] run-dir (relative to the working directory)")
     cs.set_defaults(func=_coordinator_start)
 
     ag = sub.add_parser("agent", help="the client agent").add_subparsers(dest="action", required=True, parser_class=_Parser)

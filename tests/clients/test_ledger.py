@@ -173,3 +173,18 @@ def test_two_trainings_of_the_same_data_at_once_are_both_charged(tmp_path):
     for t in threads:
         t.join()
     assert _steps(path) == 3 * one
+
+
+def test_a_partition_s_ledger_from_before_task_keys_is_carried_over_not_reset(tmp_path):
+    """Before, a built-in partition's ledger was keyed by its examples; the task-keyed ledger must start from it
+    (a review found an upgrade reset every --partition node's epsilon to zero)."""
+    from clients.ledger import data_key
+
+    first = _context(**{"state-dir": str(tmp_path)})
+    eps = _epsilon(run_train(_message(1), first))
+    (path,) = tmp_path.glob(f"{PREFIX}*.json")
+    data = get_task(TASK).partition(0, 40)
+    path.rename(tmp_path / f"{PREFIX}{data_key(data)}.json")  # as the earlier version named it
+    again = _epsilon(run_train(_message(2), _context(**{"state-dir": str(tmp_path)})))
+    assert again > eps * 1.2
+    assert (tmp_path / f"{PREFIX}task-{TASK.task}.json").is_file()

@@ -139,3 +139,13 @@ def test_plots_draw_titles_and_labels_as_given(tmp_path):
     rd.plot_accuracy_vs_time({"rd_$_$ \udcff": rows}, "b$")
     assert all((tmp_path / "run" / name).stat().st_size > 0
                for name in ("accuracy.png", "epsilon.png", "accuracy_vs_time.png"))
+
+
+def test_check_run_dir_names_a_link_to_nowhere(tmp_path):
+    from coordinator import CoordinatorError
+    from coordinator.rundir import check_run_dir
+
+    (tmp_path / "link").symlink_to(tmp_path / "gone")
+    with pytest.raises(CoordinatorError, match="a link to .*gone, which does not exist"):
+        check_run_dir(tmp_path / "link" / "run")
+    assert check_run_dir(tmp_path / "new" / "run") == (0, None) and sorted(tmp_path.iterdir()) == [tmp_path / "link"]

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
 
 from clients.client_app import app
 from coordinator import RunConfig, RunDirectory, SyncWorkflow
+from simulations.inprocess import InProcessGrid
 from simulations.virtual import DeviceProfile, VirtualClock, VirtualGrid
 
 FAST = DeviceProfile("fast", compute_s_per_example=0.0, uplink_mbps=1000.0, downlink_mbps=1000.0, latency_s=0.5)  # ~1 s
@@ -60,3 +62,39 @@ def test_bytes_up_counts_every_reply_that_came_up(tmp_path):
     # the same model's bytes each way; only the small records beside it differ
     assert row["accepted"] == 0 and row["rejected"] == 4 and row["bytes_down"] > 0
     assert row["bytes_up"] == pytest.approx(row["bytes_down"], rel=0.1)
+
+
+class _ForgingGrid(InProcessGrid):
+    """Node 1002 answers node 1001's message first; 1001's own reply comes one pull later."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.held = {}
+
+    def push_messages(self, messages):
+        ids = list(super().push_messages(messages))
+        for mid in ids:
+            r = self._replies[mid]
+            if r.metadata.src_node_id == 1001 and not r.has_error():
+                forged = copy.deepcopy(r)
+                forged.metadata.__dict__["_src_node_id"] = 1002
+                self.held[mid], self._replies[mid] = r, forged
+        return ids
+
+    def pull_messages(self, message_ids):
+        message_ids = list(message_ids)
+        out = list(super().pull_messages(message_ids))
+        for m in [self.held.pop(m) for m in message_ids if m in self.held]:  # available to the next pull
+            self._replies[m.metadata.reply_to_message_id] = m
+        return out
+
+
+def test_a_reply_from_another_node_leaves_the_asked_node_s_message_open(tmp_path):
+    """The workflow took the message as answered before checking the sender: the asked node's own reply, one pull
+    later, was never pulled (a review)."""
+    cfg = RunConfig.from_mapping({"num-rounds": 1, "min-nodes": 3, "local-epochs": 1, "round-timeout": 30.0,
+                                  "poll-interval": 0.01})
+    wf = SyncWorkflow(cfg, _ForgingGrid(app, 3), RunDirectory(tmp_path))
+    wf.run()
+    row = wf.history[0]
+    assert row["accepted"] == 3 and row["late"] == 0 and row["rejected_by_rule"] == {"unknown-sender": 1}, row

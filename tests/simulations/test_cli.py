@@ -416,3 +416,19 @@ def test_an_empty_path_is_refused_not_read_as_the_current_directory(argv, capsys
     with pytest.raises(SystemExit) as info:
         main(argv)
     assert info.value.code == 2 and "must be a path" in _one_error_line(capsys)
+
+
+@pytest.mark.parametrize("extra", [["--set", 'run.aggregator="median"'], ["--set", 'run.dp="central"', "--set", "run.dp-noise-multiplier=1.0"]])
+def test_fedbuff_under_a_rule_taking_one_update_per_node_needs_buffer_size_nodes(capsys, extra):
+    """Found only after the stall timeout (420 s by default) before."""
+    assert main(["simulate", "--engine", "inprocess", "--set", "simulation.num-supernodes=3", "--set", "run.min-nodes=2",
+                 "--set", 'run.workflow="fedbuff"', "--set", "run.buffer-size=5", *extra, "--quiet"]) == 2
+    assert "simulation.num-supernodes must be >= run.buffer-size = 5 under FedBuff" in _one_error_line(capsys)
+
+
+def test_a_run_dir_that_exists_but_cannot_be_written_or_is_empty_is_one_line(capsys):
+    assert main(["simulate", "--engine", "inprocess", "--rounds", "1", "--run-dir", "/proc/self", "--quiet"]) == 2
+    assert "must be writable. Found: No such file or directory (/proc/" in _one_error_line(capsys)  # resolved
+    with pytest.raises(SystemExit):
+        main(["simulate", "--run-dir", ""])
+    assert "must be a path" in _one_error_line(capsys)
