@@ -17,6 +17,11 @@ def shown(value: Any, limit: int = SHOWN_CHARS) -> str:
     return f"{text[:limit]}... ({len(text)} characters)"
 
 
+def shown_key(key: str, limit: int = 40) -> str:
+    """A config key or name for a message: as it is when short and printable, else ``shown`` (escaped, cut)."""
+    return key if isinstance(key, str) and key.isprintable() and len(key) <= limit else shown(key, limit)
+
+
 class AggregationError(ValueError):
     """An update, codec or aggregation setting broke a rule; the message says which."""
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from ._errors import AggregationError
+from ._errors import AggregationError, shown
 
 
 class Registry(dict):
@@ -40,12 +40,13 @@ class Registry(dict):
     def build(self, name: str, *args: Any, **params: Any) -> Any:
         """Instantiate ``name``; unknown names and parameters raise AggregationError."""
         if name not in self:
-            raise AggregationError(f"{self.kind} must be one of {self.names()}. Found {name!r}.")
+            raise AggregationError(f"{self.kind} must be one of {self.names()}. Found {shown(name, 40)}.")
         cls = self[name]
         try:
             inspect.signature(cls).bind(*args, **params)
         except TypeError as exc:
-            raise AggregationError(f"{self.kind} {name!r} parameters must be known. Found error: {exc}.") from None
+            raise AggregationError(f"{self.kind} {name!r} parameters must be known. Found error: "
+                                   f"{shown(str(exc), 120)}.") from None
         return cls(*args, **params)
 
 

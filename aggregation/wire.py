@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from flwr.app import Array
 
-from ._errors import AggregationError
+from ._errors import AggregationError, shown
 
 _MAGIC = b"\x93NUMPY"
 _DTYPES = {
@@ -108,12 +108,12 @@ def array_view(array: Array, expected_dtype: str, expected_numel: int | None = N
     if want is None:
         raise AggregationError(f"expected dtype must be a supported wire dtype. Found {expected_dtype}.")
     if array.stype != "numpy.ndarray":
-        raise AggregationError(f"stype must be 'numpy.ndarray'. Found {array.stype!r}.")
+        raise AggregationError(f"stype must be 'numpy.ndarray'. Found {shown(array.stype, 40)}.")
     if array.dtype != expected_dtype:
-        raise AggregationError(f"dtype must be {expected_dtype}. Found {array.dtype}.")
+        raise AggregationError(f"dtype must be {expected_dtype}. Found {shown(array.dtype, 40)}.")
     shape = tuple(array.shape)
     if len(shape) != 1:
-        raise AggregationError(f"shape must be 1-D (one flat tensor). Found {shape}.")
+        raise AggregationError(f"shape must be 1-D (one flat tensor). Found {shown(shape, 60)}.")
     if expected_numel is not None and shape[0] != expected_numel:
         raise AggregationError(f"length must be {expected_numel}. Found {shape[0]}.")
     data = array.data

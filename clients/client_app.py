@@ -133,11 +133,15 @@ def local_update(msg: Message, context: Context) -> tuple[torch.Tensor, dict[str
     task = get_task(instr.task)
     data = client_data(task, context.node_config)
     device = get_device()
-    model = task.build_model().to(device)
-    numel = sum(p.numel() for p in model.parameters())
-    weights = array_to_tensor(arrays[WEIGHTS], "float32", numel)
+    with torch.device("meta"):  # the size first, allocating nothing: a message asking for a huge model
+        numel = sum(p.numel() for p in task.build_model().parameters())  # with a short array is refused
+    try:
+        weights = array_to_tensor(arrays[WEIGHTS], "float32", numel)
+    except AggregationError as exc:  # a refusal, not an exception past the ClientApp
+        raise ClientError(f"'weights' must be the task's {numel} float32 parameters: {exc}") from None
     if not bool(torch.isfinite(weights).all()):  # else a whole round of training ends in a NaN update
         raise ClientError("the global model must hold only finite values. Found NaN or infinity in 'weights'.")
+    model = task.build_model().to(device)
     load_flat(model, weights)
     who = training_identity(context)
     gen = torch.Generator().manual_seed(hash((instr.seed, instr.round, who)) & 0x7FFFFFFF)
@@ -148,6 +152,9 @@ def local_update(msg: Message, context: Context) -> tuple[torch.Tensor, dict[str
     else:
         stats = train_with_local_dp(model, data, instr, local_dp, context)
     delta = flat_params(model).cpu().sub_(weights)
+    if not bool(torch.isfinite(delta).all()):  # refused here, not as an encoder's exception past the ClientApp
+        raise ClientError("training diverged: the update holds NaN or infinity (a global model or learning rate "
+                          "too large for this data).")
     metrics = {
         "num-examples": len(data),
         "base-version": instr.version,

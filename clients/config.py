@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-from aggregation._errors import shown
+from aggregation._errors import shown, shown_key
 
 from ._errors import ConfigError
 
@@ -120,7 +120,7 @@ def build_config(cls: type[T], mapping: Mapping[str, Any], where: str = "", *, s
     prefix = f"{where}." if where else ""
     unknown = sorted(set(mapping) - set(fields))
     if strict and unknown:
-        raise ConfigError(f"{prefix}{unknown[0]} is not a known key. Known keys: {', '.join(sorted(fields))}.")
+        raise ConfigError(f"{prefix}{shown_key(unknown[0])} is not a known key. Known keys: {', '.join(sorted(fields))}.")
     kwargs = {}
     for key, field in fields.items():
         if key in mapping:

@@ -34,6 +34,7 @@ STATE = "fedshield.secagg"
 RESIDUAL = "fedshield.secagg-residual"
 LAST_INPUT = "fedshield.secagg-last-input"  # the last round this node sent a masked input for
 _PLAN = ("numel", "sparse-ratio", "subset-seed", "weighting", "max-weight")
+MAX_NEIGHBOURS = 10_000  # a complete graph of 10^4 nodes: far past what a round of SecAgg+ can serve
 
 
 def state_name(rnd: int) -> str:
@@ -126,6 +127,9 @@ def _setup(rec: ConfigRecord, context: Context, me: int) -> dict[str, ConfigReco
             or not isinstance(plan["max-weight"], int) or plan["max-weight"] < 1):
         raise ClientError("secagg setup must carry numel, subset-seed, weighting and max-weight.")
     _check_plan_size(plan["numel"], plan["sparse-ratio"], params.dim)  # before any keystream is expanded
+    if params.degree > MAX_NEIGHBOURS:  # each costs two key agreements, a Shamir share and a model-sized mask
+        raise ClientError(f"secagg setup asks this node for {params.degree} neighbours; a node takes at most "
+                          f"{MAX_NEIGHBOURS}.")
     subset = shared_subset(plan["subset-seed"], plan["numel"], float(plan["sparse-ratio"]))
     if input_length(plan["numel"], subset) != params.dim:
         raise ClientError(f"secagg vector length {params.dim} does not match the model and sparse ratio.")
@@ -148,7 +152,8 @@ def _answer(msg: Message, context: Context, rec: ConfigRecord, keys: ConfigRecor
         return _setup(rec, context, me)
     saved = record_of(context.state, state_name(rnd), ConfigRecord)
     if saved is None:
-        raise ClientError(f"secagg {stage!r} message for round {rnd} arrived but this node has not set that round up.")
+        raise ClientError(f"secagg {shown(stage, 40)} message for round {rnd} arrived but this node has not set that "
+                          "round up.")
     client = SecAggClient.from_fields(dict(saved))
     plan = {k[5:]: v for k, v in saved.items() if k.startswith("plan.")}
     if rnd != client.params.round:
@@ -161,9 +166,9 @@ def _answer(msg: Message, context: Context, rec: ConfigRecord, keys: ConfigRecor
         context.state[LAST_INPUT] = ConfigRecord({"round": client.params.round})
     elif stage == "unmask":
         surv, drop = rec.get("survivors"), rec.get("dropped")
-        if not isinstance(surv, list) or not isinstance(drop, list):
-            raise ClientError("secagg unmask must list survivors and dropped nodes.")
-        out = {SECAGG_SHARES: ConfigRecord(client.unmask([int(v) for v in surv], [int(v) for v in drop]))}
+        if not all(isinstance(x, list) and all(type(v) is int for v in x) for x in (surv, drop)):
+            raise ClientError("secagg unmask must list survivors and dropped nodes by their integer ids.")
+        out = {SECAGG_SHARES: ConfigRecord(client.unmask(surv, drop))}
     else:
         raise ClientError(f"secagg stage must be one of setup, share-keys, masked-input, unmask. Found {stage[:20]!r}.")
     if client.stage == "done":

@@ -26,6 +26,7 @@ from typing import Any
 import tomli_w
 
 from aggregation import get_device, kernels
+from aggregation._errors import shown_key
 from clients.cli import bind_probe, host_port
 from clients.config import ConfigError, build_config, check, parse_toml, resolve_path
 from privacy import CertificatePaths, check_public_key, make_dir
@@ -88,7 +89,7 @@ def load_coordinator_config(path: str | os.PathLike, run_dir: str | None = None)
     data = parse_toml(text, str(p))
     unknown = sorted(set(data) - {"coordinator", "run"})
     if unknown:
-        raise ConfigError(f"{p}: [{unknown[0]}] is not a known table. Known tables: [coordinator], [run].")
+        raise ConfigError(f"{p}: [{shown_key(unknown[0])}] is not a known table. Known tables: [coordinator], [run].")
     service = build_config(ServiceSettings, data.get("coordinator", {}), "coordinator")
     run_map = data.get("run", {})
     if not isinstance(run_map, dict):

@@ -10,7 +10,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from aggregation._errors import shown
+from aggregation._errors import shown, shown_key
 from clients.config import ConfigError, build_config, check, parse_toml
 from coordinator.config import RunConfig
 
@@ -61,8 +61,8 @@ def parse_tiers(items: Any, source: str) -> tuple[tuple[float, DeviceProfile], .
         where = f"{source}: tiers[{i}]"
         unknown = sorted(set(t) - set(TIER_KEYS))
         if unknown:
-            raise ConfigError(f"{where}.{unknown[0]} must be one of the tier keys {sorted(TIER_KEYS)}. "
-                              f"Found unknown key {unknown[0]!r}.")
+            raise ConfigError(f"{where}.{shown_key(unknown[0])} must be one of the tier keys {sorted(TIER_KEYS)}. "
+                              f"Found unknown key {shown(unknown[0], 40)}.")
         for key in REQUIRED_TIER_KEYS:
             check(key in t, f"{where}: {key}", "be given", None)
         check(isinstance(t["name"], str) and bool(t["name"]), f"{where}: name", "be a non-empty string", t["name"])
@@ -83,7 +83,7 @@ class Scenario:
     def from_mapping(cls, data: Mapping[str, Any], source: str = "scenario") -> "Scenario":
         unknown = sorted(set(data) - {"simulation", "run", "tiers"})
         if unknown:
-            raise ConfigError(f"{source}: [{unknown[0]}] is not a known table. Known tables: [simulation], [run], "
+            raise ConfigError(f"{source}: [{shown_key(unknown[0])}] is not a known table. Known tables: [simulation], [run], "
                               "[[tiers]].")
         for table in ("simulation", "run"):
             check(isinstance(data.get(table, {}), Mapping), f"{source}: [{table}]", "be a table", data.get(table))

@@ -67,7 +67,7 @@ import numpy as np
 import torch
 
 from .._errors import PrivacyError
-from .graph import Graph, check_threshold, complete_graph, harary_graph
+from .graph import Graph, check_threshold, complete_graph, harary_graph, neighbours_of
 from .keys import KEY_BYTES, NONCE_BYTES, TAG_BYTES, KeyPair, agree, decrypt_share, derive_key, encrypt_share
 from .masking import SEED_BYTES, mask_words, quantization_step, unmask_words
 from .shamir import combine_values, consistent, decode_values, parse_shares, share_size, share_x, split_bytes
@@ -179,6 +179,12 @@ class SecAggParams:
                    dim=fields["dim"], graph_seed=fields["graph-seed"])
 
 
+@functools.lru_cache(maxsize=256)
+def _neighbours(nodes: tuple[int, ...], degree: int, seed: bytes, me: int) -> frozenset[int]:
+    """A client's own neighbours (``graph.neighbours_of``), once per round and node."""
+    return neighbours_of(nodes, degree, seed, me)
+
+
 @functools.lru_cache(maxsize=4)
 def _graph(nodes: tuple[int, ...], degree: int, seed: bytes) -> Graph:
     """One computation per round (the in-process engine's clients share it): ~1 ms at n = 100."""
@@ -271,7 +277,8 @@ class SecAggClient:
 
     @property
     def neighbours(self) -> frozenset[int]:
-        return self.params.graph()[self.node_id]
+        p = self.params
+        return _neighbours(p.nodes, p.degree, p.graph_seed, self.node_id)
 
     @classmethod
     def setup(cls, node_id: int, params: SecAggParams) -> tuple["SecAggClient", PublicKeys]:
@@ -326,7 +333,7 @@ class SecAggClient:
         for u, ct in ciphertexts.items():
             try:
                 plain = decrypt_share(self.transport[u], ct, sender=u, receiver=me, round=p.round, stage="share-keys")
-                held[u] = _open(plain, u, me, len(p.graph()[u]))
+                held[u] = _open(plain, u, me, p.degree)  # the graph is p.degree-regular
             except (PrivacyError, SecAggRejected) as exc:
                 unopened[u] = str(exc)
         self.held = held

@@ -168,7 +168,7 @@ def _header_with(text: str, body_len: int = 16) -> bytes:
 
 
 MALFORMED = {
-    "wrong dtype": (_with(dtype="int32"), r"dtype must be float32\. Found int32"),
+    "wrong dtype": (_with(dtype="int32"), r"dtype must be float32\. Found 'int32'"),
     "wrong stype": (_with(stype="torch.Tensor"), r"stype must be 'numpy.ndarray'\. Found 'torch.Tensor'"),
     "2-D shape": (Array(np.zeros((2, 2), np.float32)), r"shape must be 1-D"),
     "wrong length": (Array(np.zeros(5, np.float32)), r"length must be 4\. Found 5"),

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aggregation import tensor_to_array
 from clients import ClientError, ConfigError, TaskSpec, TrainInstruction, TrainSettings
+from clients.tasks import get_task
 from clients.protocol import (
     ARRAYS,
     CONFIG,
@@ -223,3 +225,57 @@ def test_a_train_message_whose_config_is_not_a_config_record_is_refused():
     content = RecordDict({CONFIG: ArrayRecord({}), ARRAYS: ArrayRecord({WEIGHTS: tensor_to_array(torch.ones(2))})})
     with pytest.raises(ClientError, match="must carry 'config' and 'arrays' records"):
         parse_train_message(Message(content=content, dst_node_id=1, message_type=MESSAGE_TYPE_TRAIN))
+
+
+# -- a buggy or hostile coordinator (a review): refusals, short reasons, nothing unbounded -------------------------
+def _numel() -> int:
+    return sum(p.numel() for p in get_task(_instruction().task).build_model().parameters())
+
+
+@pytest.mark.parametrize("weights", [
+    lambda n: Array(np.zeros(n, np.float64)),
+    lambda n: Array(np.zeros(n + 1, np.float32)),
+    lambda n: Array(np.zeros((n, 1), np.float32)),
+    lambda n: Array(dtype="\x1b[2J" + "x" * 100_000, shape=(n,), stype="numpy.ndarray", data=b"\x00" * 4 * n),
+    lambda n: Array(dtype="float32", shape=(n,), stype="s" * 100_000, data=b"\x00" * 4 * n),
+])
+def test_a_malformed_weights_array_is_a_short_refusal_not_an_exception(weights):
+    """AggregationError went past the ClientApp (a traceback in the node's log, the class name as the reason),
+    with the array's dtype or stype in full: 100 kB and a raw terminal escape."""
+    from clients.client_app import run_train
+
+    msg = _train_message(torch.zeros(4))
+    msg.content[ARRAYS] = ArrayRecord({WEIGHTS: weights(_numel())})
+    with pytest.raises(ClientError, match="'weights' must be the task's") as info:
+        run_train(msg, _context())
+    assert len(str(info.value)) < 400 and "\x1b" not in str(info.value)
+
+
+def test_a_huge_model_asked_with_a_short_array_is_refused_before_it_is_built():
+    """hidden-units = 2**20 built a 78.6M-parameter model (300 MB) before the 4-element array was compared."""
+    import resource
+
+    from clients.client_app import run_train
+
+    instr = _instruction(task=TaskSpec(task="digits", hidden_units=1 << 20))
+    msg = _message(RecordDict({CONFIG: instr.to_record(), ARRAYS: ArrayRecord({WEIGHTS: tensor_to_array(torch.zeros(4))})}))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(ClientError, match="'weights' must be the task's 78643210 float32 parameters"):
+        run_train(msg, _context())
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100_000  # KiB: not the model's 300 MB
+
+
+def test_a_diverged_update_is_a_refusal_not_an_encoder_exception():
+    from clients.client_app import run_train
+
+    with pytest.raises(ClientError, match="training diverged"):
+        run_train(_train_message(torch.full((_numel(),), 3e38)), _context())
+
+
+@pytest.mark.parametrize("record", [{"codec": "z" * 100_000}, {"codec": "dense", "d" * 100_000: 1}])
+def test_a_long_codec_name_or_parameter_is_cut_in_the_reason(record):
+    from clients.client_app import run_train
+
+    with pytest.raises(ClientError) as info:
+        run_train(_train_message(torch.zeros(4), record), _context())
+    assert len(str(info.value)) < 1000

@@ -661,3 +661,57 @@ def test_a_node_set_up_on_its_own_that_never_answers_does_not_hold_this_round_op
     first, second = wf.history
     assert first["secagg_survivors"] == 3 and first["secagg_stage_s"]["masked-input"] < 60.0, first
     assert "secagg_failure" not in second and second["secagg_survivors"] >= 3
+
+
+def _setup_message(nodes, degree: int, me: int = 1001) -> tuple[Message, "Context"]:
+    from flwr.app import Context
+
+    nodes = list(nodes)
+    k = min(degree, len(nodes) - 1)
+    params = SecAggParams.create(1, nodes, degree=degree, threshold=k // 2 + 1, bits=32, clip=1.0, dim=10)
+    fields = {"stage": "setup", **params.to_fields(), "numel": 9, "sparse-ratio": 1.0, "subset-seed": bytes(32),
+              "weighting": "uniform", "max-weight": 1}
+    msg = Message(RecordDict({SECAGG: ConfigRecord(fields)}), dst_node_id=me, message_type="train.secagg", group_id="1")
+    return msg, Context(run_id=1, node_id=me, node_config={}, state=RecordDict(), run_config={})
+
+
+def test_a_client_builds_only_its_own_neighbours_and_refuses_too_many():
+    """Share-keys built every node's neighbour set: 2.2 GB at 8000 nodes of the complete graph, a MemoryError at
+    16000 (a review). A client now lists only its own, and refuses more than MAX_NEIGHBOURS."""
+    import os
+
+    from clients import ClientError
+    from clients.secure import MAX_NEIGHBOURS
+    from privacy.secagg.graph import complete_graph, harary_graph, neighbours_of
+
+    ids = [7, 1001, 1002, 2**63 + 5, *range(3000, 3040)]
+    for k in (2, 8, 40, 43, 99):
+        seed = os.urandom(32)
+        g = harary_graph(ids, k, seed) if k < len(ids) - 1 else complete_graph(ids)
+        assert all(neighbours_of(ids, k, seed, me) == g[me] for me in ids)
+    msg, ctx = _setup_message(range(1001, 1001 + MAX_NEIGHBOURS + 2), 1 << 20)
+    with pytest.raises(ClientError, match=f"asks this node for {MAX_NEIGHBOURS + 1} neighbours; a node takes at most"):
+        run_secagg_stage(msg, ctx)
+
+
+@pytest.mark.parametrize("field", [{"survivors": ["a"]}, {"survivors": [1002.5]}, {"dropped": [True]}])
+def test_unmask_ids_that_are_not_integers_are_refused(field):
+    from clients import ClientError
+
+    msg, ctx = _setup_message([1001, 1002, 1003], 2)
+    run_secagg_stage(msg, ctx)
+    unmask = ConfigRecord({"stage": "unmask", "round": 1, "survivors": [1002], "dropped": [], **field})
+    with pytest.raises(ClientError, match="by their integer ids"):
+        run_secagg_stage(Message(RecordDict({SECAGG: unmask}), dst_node_id=1001, message_type="train.secagg",
+                                 group_id="1"), ctx)
+
+
+def test_a_long_stage_name_is_cut_in_the_refusal():
+    from clients import ClientError
+
+    msg, ctx = _setup_message([1001, 1002, 1003], 2)
+    bogus = ConfigRecord({"stage": "s" * 100_000, "round": 5})
+    with pytest.raises(ClientError) as info:
+        run_secagg_stage(Message(RecordDict({SECAGG: bogus}), dst_node_id=1001, message_type="train.secagg",
+                                 group_id="5"), ctx)
+    assert len(str(info.value)) < 300
