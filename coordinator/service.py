@@ -189,9 +189,22 @@ class Coordinator:
             cmd += ["--ssl-ca-certfile", str(self.certs.ca_cert), "--ssl-certfile", str(self.certs.server_cert),
                     "--ssl-keyfile", str(self.certs.server_key), "--enable-supernode-auth"]
         log = open(self.log_path, "ab")  # noqa: SIM115 - closed with the process
-        self.superlink = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_flwr_env(self.state / "superlink-home"),
-                                          start_new_session=True)
+        env = {**_flwr_env(self.state / "superlink-home"), superlink.MAX_BODY_ENV: str(self.max_body())}
+        self.superlink = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self._wait_healthy()
+
+    def max_body(self) -> int:
+        """The most a remote peer's request may carry: the largest reply this run takes (the model in float32,
+        dense's size, or max-update-mb if smaller) and 16 MiB for the message around it (a SecAgg+ stage's shares
+        at 1 KiB a node included)."""
+        import torch
+
+        from clients.tasks import get_task
+
+        with torch.device("meta"):
+            numel = sum(p.numel() for p in get_task(self.cfg.run.task).build_model().parameters())
+        update = min(int(self.cfg.run.server.max_update_mb * 2**20), 4 * numel + 1024)
+        return update + (16 << 20)
 
     def _wait_healthy(self) -> None:
         """Until the SuperLink answers its health check, or ``start-timeout``: then a CoordinatorError

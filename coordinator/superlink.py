@@ -35,6 +35,20 @@ ASGIApp = Callable[[Scope, Callable[[], Awaitable[Any]], Callable[[Any], Awaitab
 _LOOPBACK_IS_REMOTE = os.environ.get("FEDSHIELD_SUPERLINK_LOOPBACK_IS_REMOTE") == "1"
 
 REFUSED = b"fedshield: this SuperLink answers its Control and Runtime APIs only to its own host.\n"
+TOO_LARGE = b"fedshield: request body too large for this SuperLink.\n"
+MAX_BODY_ENV = "FEDSHIELD_SUPERLINK_MAX_BODY"  # bytes a remote peer's request may carry (set by coordinator start)
+DEFAULT_MAX_BODY = (512 + 16) << 20  # max-update-mb's default, and room for the message around an update
+
+
+def max_body() -> int:
+    try:
+        return max(1 << 20, int(os.environ.get(MAX_BODY_ENV, DEFAULT_MAX_BODY)))
+    except ValueError:
+        return DEFAULT_MAX_BODY
+
+
+class _TooLarge(Exception):
+    pass
 
 
 @lru_cache(maxsize=1)
@@ -77,24 +91,63 @@ def _forwarded(scope: Scope) -> bool:
     return any(name.lower() in _FORWARDING_HEADERS for name, _ in scope.get("headers") or ())
 
 
+async def _plain(send: Callable[[Any], Awaitable[None]], status: int, body: bytes) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"text/plain"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
 class LocalControlOnly:
-    """ASGI middleware: from a peer that is not this host, only :func:`public_paths` (exact match)."""
+    """ASGI middleware: from a peer that is not this host, only :func:`public_paths` (exact match), and a body
+    of at most :func:`max_body` bytes (Flower reads a Fleet request's whole body into memory before node
+    authentication: unbounded, a peer with no credentials could run the coordinator out of memory)."""
 
     def __init__(self, app: ASGIApp) -> None:
-        self.app = app
+        self.app, self.cap = app, max_body()
 
     async def __call__(self, scope: Scope, receive: Callable[[], Awaitable[Any]],
                       send: Callable[[Any], Awaitable[None]]) -> None:
-        if scope["type"] in ("http", "websocket") and scope.get("path") not in public_paths():
-            if not from_this_host(scope) or _forwarded(scope):
-                if scope["type"] == "websocket":
-                    await send({"type": "websocket.close", "code": 1008})
-                    return
-                await send({"type": "http.response.start", "status": 403,
-                            "headers": [(b"content-type", b"text/plain"), (b"content-length", str(len(REFUSED)).encode())]})
-                await send({"type": "http.response.body", "body": REFUSED})
-                return
+        if scope["type"] not in ("http", "websocket") or (from_this_host(scope) and not _forwarded(scope)):
+            await self.app(scope, receive, send)
+            return
+        if scope.get("path") not in public_paths():
+            if scope["type"] == "websocket":
+                await send({"type": "websocket.close", "code": 1008})
+            else:
+                await _plain(send, 403, REFUSED)
+            return
+        if scope["type"] == "http":
+            await self._capped(scope, receive, send)
+            return
         await self.app(scope, receive, send)
+
+    async def _capped(self, scope: Scope, receive: Callable[[], Awaitable[Any]],
+                      send: Callable[[Any], Awaitable[None]]) -> None:
+        length = next((v for k, v in scope.get("headers") or () if k.lower() == b"content-length"), None)
+        if length is not None and (not length.isdigit() or int(length) > self.cap):
+            await _plain(send, 413, TOO_LARGE)  # told before a byte of it is read
+            return
+        seen, started = 0, False
+
+        async def counted() -> Any:  # a chunked body, or one longer than it said
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.cap:
+                    raise _TooLarge
+            return message
+
+        async def tracked(message: Any) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counted, tracked)
+        except _TooLarge:
+            if not started:
+                await _plain(send, 413, TOO_LARGE)
 
 
 def install() -> None:
@@ -124,7 +177,9 @@ def command(*args: str) -> list[str]:
     with it) into the SuperLink's process, about 190 MB and 2 s of start-up for nothing it uses."""
     loader = ("import importlib.util as u, sys; s = u.spec_from_file_location('fedshield_superlink', sys.argv.pop(1)); "
               "m = u.module_from_spec(s); s.loader.exec_module(m); m.main()")
-    return [sys.executable, "-c", loader, os.path.abspath(__file__), *args]
+    # -P: no working directory on sys.path (``-c`` puts it first): a uvicorn.py or flwr/ where the operator typed
+    # the command would otherwise be imported into the SuperLink, which holds the server key
+    return [sys.executable, "-P", "-c", loader, os.path.abspath(__file__), *args]
 
 
 def main(argv: list[str] | None = None) -> None:

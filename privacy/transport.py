@@ -50,6 +50,7 @@ class CertificatePaths:
         for p in (self.ca_cert, self.server_cert, self.server_key):
             if not p.is_file():
                 raise PrivacyError(_not_a_file(p, "TLS file", "exist", "; run `fedshield certs init DIR`"))
+        _owner_only(self.server_key, "server key")  # whoever reads it can pass for the coordinator to every agent
         ca, cert = _load_cert(self.ca_cert), _load_cert(self.server_cert)
         try:
             key = serialization.load_pem_private_key(self.server_key.read_bytes(), password=None)
@@ -277,14 +278,19 @@ def check_node_private_key(path: str | os.PathLike) -> Path:
     p = _load_ec_key(path, lambda b: serialization.load_ssh_private_key(b, None), "node key",
                      "an unencrypted OpenSSH private key",
                      f"be an existing private key file (run `fedshield keys new {path}`)")
+    _owner_only(p, "node key")
+    return p
+
+
+def _owner_only(p: Path, what: str) -> None:
+    """A private key of the user running this must be readable by its owner only. As ssh: a key owned by another
+    account (root's, group-readable for a service user) is that account's arrangement; chmod 600 would lock this
+    user out."""
     st = p.stat()
     mode = st.st_mode & 0o077
-    # As ssh: only a key of the user running this is held to it. A key owned by another account (root's,
-    # group-readable for a service user) is that account's arrangement; chmod 600 would lock this user out.
     if os.name == "posix" and mode and st.st_uid == os.getuid():
-        raise PrivacyError(f"node key {p} must be readable by its owner only (chmod 600 {p}). Found group/other "
+        raise PrivacyError(f"{what} {p} must be readable by its owner only (chmod 600 {p}). Found group/other "
                            f"permissions {mode:03o}.")
-    return p
 
 
 def _not_a_file(p: Path, what: str, missing: str, hint: str = "") -> str:

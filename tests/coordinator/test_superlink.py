@@ -139,3 +139,39 @@ def test_the_coordinators_superlink_process_runs_behind_the_guard(tmp_path):
     assert "libtorch" not in maps, "the SuperLink's process loaded the coordinator package (and torch with it)"
     # The refused request is in the access log (a successful /health is not) under the socket's peer, not the header's
     assert "/v1/control/list-runs" in text and "198.51.100.7" not in text
+
+
+async def _read_all(scope, receive, send):
+    """A stand-in for Flower's Fleet handlers: read the whole body into memory, answer its length."""
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            break
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": str(len(body)).encode()})
+
+
+def test_a_remote_peer_s_body_is_capped_before_flower_reads_it(monkeypatch):
+    """Flower reads a Fleet request's body whole, before node authentication: 400 MB from a peer without
+    credentials took 400 MB of the coordinator (a review). Past the cap: 413, told before the body is read
+    when it says its length, and cut off when it does not (chunked)."""
+    monkeypatch.setenv(superlink.MAX_BODY_ENV, str(1 << 20))
+    guard = superlink.LocalControlOnly(_read_all)
+    path, big = "/v1/fleet/push-messages", b"x" * ((1 << 20) + 1)
+    c = TestClient(guard, client=ELSEWHERE)  # (no lifespan: the stand-in app serves only http)
+    assert c.post(path, content=b"x" * 1000).content == b"1000"
+    assert c.post(path, content=big).status_code == 413
+    assert c.post(path, content=iter([big[:600_000], big[600_000:]])).status_code == 413  # no content-length
+    local = TestClient(guard, client=("127.0.0.1", 40000))  # this host's own calls are not capped
+    assert local.post(path, content=big).content == str(len(big)).encode()
+
+
+def test_the_superlink_does_not_import_from_the_working_directory(tmp_path):
+    """``python -c`` put the working directory first on sys.path: a uvicorn.py where the operator typed the
+    command ran inside the SuperLink, which holds the server key (a review)."""
+    (tmp_path / "uvicorn.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w').close()\nraise SystemExit(3)\n")
+    out = subprocess.run(superlink.command("--help"), cwd=tmp_path, capture_output=True, timeout=120,
+                         env={**os.environ, "FLWR_HOME": str(tmp_path / "flwr")})
+    assert not (tmp_path / "ran").exists() and out.returncode == 0, out.stderr[-2000:]

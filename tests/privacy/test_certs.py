@@ -132,3 +132,16 @@ def test_force_never_leaves_a_private_key_behind_when_a_later_file_cannot_be_wri
     with pytest.raises(PrivacyError, match=r"ca\.crt must be a file"):
         init_certificates(tmp_path / "c", force=True)
     assert sorted(p.name for p in (tmp_path / "c").iterdir()) == ["ca.crt"]
+
+
+def test_a_server_key_others_can_read_is_refused(tmp_path):
+    """The agent refused such a node key; the coordinator served a world-readable server key (a review)."""
+    import os
+
+    from privacy import CertificatePaths, PrivacyError, init_certificates
+
+    paths = init_certificates(tmp_path / "certs")
+    CertificatePaths.in_dir(tmp_path / "certs").check()
+    os.chmod(paths.server_key, 0o644)
+    with pytest.raises(PrivacyError, match=r"server key .* must be readable by its owner only \(chmod 600"):
+        CertificatePaths.in_dir(tmp_path / "certs").check()
