@@ -133,8 +133,7 @@ def local_update(msg: Message, context: Context) -> tuple[torch.Tensor, dict[str
     task = get_task(instr.task)
     data = client_data(task, context.node_config)
     device = get_device()
-    with torch.device("meta"):  # the size first, allocating nothing: a message asking for a huge model
-        numel = sum(p.numel() for p in task.build_model().parameters())  # with a short array is refused
+    numel = task.num_parameters()  # before the model is built: a huge one asked with a short array is refused
     try:
         weights = array_to_tensor(arrays[WEIGHTS], "float32", numel)
     except AggregationError as exc:  # a refusal, not an exception past the ClientApp

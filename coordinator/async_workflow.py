@@ -278,10 +278,11 @@ class BufferedAsyncWorkflow(SyncWorkflow):
 
     def _take(self, reply: Message, mid: str, flight: Flight, acc: Any, window: dict[str, Any]) -> bool:
         """Validate one reply and add it to the buffer; return whether it was accepted."""
-        window["bytes_up"] += message_nbytes(reply)  # what came up, refused or not (as the sync rows count)
+        nbytes = message_nbytes(reply)
+        window["bytes_up"] += nbytes  # what came up, refused or not (as the sync rows count)
         window["update_bytes_up"] += update_nbytes(reply)
         try:
-            ok = validate_reply(reply, flight.expectation, check_norm=False)
+            ok = validate_reply(reply, flight.expectation, check_norm=False, nbytes=nbytes)
             staleness = self.version - flight.base_version
             if self._one_per_node and flight.node_id in self._in_buffer:
                 raise RejectedReply(ok.node_id, "duplicate-contributor", "a node adds at most one update to a release "

@@ -82,6 +82,7 @@ Handler = Callable[[int, Message, "_Ask"], None]
 # What each stage's reply holds besides its SECAGG header record; anything else is refused unread.
 _STAGE_RECORDS = {"setup": (SECAGG_KEYS,), "share-keys": (SECAGG_SHARES,), "unmask": (SECAGG_SHARES,),
                   "masked-input": (ARRAYS, METRICS, SECAGG_UNOPENED)}
+_RIDING = {SECAGG: NEXT, SECAGG_KEYS: NEXT_KEYS, SECAGG_SHARES: NEXT_SHARES}  # a piggybacked stage's record names
 _PER_NODE = 1024  # reply bytes allowed per node of the round: a ciphertext (share-keys) or a share (unmask), and its name
 
 
@@ -114,11 +115,11 @@ class _Ask:
         own = _STAGE_RECORDS[self.stage]
         if not self.rides:
             return {SECAGG, *own}
-        return {NEXT, *({SECAGG_KEYS: NEXT_KEYS, SECAGG_SHARES: NEXT_SHARES}[n] for n in own)}
+        return {_RIDING[n] for n in (SECAGG, *own)}
 
     def record(self, reply: Message, name: str) -> Any:
         if self.rides:
-            name = {SECAGG: NEXT, SECAGG_KEYS: NEXT_KEYS, SECAGG_SHARES: NEXT_SHARES}[name]
+            name = _RIDING[name]
         return record_of(reply.content, name, ConfigRecord)
 
 
@@ -178,11 +179,12 @@ class SecureRound:
                     continue  # not ours or already seen: Grid ids are unique, nothing to count
                 node = sent[mid]
                 stats["replies"] += 1
-                stats["bytes_up"] += message_nbytes(reply)  # every reply that came up, refused ones too
+                size = message_nbytes(reply)
+                stats["bytes_up"] += size  # every reply that came up, refused ones too
                 stats["update_bytes_up"] += update_nbytes(reply)  # the masked vectors
                 try:
                     check_envelope(reply, node, asks[node][0].rnd)
-                    self._check_shape(node, reply, asks[node])
+                    self._check_shape(node, reply, size, asks[node])
                 except RejectedReply as rej:  # counted once, in the message's round; a stage riding on it is unanswered
                     self._reject(asks[node][0], node, rej.rule, rej.detail)
                     continue
@@ -203,7 +205,7 @@ class SecureRound:
                 stats["stage_s"][stage], "" if (r, s) == (rnd, stage) else f" (with round {rnd}'s {stage})")
 
     @staticmethod
-    def _check_shape(node: int, reply: Message, asks: list[_Ask]) -> None:
+    def _check_shape(node: int, reply: Message, size: int, asks: list[_Ask]) -> None:
         """Only the records its stages' replies hold, and within their bytes (``_cap``): a reply is refused
         whole, before any part is read, if it carries more (an extra record, or extra fields in one that is
         read, would otherwise ride along unchecked)."""
@@ -213,8 +215,7 @@ class SecureRound:
             raise RejectedReply(node, "unexpected-record", f"reply must hold only {', '.join(sorted(allowed))}; "
                                 f"found {', '.join(repr(k[:40]) for k in extra[:3])}")
         limit = MAX_SIDE_BYTES + sum(a.cap for a in asks)
-        size = message_nbytes(reply)
-        if size > limit:
+        if size > limit:  # (``size``: its message_nbytes)
             raise RejectedReply(node, "oversized", f"reply must be <= {limit} bytes; found {size}")
 
     def _answer(self, ask: _Ask, node: int, reply: Message) -> bool:

@@ -197,12 +197,9 @@ class Coordinator:
         """The most a remote peer's request may carry: the largest reply this run takes (the model in float32,
         dense's size, or max-update-mb if smaller) and 16 MiB for the message around it (a SecAgg+ stage's shares
         at 1 KiB a node included)."""
-        import torch
-
         from clients.tasks import get_task
 
-        with torch.device("meta"):
-            numel = sum(p.numel() for p in get_task(self.cfg.run.task).build_model().parameters())
+        numel = get_task(self.cfg.run.task).num_parameters()
         update = min(int(self.cfg.run.server.max_update_mb * 2**20), 4 * numel + 1024)
         return update + (16 << 20)
 

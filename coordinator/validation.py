@@ -23,7 +23,7 @@ from aggregation import AggregationError, UpdateRejected
 from aggregation._errors import shown
 from aggregation.staleness import MIN_USEFUL_FACTOR
 from aggregation.codecs import Codec, Parsed
-from clients.protocol import ARRAYS, CODEC, DELTA, METRICS, message_nbytes
+from clients.protocol import ARRAYS, CODEC, DELTA, METRICS, message_nbytes, update_nbytes
 
 
 class RejectedReply(Exception):
@@ -119,25 +119,25 @@ def check_records(node: int, content: Any, required: tuple[str, ...], optional: 
                                 f"found {type(rec).__name__}")
 
 
-def check_side_bytes(node: int, reply: Message, update: ArrayRecord | None) -> int:
-    """Everything in the reply but ``update``'s array data (its metrics, codec header, keys, names) must stay
+def check_side_bytes(node: int, reply: Message, nbytes: int | None = None) -> None:
+    """Everything in the reply but its update's array data (its metrics, codec header, keys, names) must stay
     within ``MAX_SIDE_BYTES``: the update's own size is checked against the round's limit, and extra keys
     in a record that is read (a codec header's, a metric record's) would otherwise ride along uncounted.
-    Returns the reply's bytes (``message_nbytes``)."""
-    total = message_nbytes(reply)
-    side = total - (sum(len(a.data) for a in update.values()) if update is not None else 0)
+    ``nbytes``: the reply's ``message_nbytes``, where the caller counted it already."""
+    side = (message_nbytes(reply) if nbytes is None else nbytes) - update_nbytes(reply)
     if side > MAX_SIDE_BYTES:
         raise RejectedReply(node, "oversized", f"records besides the update must be <= {MAX_SIDE_BYTES} bytes; "
                             f"found {side}")
-    return total
 
 
-def validate_reply(reply: Message, exp: RoundExpectation, *, check_norm: bool = True) -> ValidReply:
+def validate_reply(reply: Message, exp: RoundExpectation, *, check_norm: bool = True,
+                   nbytes: int | None = None) -> ValidReply:
     """Check one reply against every rule; return its parts or raise RejectedReply.
 
     ``check_norm=False`` leaves the norm rules ("non-finite", "norm-too-large") to ``add_reply``,
     which checks them while adding (the returned ``norm`` is then nan). A reply breaking a norm
     rule and a later rule (num-examples, base-version) is then rejected by the later rule.
+    ``nbytes``: the reply's ``message_nbytes`` where the caller counted it (its traffic), not counted again.
     """
     meta = reply.metadata
     node = meta.src_node_id
@@ -153,7 +153,7 @@ def validate_reply(reply: Message, exp: RoundExpectation, *, check_norm: bool = 
     content = reply.content
     check_records(node, content, required=(ARRAYS, METRICS), optional=(CODEC,))
     array_rec, metrics, codec_rec = content[ARRAYS], content[METRICS], content.get(CODEC)
-    check_side_bytes(node, reply, array_rec)
+    check_side_bytes(node, reply, nbytes)
     arrays: dict[str, Array] = dict(array_rec.items())
     if codec_rec is not None:
         header = dict(codec_rec)

@@ -133,10 +133,7 @@ def engine_of(grid: Any) -> str:
 def check_resumable(cfg: RunConfig, ckpt: dict[str, Any], run_dir: Any, nodes: int | None, engine: str) -> None:
     """Before a run starts (``fedshield simulate``, ``coordinator start``): CoordinatorError naming each setting in
     which ``run_dir``'s checkpoint differs from this run (as the workflow checks again when it resumes)."""
-    from clients.tasks import get_task
-
-    numel = sum(p.numel() for p in get_task(cfg.task).build_model().parameters())
-    check_fingerprint(ckpt, run_fingerprint(cfg, numel, nodes, engine), run_dir)
+    check_fingerprint(ckpt, run_fingerprint(cfg, get_task(cfg.task).num_parameters(), nodes, engine), run_dir)
 
 
 def check_fingerprint(ckpt: dict[str, Any], want: dict[str, Any], path: Any) -> None:
@@ -399,11 +396,12 @@ class SyncWorkflow:
                     if self._late.pop(mid, None) is None:
                         pending.pop(mid, None)
                 replies += 1
-                bytes_up += message_nbytes(reply)  # what came up, refused or not
+                nbytes = message_nbytes(reply)
+                bytes_up += nbytes  # what came up, refused or not
                 update_bytes += update_nbytes(reply)
                 try:
                     ok_exp = late_exp or exp_for.get(mid, exp)
-                    ok = validate_reply(reply, ok_exp, check_norm=False)
+                    ok = validate_reply(reply, ok_exp, check_norm=False, nbytes=nbytes)
                     # Under central DP every client weighs 1: its influence on the sum is then at most the clip norm.
                     weight = 1.0 if self.dp is not None else float(ok.num_examples)
                     if late_exp is not None:  # a straggler from an earlier round: weighted by its staleness

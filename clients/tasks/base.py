@@ -42,6 +42,12 @@ class Task(ABC):
     def build_model(self) -> nn.Module:
         """A freshly initialised model (parameters only; no buffers)."""
 
+    def num_parameters(self) -> int:
+        """The model's parameter count, from a model built on torch's meta device (allocating nothing: a
+        message or config asking for a huge model is measured before anything of that size exists)."""
+        with torch.device("meta"):
+            return sum(p.numel() for p in self.build_model().parameters())
+
     @cached_property
     def _data(self) -> tuple[Dataset, Dataset]:
         return self._load()
