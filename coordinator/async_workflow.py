@@ -164,12 +164,8 @@ class BufferedAsyncWorkflow(SyncWorkflow):
     # -- dispatch ------------------------------------------------------------
     @property
     def _one_per_node(self) -> str:
-        """Why a node adds at most one update to a release ('' when it may add several): under central DP the
-        sum's sensitivity is one clip norm; the robust rules count updates as distinct clients (a fast node
-        filling a release with its updates was the median of it)."""
-        if self.dp is not None:
-            return "under central DP"
-        return "" if self.cfg.aggregation.aggregator == "mean" else f"under the {self.cfg.aggregation.aggregator} rule"
+        """Why a node adds at most one update to a release ('' when it may add several): RunConfig.one_update_per_node."""
+        return self.cfg.one_update_per_node()
 
     def _new_aggregator(self) -> Any:
         if self.dp is not None:  # each update clipped to the DP clip norm

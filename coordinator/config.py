@@ -499,6 +499,17 @@ class RunConfig:
                   f"the noised sum of s = {s} survivors (min-nodes = {self.server.min_nodes} less secagg-dropout-rate) "
                   "cannot wrap around the ring", self.secure.secagg_clip)
 
+    def one_update_per_node(self) -> str:
+        """Why a FedBuff release takes at most one update from each node ('' when a node may add several,
+        and always '' for synchronous rounds): under central DP the sum's sensitivity is one clip norm;
+        the robust rules count updates as distinct clients (a fast node filling a release with its updates
+        was the median of it). Such a release needs ``buffer-size`` distinct nodes."""
+        if self.asynchrony.workflow != "fedbuff":
+            return ""
+        if self.privacy.dp == "central":
+            return "under central DP"
+        return "" if self.aggregation.aggregator == "mean" else f"under the {self.aggregation.aggregator} rule"
+
     def dp_sampling_rate(self) -> float:
         """The sampling rate central / distributed DP is calibrated and accounted at: ``fraction-train``
         for synchronous central DP, whose rounds then take a secret Poisson sample (each node with

@@ -154,6 +154,10 @@ class Coordinator:
             if need > enrolled:
                 raise ConfigError(f"run.min-nodes must be <= the {enrolled} enrolled client key(s) (only enrolled nodes "
                                   f"can join: no round could start). Found {need}.")
+            why, size = cfg.run.one_update_per_node(), cfg.run.asynchrony.buffer_size
+            if why and size > enrolled:  # else the run stalls, then fails, once agents have trained
+                raise ConfigError(f"run.buffer-size must be <= the {enrolled} enrolled client key(s) (a FedBuff release "
+                                  f"{why} takes one update from each of buffer-size nodes). Found {size}.")
         self.superlink: subprocess.Popen | None = None
         self.log_path = self.state / "superlink.log"
 

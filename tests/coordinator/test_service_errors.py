@@ -234,6 +234,20 @@ def test_more_min_nodes_than_enrolled_keys_is_refused_before_anything_starts(tmp
     assert not (tmp_path / "coordinator-state").exists(), "refused before anything starts"
 
 
+@pytest.mark.parametrize("rule", ['aggregator = "median"', 'dp = "central"\ndp-noise-multiplier = 1.0'])
+def test_fedbuff_taking_one_update_per_node_needs_buffer_size_enrolled_keys(tmp_path, capsys, rule):
+    """A release under the median rule or central DP takes buffer-size distinct nodes: with fewer enrolled
+    keys the run stalled after agents had trained, then failed (stall timeout: 420 s by default)."""
+    _tls_config(tmp_path)
+    with (tmp_path / "c.toml").open("a") as f:
+        f.write(f'workflow = "fedbuff"\nbuffer-size = 2\n{rule}\n')
+    assert main(["coordinator", "start", "--config", str(tmp_path / "c.toml")]) == 2
+    line = _one_error_line(capsys)
+    assert line.startswith("fedshield: error: run.buffer-size must be <= the 1 enrolled client key(s) (a FedBuff "
+                           "release under ") and line.endswith("Found 2."), line
+    assert not (tmp_path / "coordinator-state").exists(), "refused before anything starts"
+
+
 # -- found before the SuperLink starts (a review: each was found by the ServerApp, after agents joined) ----------
 def _coordinator_error(tmp_path, capsys, monkeypatch, *extra: str) -> str:
     started = []

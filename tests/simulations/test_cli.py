@@ -423,7 +423,7 @@ def test_fedbuff_under_a_rule_taking_one_update_per_node_needs_buffer_size_nodes
     """Found only after the stall timeout (420 s by default) before."""
     assert main(["simulate", "--engine", "inprocess", "--set", "simulation.num-supernodes=3", "--set", "run.min-nodes=2",
                  "--set", 'run.workflow="fedbuff"', "--set", "run.buffer-size=5", *extra, "--quiet"]) == 2
-    assert "simulation.num-supernodes must be >= run.buffer-size = 5 under FedBuff" in _one_error_line(capsys)
+    assert "simulation.num-supernodes must be >= run.buffer-size = 5 (a FedBuff release under " in _one_error_line(capsys)
 
 
 def test_a_run_dir_that_exists_but_cannot_be_written_or_is_empty_is_one_line(capsys):
