@@ -141,6 +141,10 @@ def check_owner_limits(node_config: Mapping[str, Any], noise_multiplier: float |
     DP under a ``max-local-epsilon`` (``noise_multiplier``: the coordinator's local DP noise, None
     when it sent no local DP). The epsilon bound itself is checked against the ledger before training."""
     min_noise, max_epsilon = owner_limits(node_config)
+    if math.isfinite(max_epsilon) and STATE_DIR not in node_config:  # (fedshield agent always gives one)
+        raise ClientError(f"this node's owner limits its local epsilon to {max_epsilon:g} (max-local-epsilon): that "
+                          f"needs a {STATE_DIR} in its node config, where the ledger outlives the run. Found none (every "
+                          "run would start from epsilon 0).")
     if noise_multiplier is None and math.isfinite(max_epsilon):  # no DP: an unbounded epsilon
         raise ClientError(f"this node trains only under local DP (its owner's --max-local-epsilon "
                           f"{max_epsilon:g}). Found no local DP in the coordinator's train message.")

@@ -103,6 +103,8 @@ class BufferedAsyncWorkflow(SyncWorkflow):
     are all rejected, or all expire, are no progress: such a run used to go on for ever).
     """
 
+    FIXED_SIZE_RELEASES = True  # central DP: noise for 2 clip norms (SyncWorkflow.FIXED_SIZE_RELEASES)
+
     def __init__(self, cfg: RunConfig, grid: Grid, run_dir: RunDirectory, clock: Clock | None = None,
                  on_round: RoundCallback | None = None, *, concurrency: int = 10, buffer_size: int = 5,
                  max_staleness: int = 20, staleness: str | StalenessFunction = "polynomial",

@@ -214,8 +214,9 @@ def _shown(value: Any) -> str:
 # (a resume does not compare them where the current one does not read them).
 _DP_KEY_MODES = {"dp_clip": ("central", "distributed"), "dp_noise_multiplier": ("central", "distributed"),
                  "dp_delta": ("central", "distributed", "local"),
-                 "dp_secure_noise": ("central",), "local_noise_multiplier": ("local",),
+                 "dp_secure_noise": ("central",), "dp_expected_clients": ("central",), "local_noise_multiplier": ("local",),
                  "local_max_grad_norm": ("local",)}
+MAX_EXPECTED_CLIENTS = 10**9
 _ADAPTIVE_FIELDS = ("clip_target_quantile", "clip_learning_rate", "clip_count_noise")
 IGNORABLE_KEYS = frozenset(name.replace("_", "-") for name in (*_DP_KEY_MODES, *_ADAPTIVE_FIELDS))
 
@@ -234,6 +235,9 @@ class PrivacySettings:
     clip_target_quantile: float = 0.5
     clip_learning_rate: float = 0.2
     clip_count_noise: float = 0.0  # 0: auto, see count_noise_std()
+    # The public number a central-DP round's noised sum is divided by; 0: fraction-train x the population
+    # (num-supernodes under simulate, the enrolled keys under coordinator start). Never the drawn count.
+    dp_expected_clients: int = 0
     local_noise_multiplier: float = 1.0
     local_max_grad_norm: float = 1.0
 
@@ -246,6 +250,8 @@ class PrivacySettings:
               f"{MAX_NOISE_MULTIPLIER:g}] (below, epsilon is infinite; above, the accountant overflows)",
               self.dp_noise_multiplier)
         check(self.target_epsilon >= 0, "target-epsilon", "be >= 0 (0: no budget)", self.target_epsilon)
+        check(0 <= self.dp_expected_clients <= MAX_EXPECTED_CLIENTS, "dp-expected-clients", "be in "
+              f"[0, {MAX_EXPECTED_CLIENTS}] (0: fraction-train x the number of clients of the run)", self.dp_expected_clients)
         check(0 < self.dp_delta < 1, "dp-delta", "be in (0, 1)", self.dp_delta)
         check(self.target_epsilon == 0 or self.dp in ("central", "distributed"), "target-epsilon",
               "be 0 unless dp is 'central' or 'distributed' (only the coordinator's noise is accounted and its budget "
@@ -420,6 +426,8 @@ class RunConfig:
                 (srv.work_deadline == 0, "work-deadline", "be 0 (every node runs local-epochs)", srv.work_deadline),
                 (srv.selection == "uniform", "selection", "be 'uniform' (FedBuff gives work to idle nodes at random)",
                  srv.selection),
+                (self.privacy.dp_expected_clients == 0, "dp-expected-clients", "be 0 (a FedBuff release divides by "
+                 "buffer-size)", self.privacy.dp_expected_clients),
             ):
                 check(ok, key, f"{rule} under workflow = 'fedbuff'", found)
         if self.aggregation.slow_link_mbps > 0:
@@ -477,6 +485,9 @@ class RunConfig:
         if self.privacy.dp == "central":
             check(self.server.selection == "uniform", "selection", "be 'uniform' under central DP (rounds take a "
                   "secret Poisson sample, which is what the accounting assumes)", self.server.selection)
+            check(self.server.close_after_replies == 0, "close-after-replies", "be 0 under central DP (a round closed "
+                  "after a fixed number of replies lets one client's reply push another's out: the sum then moves by "
+                  "2 dp-clip, twice what the accounting assumes)", self.server.close_after_replies)
             check(self.aggregation.aggregator == "mean", "aggregator",
                   "be 'mean' under central DP (each update is clipped to dp-clip and weighted 1)", self.aggregation.aggregator)
         z = self.privacy.dp_noise_multiplier
@@ -500,15 +511,27 @@ class RunConfig:
                   "cannot wrap around the ring", self.secure.secagg_clip)
 
     def one_update_per_node(self) -> str:
-        """Why a FedBuff release takes at most one update from each node ('' when a node may add several,
-        and always '' for synchronous rounds): under central DP the sum's sensitivity is one clip norm;
-        the robust rules count updates as distinct clients (a fast node filling a release with its updates
+        """Why a FedBuff release takes at most one update from each node ('' when a node may add several):
+        under central DP one client's presence must move a release by a bounded number of clip norms; the
+        robust rules count updates as distinct clients (a fast node filling a release with its updates
         was the median of it). Such a release needs ``buffer-size`` distinct nodes."""
-        if self.asynchrony.workflow != "fedbuff":
-            return ""
         if self.privacy.dp == "central":
             return "under central DP"
         return "" if self.aggregation.aggregator == "mean" else f"under the {self.aggregation.aggregator} rule"
+
+    def dp_divisor(self, population: int | None) -> int:
+        """The public count a synchronous central-DP round's noised sum is divided by: ``dp-expected-clients``,
+        else the expected sample, ``fraction-train`` x ``population`` (the run's clients: fixed before it starts).
+        Never the count of clients online or drawn, which one client's presence changes (the release would
+        reveal it). ConfigError when neither is known."""
+        if self.privacy.dp_expected_clients:
+            return self.privacy.dp_expected_clients
+        if not population:
+            raise ConfigError("run.dp-expected-clients must be set under dp = 'central' when the run does not know its "
+                              "clients in advance (the noised sum is divided by this public number, never by the count "
+                              "online, which would reveal whether a client took part): set it to fraction-train x the "
+                              "number of clients. Found 0.")
+        return max(1, round(self.dp_sampling_rate() * population))
 
     def dp_sampling_rate(self) -> float:
         """The sampling rate central / distributed DP is calibrated and accounted at: ``fraction-train``

@@ -2,9 +2,10 @@
 
 Per round: check the budget before sampling; clip every accepted update to the
 current clip norm and weight it 1 (each client's influence on the sum is at most
-C); add Gaussian noise of std z*C to the sum; divide by the number of clients
-asked (a public count); record one sampled-Gaussian event in the RDP ledger.
-The ledger, z and the clip norm live in the checkpoint.
+C); add Gaussian noise of std z*C to the sum (z*2C under FedBuff, where a client's
+update displaces another's); divide by a public count fixed before the run
+(never the number of clients drawn or online); record one sampled-Gaussian event
+in the RDP ledger. The ledger, z and the clip norm live in the checkpoint.
 """
 
 from __future__ import annotations
@@ -36,8 +37,11 @@ from .config import PrivacySettings, min_survivors
 class CentralDp:
     """Sensitivity bound + noise + accounting + budget for one run."""
 
-    def __init__(self, cfg: PrivacySettings, expected_rate: float, num_rounds: int) -> None:
+    def __init__(self, cfg: PrivacySettings, expected_rate: float, num_rounds: int, sensitivity: float = 1.0) -> None:
         self.cfg = cfg
+        # clip norms one client's presence moves a release by (RunConfig.dp_sensitivity_factor): the sum's noise and
+        # the adaptive clip's count noise are both scaled by it, so z is relative to the real sensitivity
+        self.sensitivity = sensitivity
         self.accountant = RdpAccountant(cfg.dp_delta)
         self.budget = PrivacyBudget(cfg.target_epsilon, cfg.dp_delta) if cfg.target_epsilon > 0 else None
         if cfg.dp_noise_multiplier > 0:
@@ -54,7 +58,7 @@ class CentralDp:
         # adaptive clipping: clip-count-noise, or when 0 (unset) a value derived from z (PrivacySettings.count_noise_std)
         self.count_noise_std = cfg.count_noise_std(self.z)
         self.adaptive = (AdaptiveClipping(cfg.dp_clip, cfg.clip_target_quantile, cfg.clip_learning_rate,
-                                          count_noise_std=self.count_noise_std, secure=cfg.dp_secure_noise,
+                                          count_noise_std=self.count_noise_std * sensitivity, secure=cfg.dp_secure_noise,
                                           generator=None if cfg.dp_secure_noise else torch.Generator().manual_seed(self._seed("count", 0)))
                          if cfg.adaptive_clipping else None)
         if self.adaptive is not None and cfg.clip_count_noise == 0:
@@ -80,11 +84,12 @@ class CentralDp:
         return create_aggregator("norm-bounded-mean", numel, device, max_clients, clip=self.clip)
 
     def release(self, agg: Any, asked: int, rnd: int) -> torch.Tensor:
-        """The noised mean delta: (sum of clipped updates + N(0, (z_sum*C)^2)) / asked."""
+        """The noised mean delta: (sum of clipped updates + N(0, (z_sum*C*sensitivity)^2)) / asked (a public count)."""
         total = agg.result().mul_(agg.total_weight) if agg.count else torch.zeros(agg.numel, device=agg.device)
         z_sum = effective_noise_multiplier(self.z, self.count_noise_std) if self.adaptive else self.z
         gen = None if self.cfg.dp_secure_noise else torch.Generator().manual_seed(self._seed("sum", rnd))
-        CentralGaussianMechanism(self.clip, z_sum, secure=self.cfg.dp_secure_noise, generator=gen).noise_sum_(total)
+        CentralGaussianMechanism(self.clip * self.sensitivity, z_sum, secure=self.cfg.dp_secure_noise,
+                                 generator=gen).noise_sum_(total)
         return total.div_(max(1, asked))
 
     def after_round(self, sampling_rate: float, norms: list[float], asked: int) -> None:
@@ -99,10 +104,15 @@ class CentralDp:
     def describe(self) -> str:
         clip = None if self.adaptive else self.clip
         if self.budget is not None:
-            return self.budget.describe(self.accountant, level="user", clip=clip)
-        spent = max(self.epsilon, 1e-12)  # no budget set: describe what was spent
-        text = PrivacyBudget(spent, self.cfg.dp_delta).describe(self.accountant, level="user", clip=clip)
-        return text.replace(f" (target epsilon {spent:g})", " (no target-epsilon set)")
+            text = self.budget.describe(self.accountant, level="user", clip=clip)
+        else:
+            spent = max(self.epsilon, 1e-12)  # no budget set: describe what was spent
+            text = PrivacyBudget(spent, self.cfg.dp_delta).describe(self.accountant, level="user", clip=clip)
+            text = text.replace(f" (target epsilon {spent:g})", " (no target-epsilon set)")
+        if self.sensitivity != 1:
+            text += (f" Each release sums a fixed number of updates, so one client's update can displace another's: "
+                     f"the noise is sized for {self.sensitivity:g} clip norms.")
+        return text
 
     # -- checkpoint ------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -130,9 +140,10 @@ class DistributedDp(CentralDp):
     negligible margin of the Gaussian (Agarwal, Kairouz, Liu 2021, Thm 3.5).
     """
 
-    def __init__(self, cfg: PrivacySettings, expected_rate: float, num_rounds: int, dropout_rate: float) -> None:
+    def __init__(self, cfg: PrivacySettings, expected_rate: float, num_rounds: int, sensitivity: float,
+                 dropout_rate: float) -> None:
         # The coordinator picks the sample and sees who took part: against it, sampling amplifies nothing.
-        super().__init__(cfg, 1.0, num_rounds)
+        super().__init__(cfg, 1.0, num_rounds, sensitivity)
         self.dropout_rate = dropout_rate
 
     def event(self, sampling_rate: float) -> PrivacyEvent:

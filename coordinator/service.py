@@ -155,9 +155,19 @@ class Coordinator:
                 raise ConfigError(f"run.min-nodes must be <= the {enrolled} enrolled client key(s) (only enrolled nodes "
                                   f"can join: no round could start). Found {need}.")
             why, size = cfg.run.one_update_per_node(), cfg.run.asynchrony.buffer_size
-            if why and size > enrolled:  # else the run stalls, then fails, once agents have trained
+            if cfg.run.asynchrony.workflow == "fedbuff" and why and size > enrolled:  # else the run stalls, then fails, once agents have trained
                 raise ConfigError(f"run.buffer-size must be <= the {enrolled} enrolled client key(s) (a FedBuff release "
                                   f"{why} takes one update from each of buffer-size nodes). Found {size}.")
+        run = cfg.run
+        if run.privacy.dp == "central" and run.asynchrony.workflow == "sync" and not run.privacy.dp_expected_clients:
+            # The public count a round's noised sum is divided by: the expected sample of the enrolled clients
+            # (only they can join). Under --insecure anyone can: the operator must say how many to expect.
+            if insecure:
+                raise ConfigError("run.dp-expected-clients must be set under dp = 'central' with --insecure (any node "
+                                  "may join, so the population is not known: set fraction-train x the number of "
+                                  "clients you expect). Found 0.")
+            privacy = dataclasses.replace(run.privacy, dp_expected_clients=run.dp_divisor(enrolled))
+            self.cfg = cfg = dataclasses.replace(cfg, run=dataclasses.replace(run, privacy=privacy))
         self.superlink: subprocess.Popen | None = None
         self.log_path = self.state / "superlink.log"
 
@@ -332,6 +342,7 @@ def start_coordinator(config: str, insecure: bool = False, run_dir: str | None =
         print("fedshield coordinator: WARNING: --insecure: no TLS and no node authentication; any process that can "
               "reach the port can join and read the model. Use only for local tests.", file=sys.stderr)
     coord = Coordinator(cfg, insecure)
+    cfg = coord.cfg  # with the settings it derives (dp-expected-clients)
     run_path = Path(cfg.run.server.run_dir)
     if cfg.run.server.run_dir:  # a file in the way, a bad checkpoint or another run's: before the SuperLink starts
         _, ckpt = check_run_dir(run_path, "run-dir")

@@ -98,7 +98,8 @@ RoundCallback = Callable[[dict[str, Any]], None]
 
 # Settings a resumed run may change: how long to wait and where, not what is computed.
 RESUMABLE_CHANGES = frozenset({"num-rounds", "run-dir", "device", "poll-interval", "round-timeout", "wait-nodes-timeout",
-                               "secagg-stage-timeout", "secagg-pipeline", "min-nodes", "max-update-mb", "target-epsilon"})
+                               "secagg-stage-timeout", "secagg-pipeline", "min-nodes", "max-update-mb", "target-epsilon",
+                               "dp-expected-clients"})  # (public, fixed before each round: from the enrolled keys)
 FINGERPRINT_VERSION = 2
 
 
@@ -162,6 +163,11 @@ class SyncWorkflow:
     of starting its clock, devices and residuals again.
     """
 
+    # A release sums a fixed number of updates (FedBuff's buffer-size): one client's update then displaces
+    # another's, moving a central-DP release by 2 clip norms (replace-one), and the noise is sized for that.
+    # A synchronous round's sum holds whoever replied (add/remove: 1 clip norm).
+    FIXED_SIZE_RELEASES = False
+
     def __init__(
         self,
         cfg: RunConfig,
@@ -185,12 +191,15 @@ class SyncWorkflow:
         self.slow_link = (self._codec_plan(cfg.aggregation.make_codec(cfg.aggregation.slow_link_codec))
                           if cfg.aggregation.slow_link_mbps > 0 else None)
         self._slow_nodes: set[int] = set()
-        dp_args = (cfg.privacy, cfg.dp_sampling_rate(), cfg.server.num_rounds)
+        dp_args = (cfg.privacy, cfg.dp_sampling_rate(), cfg.server.num_rounds, 2.0 if self.FIXED_SIZE_RELEASES else 1.0)
         self.poisson = cfg.dp_sampling_rate() < 1.0  # secret Poisson sampling (see select)
         self._online, self._rate = 0, 1.0
         self.dp = (CentralDp(*dp_args) if cfg.privacy.dp == "central"
                    else DistributedDp(*dp_args, cfg.secure.secagg_dropout_rate) if cfg.privacy.dp == "distributed"
                    else None)
+        # A synchronous central-DP round divides its noised sum by this public count (RunConfig.dp_divisor)
+        self.dp_divisor = (cfg.dp_divisor(self._population())
+                           if cfg.privacy.dp == "central" and not self.FIXED_SIZE_RELEASES else 0)
         self.status = "completed"
         self.weights = self.task.init_weights(cfg.server.seed).to(self.device)
         self.round, self.version = 0, 0
@@ -223,10 +232,14 @@ class SyncWorkflow:
         return self.slow_link is not None and link is not None and link < self.cfg.aggregation.slow_link_mbps
 
     # -- state -------------------------------------------------------------
+    def _population(self) -> int | None:
+        """A simulation's node count (fedshield's engines hold their nodes' contexts; on Flower's, ``sim_nodes``);
+        None for a deployment, whose clients are not known in advance."""
+        return len(self.grid.contexts) if isinstance(getattr(self.grid, "contexts", None), dict) else self.sim_nodes
+
     def fingerprint(self) -> dict[str, Any]:
         """What a run directory's checkpoint must agree with to be resumed: see :func:`run_fingerprint`."""
-        nodes = len(self.grid.contexts) if isinstance(getattr(self.grid, "contexts", None), dict) else self.sim_nodes
-        return run_fingerprint(self.cfg, self.numel, nodes, engine_of(self.grid))
+        return run_fingerprint(self.cfg, self.numel, self._population(), engine_of(self.grid))
 
     def _resume(self) -> None:
         ckpt = self.run_dir.load_checkpoint()
@@ -449,11 +462,10 @@ class SyncWorkflow:
         extra: dict[str, Any] = {}
         if self.dp is not None:  # noise is added even to an empty sum: the release is private either way
             extra["clip"] = self.dp.clip
-            # Under Poisson sampling the mean divides by the expected sample size (public), not the drawn one
-            asked = max(1, round(self._rate * self._online)) if self.poisson else len(sent)
-            self.weights = self.optimizer.step(self.weights, self.dp.release(acc, asked, rnd))
+            # divided by a public count fixed before the run, never the drawn or online one (which reveals who took part)
+            self.weights = self.optimizer.step(self.weights, self.dp.release(acc, self.dp_divisor, rnd))
             self.version += 1
-            self.dp.after_round(self._rate, norms, asked)
+            self.dp.after_round(self._rate, norms, self.dp_divisor)
             extra["epsilon"] = self.dp.epsilon
         elif acc.count >= acc.min_updates:
             self.weights = self.optimizer.step(self.weights, acc.result())

@@ -92,7 +92,7 @@ class Scenario:
         if run.server.min_nodes > sim.num_supernodes:
             raise ConfigError(f"run.min-nodes must be <= simulation.num-supernodes={sim.num_supernodes}. Found {run.server.min_nodes}.")
         asy, why = run.asynchrony, run.one_update_per_node()
-        if why and asy.buffer_size > sim.num_supernodes:  # one update per node a release
+        if asy.workflow == "fedbuff" and why and asy.buffer_size > sim.num_supernodes:  # one update per node a release
             raise ConfigError(f"simulation.num-supernodes must be >= run.buffer-size = {asy.buffer_size} (a FedBuff "
                               f"release {why} takes one update from each of buffer-size nodes). Found "
                               f"{sim.num_supernodes}.")

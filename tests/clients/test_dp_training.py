@@ -471,3 +471,21 @@ def test_epsilon_agrees_with_dp_accounting(task, data):
         ref.compose(event, steps)
         expected = ref.get_epsilon(1e-5)
     assert stats["epsilon"] == pytest.approx(expected, rel=1e-3)
+
+
+@pytest.mark.parametrize("mode", ["fast", "hooks"])
+@pytest.mark.parametrize("n, epochs", [(93, 1), (94, 1), (93, 3)])
+def test_the_planned_epsilon_is_never_below_what_training_charges(task, data, mode, n, epochs):
+    """Opacus's DPDataLoader takes int(1 / (1 / L)) steps for L batches: 92 for 93. The fast trainer charges
+    q = 1 / 92; the plan assumed 1 / 93 over 93 steps, under the charge (a --max-local-epsilon just above the
+    plan let the ledger pass it). The plan now equals the fast path's charge and bounds the hooks path's."""
+    from clients.dp_training import planned_epsilon
+    from clients.tasks.base import Dataset
+
+    settings = TrainSettings(local_epochs=epochs, batch_size=1, lr=0.1)
+    dp = LocalDpSettings(noise_multiplier=0.8, grad_sample_mode=mode)
+    plan = planned_epsilon(None, dp, settings, n)
+    _, stats, _ = _dp(task, Dataset(data.x[:n], data.y[:n]), dp, settings=settings)
+    assert stats["epsilon"] <= plan * (1 + 1e-12)
+    if mode == "fast":
+        assert stats["epsilon"] == pytest.approx(plan, rel=1e-12)

@@ -124,6 +124,14 @@ def test_the_owner_s_max_local_epsilon_refuses_a_round_without_local_dp(tmp_path
     assert run_train(_message(1, z=None), _context()).content.array_records  # no limits: trains without DP
 
 
+def test_the_owner_s_max_local_epsilon_needs_a_state_dir():
+    """Without a state-dir (a plain SuperNode, Flower's simulation engine) the ledger lived in the run's Context:
+    every new run trained from epsilon 0 again (4 runs of 4.5 each under a bound of 5 in the repro)."""
+    with pytest.raises(ClientError, match="limits its local epsilon to 5 .*needs a state-dir in its node config"):
+        run_train(_message(1), _context(**{"max-local-epsilon": 5.0}))
+    assert _epsilon(run_train(_message(1), _context(**{"min-local-noise": 1.0}))) > 0  # a per-round limit: no ledger
+
+
 def test_the_owner_s_max_local_epsilon_refuses_a_round_before_it_trains(tmp_path, monkeypatch):
     from clients import dp_training
 
@@ -188,3 +196,37 @@ def test_a_partition_s_ledger_from_before_task_keys_is_carried_over_not_reset(tm
     again = _epsilon(run_train(_message(2), _context(**{"state-dir": str(tmp_path)})))
     assert again > eps * 1.2
     assert (tmp_path / f"{PREFIX}task-{TASK.task}.json").is_file()
+
+
+def test_every_content_keyed_ledger_is_carried_over_not_just_one(tmp_path):
+    """Two partitions' ledgers from before task keys: the task ledger composes both (it may over-count, never
+    under-count); taking one of them dropped the other's steps."""
+    from clients.ledger import data_key
+
+    steps = []
+    for part, rounds in ((0, 1), (1, 2)):  # two content-keyed ledgers with different step counts
+        (tmp_path / str(part)).mkdir()
+        ctx = _context(**{"state-dir": str(tmp_path / str(part))})
+        for rnd in range(1, rounds + 1):
+            run_train(_message(rnd), ctx)
+        (path,) = (tmp_path / str(part)).glob(f"{PREFIX}*.json")
+        steps.append(_steps(path))
+        path.rename(tmp_path / f"{PREFIX}{data_key(get_task(TASK).partition(part, 40))}.json")
+    assert steps[1] == 2 * steps[0]  # (the same data size a round)
+    run_train(_message(3), _context(**{"state-dir": str(tmp_path)}))
+    assert _steps(tmp_path / f"{PREFIX}task-{TASK.task}.json") == steps[0] + steps[1] + steps[0]  # both, then this round's
+
+
+def test_the_owner_s_limits_force_poisson_sampling_and_the_device_s_delta(monkeypatch, tmp_path):
+    """The reported epsilon is the same either way, so capture what training is given."""
+    from clients import dp_training
+    from clients.ledger import OWNER_DELTA
+
+    given = []
+    real = dp_training.train_local_dp
+    monkeypatch.setattr(dp_training, "train_local_dp", lambda *a, **k: given.append(a[3]) or real(*a, **k))
+    msg = _message(1)
+    msg.content[LOCAL_DP] = ConfigRecord({"noise-multiplier": 1.0, "max-grad-norm": 1.0, "delta": 0.5,
+                                          "poisson-sampling": False})
+    run_train(msg, _context(**{"state-dir": str(tmp_path), "max-local-epsilon": 1e9}))
+    assert given[0].poisson_sampling is True and given[0].delta == OWNER_DELTA

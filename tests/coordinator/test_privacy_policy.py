@@ -287,3 +287,77 @@ def test_central_dp_rounds_take_a_secret_poisson_sample():
     assert all(set(x) <= set(nodes) for x in samples)
     with pytest.raises(ConfigError, match="selection must be 'uniform' under central DP"):
         RunConfig.from_mapping({**BASE, "dp": "central", "dp-noise-multiplier": 1.0, "selection": "fast-fair"})
+
+
+# -- sensitivity and the divisor (review helper-49) -------------------------------------------------------------
+def test_a_fedbuff_release_is_noised_for_two_clip_norms():
+    """A FedBuff release always sums buffer-size updates: a client joining displaces another's update, so the
+    release moves by up to 2C (replace-one) while it was noised and accounted for C (epsilon 4.73 reported for
+    a true 10.73 in the repro). The noise is now sized for 2C; z and the accounting stay as they were."""
+    from coordinator import BufferedAsyncWorkflow
+    from coordinator.privacy_policy import CentralDp
+
+    cfg = RunConfig.from_mapping({**BASE, "dp": "central", "dp-noise-multiplier": 1.5, "dp-clip": 0.5,
+                                  "workflow": "fedbuff", "fraction-train": 1.0, "buffer-size": 2})
+    for sensitivity in (1.0, 2.0):
+        dp = CentralDp(cfg.privacy, 1.0, 3, sensitivity)
+        out = dp.release(dp.make_aggregator(200_000, "cpu", 4), 4, 1)  # an empty sum: noise only, divided by 4
+        assert (out * 4).std().item() == pytest.approx(1.5 * 0.5 * sensitivity, rel=0.02)
+        assert dp.event(1.0).noise_multiplier == 1.5  # accounted at z either way
+    assert "2 clip norms" in CentralDp(cfg.privacy, 1.0, 3, 2.0).describe()
+    assert BufferedAsyncWorkflow.FIXED_SIZE_RELEASES and not SyncWorkflow.FIXED_SIZE_RELEASES
+
+
+def test_the_fedbuff_workflow_noises_its_releases_for_two_clip_norms(tmp_path):
+    from coordinator.server_app import make_workflow
+
+    cfg = RunConfig.from_mapping({**BASE, "dp": "central", "dp-noise-multiplier": 1.0, "workflow": "fedbuff",
+                                  "fraction-train": 1.0, "buffer-size": 2, "min-nodes": 1})
+    wf = make_workflow(cfg, InProcessGrid(app, 3), RunDirectory(tmp_path / "fb"))
+    assert wf.dp.sensitivity == 2.0 and wf.dp_divisor == 0  # (a release divides by buffer-size)
+    sync = make_workflow(RunConfig.from_mapping({**BASE, "dp": "central", "dp-noise-multiplier": 1.0}),
+                         InProcessGrid(app, 3), RunDirectory(tmp_path / "sync"))
+    assert sync.dp.sensitivity == 1.0
+
+
+def test_close_after_replies_is_refused_under_central_dp():
+    """A round closed after k replies holds a fixed number of updates: a fast client pushes a slow one out (2C)."""
+    from clients import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^run\.close-after-replies must be 0 under central DP .*2 dp-clip"):
+        RunConfig.from_mapping({**BASE, "dp": "central", "dp-noise-multiplier": 1.0, "close-after-replies": 2})
+    RunConfig.from_mapping({**BASE, "close-after-replies": 2})  # without central DP: allowed
+
+
+@pytest.mark.parametrize("fraction, expected, want", [(1.0, 0, 10), (0.5, 0, 5), (0.5, 7, 7), (0.05, 0, 1)])
+def test_a_central_dp_round_divides_by_a_public_count_fixed_before_the_run(tmp_path, monkeypatch, fraction, expected, want):
+    """The noised sum was divided by the number of clients asked (q = 1) or by q x the nodes online: both change
+    with one client's presence, and the release's norm then told the two worlds apart (divisor 2 vs 3: norms 49
+    vs 33). It is now divided by dp-expected-clients, or fraction-train x the run's clients (num-supernodes)."""
+    from coordinator.privacy_policy import CentralDp
+
+    asked = []
+    release = CentralDp.release
+    monkeypatch.setattr(CentralDp, "release", lambda self, agg, n, rnd: asked.append(n) or release(self, agg, n, rnd))
+    kw = {"num-rounds": 2, "dp": "central", "dp-noise-multiplier": 1.0, "fraction-train": fraction,
+          "dp-expected-clients": expected}
+    wf, s = run(tmp_path, "div", **kw)
+    assert s["status"] == "completed" and wf.dp_divisor == want and asked == [want, want]
+
+
+def test_central_dp_without_a_known_population_needs_dp_expected_clients(tmp_path):
+    """A deployment's Grid does not know its clients in advance: the divisor must be given (coordinator start
+    gives the enrolled keys' count), never taken from who is online."""
+    from clients import ConfigError
+
+    class Deployment(InProcessGrid):  # a Grid with no simulated population (as Flower's SuperLink grid)
+        ENGINE = "flower"
+
+    grid = Deployment(app, 3)
+    del grid.contexts  # (not a dict: the workflow cannot count the population)
+    grid.contexts = None
+    cfg = RunConfig.from_mapping({**BASE, "dp": "central", "dp-noise-multiplier": 1.0})
+    with pytest.raises(ConfigError, match=r"^run\.dp-expected-clients must be set under dp = 'central' when the run"):
+        SyncWorkflow(cfg, grid, RunDirectory(tmp_path / "d"))
+    wf = SyncWorkflow(cfg, grid, RunDirectory(tmp_path / "d"), sim_nodes=8)  # Flower's simulation engine: its count
+    assert wf.dp_divisor == 4

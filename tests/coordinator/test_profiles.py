@@ -244,7 +244,7 @@ def test_work_deadline_gives_slow_nodes_fewer_epochs_and_shortens_rounds(tmp_pat
         assert capped.profiles.local_epochs(n, 4, 8.0) == max(1, min(4, int(8.0 // per)))
     # The edge tier (50x slower per example) is cut to what fits in 8 s; its rounds get that much shorter.
     assert capped.history[1]["round_time_s"] < 0.6 * full.history[1]["round_time_s"]
-    assert 0.5 <= capped.history[-1]["test_accuracy"] <= 1.0
+    assert 0.5 <= capped.history[-1]["test_accuracy"] <= 0.995
 
 
 def test_epochs_are_measured_from_the_reported_work_bounded_by_the_round_trip():
@@ -344,7 +344,7 @@ def test_slow_links_are_asked_for_the_slow_link_codec(tmp_path):
     rows = wf.history
     assert all(r["rejected"] == 0 and r["accepted"] == 20 for r in rows)
     assert rows[1]["bytes_up"] < 0.7 * rows[0]["bytes_up"]  # half the nodes now send 5% top-k
-    assert 0.6 <= rows[-1]["test_accuracy"] <= 1.0
+    assert 0.6 <= rows[-1]["test_accuracy"] <= 0.995
     from clients._errors import ConfigError
 
     with pytest.raises(ConfigError, match="slow-link-codec"):

@@ -297,3 +297,19 @@ def test_a_key_or_certificate_that_is_not_a_regular_file_says_what_it_is(tmp_pat
     assert main(["agent", "start", "--coordinator", "127.0.0.1:9", "--root-cert", "/dev/null", "--key", "/dev/null",
                  "--partition", "0/2"]) == 2
     assert "must be a regular file. Found a character device at /dev/null" in _one_error_line(capsys)
+
+
+def test_central_dp_divides_by_the_enrolled_keys_and_needs_a_count_under_insecure(tmp_path, capsys, monkeypatch):
+    """A central-DP round divides its noised sum by a public count: coordinator start takes fraction-train x the
+    enrolled keys (only they can join); under --insecure anyone can join, so the count must be given."""
+
+    _tls_config(tmp_path)
+    new_node_key(tmp_path / "keys" / "client-2")
+    text = (tmp_path / "c.toml").read_text().replace('["keys/client-1.pub"]', '["keys/client-1.pub", "keys/client-2.pub"]')
+    (tmp_path / "c.toml").write_text(text + 'dp = "central"\ndp-noise-multiplier = 1.0\n')
+    coord = Coordinator(load_coordinator_config(tmp_path / "c.toml"), insecure=False)
+    assert coord.cfg.run.privacy.dp_expected_clients == 2
+    line = _coordinator_error(tmp_path, capsys, monkeypatch, "--insecure")
+    assert line.startswith("fedshield: error: run.dp-expected-clients must be set under dp = 'central' with --insecure")
+    (tmp_path / "c.toml").write_text(text + 'dp = "central"\ndp-noise-multiplier = 1.0\ndp-expected-clients = 5\n')
+    assert Coordinator(load_coordinator_config(tmp_path / "c.toml"), insecure=True).cfg.run.privacy.dp_expected_clients == 5

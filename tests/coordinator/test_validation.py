@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -296,3 +298,54 @@ def test_a_reply_from_another_node_does_not_use_up_the_asked_node_s_slot():
 def test_a_negative_or_infinite_local_epsilon_is_no_claim(eps, kept):
     reply = _reply(_instruction(11, "m1"), metrics={"num-examples": 10, "base-version": 7, "local-epsilon": eps})
     assert validate_reply(reply, _exp()).local_epsilon == kept
+
+
+# -- edges a mutation review found untested (helper-51) ------------------------------------------------------------
+def test_the_side_bytes_limit_holds_at_its_edge():
+    from clients.protocol import message_nbytes, update_nbytes
+    from coordinator.validation import MAX_SIDE_BYTES
+
+    def padded(extra: int) -> Message:
+        reply = _reply(_instruction(11, "m1"))
+        side = message_nbytes(reply) - update_nbytes(reply) + len("pad")  # the key's bytes, then the value's
+        reply.content[METRICS]["pad"] = [0.0] * ((MAX_SIDE_BYTES - side) // 8 + extra)
+        return reply
+
+    ok = padded(0)
+    assert MAX_SIDE_BYTES - 8 < message_nbytes(ok) - update_nbytes(ok) <= MAX_SIDE_BYTES
+    assert validate_reply(ok, _exp()).num_examples == 10
+    assert _rule(padded(1)) == "oversized"
+
+
+@pytest.mark.parametrize("factor, rule", [(1.0, None), (1.01, "norm-too-large")])
+def test_validate_reply_checks_the_norm_at_its_bound(factor, rule):
+    delta = torch.ones(N) * (100.0 / N**0.5) * factor  # max_norm 100
+    reply = _reply(_instruction(11, "m1"), delta=delta)
+    if rule is None:
+        assert validate_reply(reply, _exp()).norm == pytest.approx(100.0, rel=1e-5)
+    else:
+        assert _rule(reply) == rule
+
+
+def test_replies_under_one_codec_with_different_norm_bounds_are_checked_against_their_own():
+    """add_replies batches replies by codec: a batch must not take the first reply's max_norm for all."""
+    from aggregation import create_aggregator
+    from coordinator.validation import add_replies
+
+    codec = create_codec("dense")
+    big, small = _exp(codec=codec, max_norm=100.0), _exp(codec=codec, max_norm=1.0)
+    agg = create_aggregator("mean", N, "cpu", 2)
+    items = [(validate_reply(_reply(_instruction(11, "m1"), delta=torch.full((N,), 5.0 / N**0.5)), big,
+                             check_norm=False), 1.0, big),
+             (validate_reply(_reply(_instruction(12, "m2"), delta=torch.full((N,), 5.0 / N**0.5)), small,
+                             check_norm=False), 1.0, small)]
+    first, second = add_replies(agg, items)
+    assert not isinstance(first, RejectedReply) and first.norm == pytest.approx(5.0, rel=1e-5)
+    assert isinstance(second, RejectedReply) and second.rule == "norm-too-large" and agg.count == 1
+
+
+@pytest.mark.parametrize("loss", [1e300, -1e31, float("inf")])
+def test_a_train_loss_past_the_bound_is_unknown_not_averaged(loss):
+    """(A boolean num-examples cannot arrive: Flower's MetricRecord refuses bools.)"""
+    reply = _reply(_instruction(11, "m1"), metrics={"num-examples": 10, "base-version": 7, "train-loss": loss})
+    assert math.isnan(validate_reply(reply, _exp()).train_loss)

@@ -53,7 +53,7 @@ def test_three_node_tls_run_and_unenrolled_key_refused(tmp_path, procs, fedshiel
     assert accs[-1] > _initial_accuracy() + 0.5  # accuracy rose from the untrained model
     assert accs[-1] >= accs[0] - 0.02
     summary = json.loads((run_dir / SUMMARY).read_text())
-    assert summary["rounds"] == 3 and 0.80 <= summary["final_test_accuracy"] <= 1.0
+    assert summary["rounds"] == 3 and 0.80 <= summary["final_test_accuracy"] <= 0.995
     assert "run completed" in procs.log("coordinator")
     for i in range(3):  # the coordinator stops its SuperLink when the run ends: each agent's part ended fine
         assert procs.wait(f"agent{i}", timeout=120) == 0, procs.log(f"agent{i}")[-2000:]
@@ -117,4 +117,4 @@ def test_fedbuff_on_a_real_superlink_with_a_slow_node(tmp_path, procs, fedshield
     rows = metrics_rows(run_dir)
     assert sum(int(r["accepted"]) for r in rows) == 2 * 5 <= summary["accepted_total"]
     assert max(float(r["mean_staleness"]) for r in rows) > 0  # late updates arrived and were down-weighted
-    assert 0.80 <= summary["final_test_accuracy"] <= 1.0
+    assert 0.80 <= summary["final_test_accuracy"] <= 0.995

@@ -54,6 +54,8 @@ def test_central_dp_run_stops_cleanly_when_the_budget_is_spent(tmp_path, procs, 
     assert summary["rounds"] == 2
     assert summary["epsilon"] == pytest.approx(eps2, rel=1e-9) and summary["epsilon"] <= target
     assert summary["noise_multiplier"] == Z and summary["delta"] == DELTA
+    # the noised sum is divided by the enrolled keys' count (public), not by the two agents that took part
+    assert json.loads((run_dir / "config.json").read_text())["dp-expected-clients"] == 3
     guarantee = summary["privacy_guarantee"]
     assert f"({eps2:.3g}, {DELTA:g})-differential privacy at the user level after 2 rounds" in guarantee
     assert f"target epsilon {target:g}" in guarantee

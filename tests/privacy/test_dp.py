@@ -91,6 +91,15 @@ def test_secure_noise_spans_several_chunks_with_fresh_draws():
     assert_gaussian(t, 1.0)
 
 
+def test_secure_noise_reaches_every_coordinate_of_every_chunk():
+    """A chunk's last coordinate left un-noised passed the distribution checks (one in 2**18)."""
+    from privacy import dp
+
+    t = torch.zeros(2 * dp._CHUNK + 5)
+    GaussianNoise(1.0, secure=True).add_(t)
+    assert (t != 0).all() and t[dp._CHUNK - 1] != 0 and t[2 * dp._CHUNK - 1] != 0 and t[-1] != 0
+
+
 def test_seeded_noise_reproduces_and_different_seeds_differ():
     def draw(seed: int) -> torch.Tensor:
         return GaussianNoise(1.0, generator=torch.Generator().manual_seed(seed)).add_(torch.zeros(1000))
