@@ -7,6 +7,7 @@ from anywhere that reached the port, ``flwr supernode register`` admitted a key 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import time
@@ -127,13 +128,17 @@ def test_the_coordinators_superlink_process_runs_behind_the_guard(tmp_path):
         with socket.socket() as s:  # no gRPC Control API beside the guarded port
             assert s.connect_ex(("127.0.0.1", grpc_control)) != 0
         maps = open(f"/proc/{proc.pid}/maps").read()  # the shared libraries the process has loaded
-    finally:
-        proc.terminate()
+    finally:  # the whole session's group (the SuperLink's children too), by its pid
         try:
+            os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
     text = log.read_text()
     assert "FLWR_INTERNAL_GRPC_CONTROL_API ignored" in text
     assert "libtorch" not in maps, "the SuperLink's process loaded the coordinator package (and torch with it)"

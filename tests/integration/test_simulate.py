@@ -22,9 +22,22 @@ from .procs import free_port, wait_for
 pytestmark = [pytest.mark.integration]
 
 
-def _simulate(fedshield_bin, tmp_path, *args, timeout=600, env=None):
-    return subprocess.run([fedshield_bin, "simulate", "--quiet", *args], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})
+def _simulate(fedshield_bin, tmp_path, *args, timeout=280, env=None):
+    """``fedshield simulate`` in a session of its own and with its own FLWR_HOME; its whole process group (Ray's
+    gcs, raylet and workers) is killed when it has ended, or when the test fails or times out (subprocess.run
+    killed only the direct child: its Ray daemons were left behind)."""
+    proc = subprocess.Popen([fedshield_bin, "simulate", "--quiet", *args], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, "FLWR_HOME": str(tmp_path / "flwr-home"), **(env or {})})
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.communicate()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 @pytest.mark.timeout(300)

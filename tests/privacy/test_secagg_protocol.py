@@ -488,3 +488,38 @@ def test_a_misshapen_share_in_an_unmask_reply_is_left_out_alone():
     assert torch.equal(result.total, torch.full((params.dim,), len(params.nodes), dtype=torch.int64))
 
 
+
+
+def test_a_client_refuses_to_unmask_with_fewer_than_t_surviving_neighbours():
+    """Answering would hand the server key shares of t or more 'dropped' neighbours while too few survive."""
+    params, server, clients, keys = started(6, 5, 4)
+    reqs = server.share_keys_requests()
+    for v in params.nodes:
+        server.on_shares(v, clients[v].share_keys(reqs[v]))
+    reqs = server.masked_input_requests()
+    for v in params.nodes:
+        clients[v].receive_shares(reqs[v])
+        clients[v].mask(torch.zeros(params.dim, dtype=torch.int64))
+    a, b, *rest = params.nodes
+    with pytest.raises(SecAggRejected) as info:
+        clients[a].unmask([a, b], rest)  # itself and one neighbour survive: 2 < t = 4
+    assert info.value.rule == "too-few-neighbours"
+    assert clients[rest[0]].unmask([rest[0], *rest[1:], b], [a])  # t survive: answered
+
+
+def test_a_rebuilt_self_seed_is_checked_against_its_committed_hash(monkeypatch):
+    """A combination of t shares that gives another seed (a crafted share does) must not be used: the server
+    checks it against the hash each client committed to, then decodes every share instead."""
+    import privacy.secagg.protocol as protocol
+
+    real, calls = protocol.combine_values, []
+
+    def wrong_once(*args, **kw):
+        calls.append(1)
+        secret = real(*args, **kw)
+        return bytes([secret[0] ^ 1]) + secret[1:] if len(calls) == 1 else secret
+
+    monkeypatch.setattr(protocol, "combine_values", wrong_once)
+    params, server = _unmask_round(6, 5, 3, lambda v, shares: shares)
+    result = server.finish()
+    assert calls and torch.equal(result.total, torch.full((params.dim,), len(params.nodes), dtype=torch.int64))
