@@ -287,11 +287,12 @@ class Watched:
     served: int = 0
 
 
-def _watch(proc: subprocess.Popen) -> Watched:
+def _watch(proc: subprocess.Popen, quiet: threading.Event | None = None) -> Watched:
     """Echo the SuperNode's log (less Flower's shutdown noise); return what it said.
 
     A SuperNode that gave up may hang on its helper threads: once a fatal line is
-    seen, the process group gets a few seconds to exit and is then stopped.
+    seen, the process group gets a few seconds to exit and is then stopped. Once
+    ``quiet`` is set (the agent was interrupted), what the group says as it stops is not echoed.
     """
     seen = Watched()
     assert proc.stdout is not None
@@ -299,7 +300,7 @@ def _watch(proc: subprocess.Popen) -> Watched:
     for line in proc.stdout:
         if line.startswith(_IGNORED_START):
             skipping = True
-        if not skipping:
+        if not skipping and not (quiet is not None and quiet.is_set()):
             sys.stderr.write(line)
         elif line.startswith(_IGNORED_END):
             skipping = False
@@ -328,6 +329,10 @@ def _watch(proc: subprocess.Popen) -> Watched:
     return seen
 
 
+def _messages(n: int) -> str:
+    return f"{n} message{'' if n == 1 else 's'}"
+
+
 def _stop_group(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
     try:
         os.killpg(proc.pid, sig)
@@ -335,8 +340,9 @@ def _stop_group(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
         pass
 
 
-def _die_with_parent() -> None:
-    """In the SuperNode's process (Linux): get SIGTERM if the agent dies, even by SIGKILL."""
+def die_with_parent() -> None:
+    """In a child's process (Linux; the agent's SuperNode, the coordinator's SuperLink): get SIGTERM if the
+    process that started it dies, even by SIGKILL."""
     import ctypes
 
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
@@ -349,24 +355,35 @@ def start_agent(args: argparse.Namespace) -> int:
           f"({'insecure' if args.insecure else 'TLS + node authentication'})", file=sys.stderr)
     proc = subprocess.Popen(cmd, env={**os.environ, "FLWR_DISABLE_UPDATE_CHECK": "1"}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+                            preexec_fn=die_with_parent if sys.platform.startswith("linux") else None)
+
+    stopped_by: list[int] = []
+    quiet = threading.Event()
 
     def forward(signum: int, _frame: object) -> None:
-        _stop_group(proc, signum)
+        # SIGTERM to the group whatever came in: SIGINT made the ClientApp running at that moment print a
+        # KeyboardInterrupt traceback (and its SuperNode's shutdown is not the user's business either)
+        stopped_by.append(signum)
+        quiet.set()
+        _stop_group(proc, signal.SIGTERM)
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, forward)
     try:
-        seen = _watch(proc)
+        seen = _watch(proc, quiet)
     finally:
         _stop_group(proc)
+    if stopped_by:  # Ctrl-C: 130, as fedshield simulate; SIGTERM (a service manager's stop): 0
+        print(f"fedshield agent: {'interrupted' if stopped_by[0] == signal.SIGINT else 'stopped'}; the node left the "
+              f"federation after answering {_messages(seen.served)}.", file=sys.stderr)
+        return 130 if stopped_by[0] == signal.SIGINT else 0
     flwr_code, refusal = seen.exit_code, seen.refusal
     if flwr_code is None and proc.returncode in (0, -signal.SIGTERM, -signal.SIGINT):
         return 0
     if flwr_code == 305 and refusal is None and seen.served:
         # Connected, answered the coordinator, then lost it: a coordinator stops its SuperLink when its
         # run ends, so this is how an agent's part in a finished run ends (or the coordinator stopped).
-        print(f"fedshield agent: the coordinator went away after this node answered {seen.served} messages (its "
+        print(f"fedshield agent: the coordinator went away after this node answered {_messages(seen.served)} (its "
               "run ended, or it was stopped); agent stopped.", file=sys.stderr)
         return 0
     if refusal in _REFUSALS:

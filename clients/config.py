@@ -12,7 +12,7 @@ import math
 import os
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -106,6 +106,17 @@ def config_keys(cls: type) -> list[str]:
     return sorted(kebab(f.name) for f in dataclasses.fields(cls))
 
 
+def unknown_key(prefix: str, key: Any, known: Iterable[str]) -> ConfigError:
+    """The error for an unknown key: the closest known one when there is one (a typo, or snake_case), else
+    every known key."""
+    import difflib
+
+    known = sorted(known)
+    close = difflib.get_close_matches(str(key).replace("_", "-"), known, n=1, cutoff=0.75) if isinstance(key, str) else []
+    hint = f"Did you mean {close[0]}?" if close else f"Known keys: {', '.join(known)}."
+    return ConfigError(f"{prefix}{shown_key(key)} is not a known key. {hint}")
+
+
 def build_config(cls: type[T], mapping: Mapping[str, Any], where: str = "", *, strict: bool = True) -> T:
     """Build the frozen dataclass ``cls`` from a kebab-case mapping.
 
@@ -120,7 +131,7 @@ def build_config(cls: type[T], mapping: Mapping[str, Any], where: str = "", *, s
     prefix = f"{where}." if where else ""
     unknown = sorted(set(mapping) - set(fields))
     if strict and unknown:
-        raise ConfigError(f"{prefix}{shown_key(unknown[0])} is not a known key. Known keys: {', '.join(sorted(fields))}.")
+        raise unknown_key(prefix, unknown[0], fields)
     kwargs = {}
     for key, field in fields.items():
         if key in mapping:

@@ -12,8 +12,7 @@ from aggregation import AggregationError, available_server_optimizers, create_ag
 from aggregation.codecs import Codec, create_codec
 from aggregation.robust import krum_min_updates
 from clients.config import (MAX_NOISE_MULTIPLIER, MIN_LOCAL_NOISE_MULTIPLIER, MIN_NOISE_MULTIPLIER, TaskSpec, TrainSettings, build_config, check, config_keys,
-                            split_mapping, to_mapping)
-from aggregation._errors import shown_key
+                            split_mapping, to_mapping, unknown_key)
 from clients._errors import ConfigError
 
 from .profiles import SELECTION_POLICIES
@@ -584,7 +583,7 @@ class RunConfig:
                                          AsyncSettings, SecureAggSettings)))
         unknown = sorted(set(mapping) - known)
         if unknown:
-            raise ConfigError(f"{where}.{shown_key(unknown[0])} is not a known key. Known keys: {', '.join(sorted(known))}.")
+            raise unknown_key(f"{where}.", unknown[0], known)
         server, task, train, agg, priv, asy, sec = split_mapping(mapping, ServerSettings, TaskSpec, TrainSettings,
                                                                  AggregationSettings, PrivacySettings, AsyncSettings,
                                                                  SecureAggSettings)

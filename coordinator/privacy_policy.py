@@ -121,7 +121,10 @@ class CentralDp:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.accountant.load_state_dict(state["accountant"])
-        self.z, self.clip = float(state["z"]), float(state["clip"])
+        z, clip = float(state["z"]), float(state["clip"])
+        if not (math.isfinite(z) and z > 0 and math.isfinite(clip) and clip > 0):
+            raise ValueError(f"its noise multiplier ({z:g}) and clip ({clip:g}) must be finite and > 0")
+        self.z, self.clip = z, clip
         if self.adaptive is not None and state.get("adaptive"):
             self.adaptive.load_state_dict(state["adaptive"])
 

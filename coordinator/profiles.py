@@ -178,7 +178,8 @@ class ProfileRegistry:
         if alpha is not None and 0 < alpha <= 1:
             self.alpha = alpha
         self.profiles, self.ema_time, self.counts, self.ema_epoch, self.missed_epoch = {}, {}, {}, {}, {}
-        for key, entry in dict(state.get("nodes", {})).items():
+        nodes = state.get("nodes", {})
+        for key, entry in (nodes.items() if isinstance(nodes, Mapping) else ()):  # (a damaged part: nothing kept)
             try:
                 node = int(key)
             except (TypeError, ValueError):

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import csv
 import errno
+import fcntl
 import hashlib
 import io
 import json
 import os
 import tempfile
+import warnings
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -88,30 +91,66 @@ _CHECKPOINT_PARTS = {"version": (int, "an int"), "weights": (torch.Tensor, "a 1-
 
 def weights_sha256(weights: torch.Tensor) -> str:
     """SHA-256 of a flat tensor's bytes (a checkpoint's weights; shortened, a model version in the logs)."""
-    return hashlib.sha256(weights.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+    return hashlib.sha256(memoryview(weights.detach().cpu().contiguous().view(torch.uint8).numpy())).hexdigest()
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+# A history row's values that the plots, the summary and a resumed run read (None allowed where marked)
+_ROW_NUMBERS = {"test_accuracy": False, "test_loss": False, "round_time_s": False, "bytes_down": False,
+                "bytes_up": False, "sim_time_s": True, "wall_time_s": True, "epsilon": True}
 
 
 def _inconsistency(state: dict[str, Any]) -> str | None:
     """What in a checkpoint (its parts' types already checked) disagrees with the rest, or None."""
     w, rnd, fp = state["weights"], state["round"], state["fingerprint"]
+    if "numel" in fp and fp["numel"] != w.numel():  # (before hashing: a bomb of weights is refused cheaply)
+        return f"{w.numel()} weights for a model of {fp['numel']}"
     digest = state.get("weights-sha256")
     if digest is not None and digest != weights_sha256(w):  # absent from checkpoints of earlier fedshield versions
         return "its weights do not match their SHA-256: changed or damaged since it was written"
     if not bool(torch.isfinite(w).all()):
         return "its weights hold NaN or infinity"
-    if "numel" in fp and fp["numel"] != w.numel():
-        return f"{w.numel()} weights for a model of {fp['numel']}"
     if rnd < 0 or state["version"] < 0:
         return f"round {rnd} and version {state['version']} must be >= 0"
     rows = [row.get("round") for row in state["history"]]
     if not all(isinstance(r, int) and not isinstance(r, bool) and 1 <= r <= rnd for r in rows):
         return f"every history row must name a round in [1, {rnd}]"
+    if any(b <= a for a, b in zip(rows, rows[1:])):
+        return "the history's rounds must increase row by row (no round twice)"
+    for row in state["history"]:
+        for key, optional in _ROW_NUMBERS.items():
+            value = row.get(key)
+            if not (_number(value) or (optional and value is None)):
+                return f"round {row['round']}'s {key} must be a number. Found {str(value)[:20]!r}"
+    if not all(isinstance(k, str) for k in state["rejections"]):
+        return "rejection counts must be keyed by rule names"
     if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in state["rejections"].values()):
         return "rejection counts must be integers >= 0"
     for key in ("privacy", "profiles", "engine", "extra"):
         if not isinstance(state.get(key, {}), dict):
             return f"{key!r} must be a dict"
     return None
+
+
+class _Compressed(Exception):
+    pass
+
+
+def _check_stored(path: Path) -> None:
+    """torch.save stores a checkpoint's entries uncompressed: a compressed entry (a 2 MB file that inflated to
+    5.7 GB before its size was checked) is refused before torch.load reads anything. Not a zip: torch.load's to
+    refuse."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            packed = [i.filename for i in archive.infolist() if i.compress_type != zipfile.ZIP_STORED]
+    except (zipfile.BadZipFile, ValueError, EOFError):
+        return
+    if packed:
+        raise _Compressed(f"entry {packed[0][:60]!r} is compressed, as torch.save never writes; it could inflate "
+                          "to any size")
 
 
 def check_run_dir(run_dir: Path, flag: str = "--run-dir") -> tuple[int, dict[str, Any] | None]:
@@ -149,6 +188,38 @@ def check_run_dir(run_dir: Path, flag: str = "--run-dir") -> tuple[int, dict[str
     return int(ckpt["round"]), ckpt
 
 
+LOCK = ".fedshield.lock"
+_HELD: dict[Path, int] = {}  # run directory -> the open lock file this process holds (released when it exits)
+
+
+def lock_run_dir(run_dir: str | os.PathLike, flag: str = "--run-dir") -> None:
+    """Make ``run_dir`` and hold its lock (an flock on LOCK, beside the checkpoint) until this process exits; a
+    CoordinatorError naming the holder when another process has it. Two runs in one directory resumed each
+    other's checkpoints, mixed their metrics, spent DP noise twice on the same data, and failed on each other's
+    files (a review). ``fedshield simulate`` and ``coordinator start`` take it after their checks, before the run."""
+    path = Path(run_dir).expanduser().resolve()
+    if path in _HELD:
+        return
+    make_dir(path, "run directory", CoordinatorError, hint=f"; pick another {flag}")
+    try:
+        fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as exc:
+        raise CoordinatorError(f"{flag} {path} must let this run make its lock file {LOCK}. Found: "
+                               f"{exc.strerror or exc}; pick another {flag}.") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = os.read(fd, 32).decode("ascii", "replace").strip()
+        os.close(fd)
+        raise CoordinatorError(f"{flag} {path} must not be in use by another run. Found it held by process "
+                               f"{holder or '(unknown)'}; wait for that run to end, or pick another {flag}.") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    _HELD[path] = fd
+    for stale in path.glob(".*.tmp"):  # write_atomic's temporary files left by a process killed mid-write
+        stale.unlink(missing_ok=True)
+
+
 class RunDirectory:
     """All files of one run live under ``path``."""
 
@@ -171,12 +242,18 @@ class RunDirectory:
         if not path.exists():
             return None
         try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
+            _check_stored(path)
+            with warnings.catch_warnings():  # (torch warns of a plain pickle before refusing it: the refusal is the line)
+                warnings.simplefilter("ignore")
+                state = torch.load(path, map_location="cpu", weights_only=True)
         except OSError as exc:
             if exc.errno in (errno.ENOENT, errno.EACCES, errno.EPERM, errno.EISDIR):
                 raise CoordinatorError(f"checkpoint {path} must be readable. Found: {exc.strerror or exc}.") from None
             raise CoordinatorError(f"{path} is not a fedshield checkpoint (truncated or corrupted: "
                                    f"{exc.strerror or exc}); move it away or pick another --run-dir.") from None
+        except _Compressed as exc:
+            raise CoordinatorError(f"{path} is not a fedshield checkpoint ({exc}); move it away or pick another "
+                                   "--run-dir.") from None
         except Exception as exc:  # torch/pickle raise many kinds (UnpicklingError, RuntimeError, EOFError, KeyError...)
             text = str(exc).strip().splitlines()
             with open(path, "rb") as f:
@@ -195,8 +272,8 @@ class RunDirectory:
         for key, (typ, what) in _CHECKPOINT_PARTS.items():  # all of it checked before any of it is used
             value = state.get(key)
             ok = isinstance(value, typ) and not isinstance(value, bool)
-            if ok and key == "weights":
-                ok = value.dim() == 1 and value.is_floating_point() and value.numel() > 0
+            if ok and key == "weights":  # float32, as saved: a float16 model was resumed, then refused by every client
+                ok = value.dim() == 1 and value.dtype == torch.float32 and value.numel() > 0
             if ok and key == "history":
                 ok = all(isinstance(row, dict) for row in value)
             if not ok:
@@ -264,10 +341,10 @@ class RunDirectory:
         import matplotlib.pyplot as plt
 
         fig.tight_layout()
-        tmp = self.file(name + ".tmp.png")
-        fig.savefig(tmp)
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png")
         plt.close(fig)
-        os.replace(tmp, self.file(name))
+        write_atomic(self.file(name), buf.getvalue())  # a temporary file of its own, as every other file here
 
     def plot(self, rows: list[dict[str, Any]], title: str) -> None:
         """``accuracy.png``: test accuracy and loss per round."""

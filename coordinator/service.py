@@ -27,14 +27,14 @@ import tomli_w
 
 from aggregation import get_device, kernels
 from aggregation._errors import shown_key
-from clients.cli import bind_probe, host_port
+from clients.cli import bind_probe, die_with_parent, host_port
 from clients.config import ConfigError, build_config, check, parse_toml, resolve_path
 from privacy import CertificatePaths, check_public_key, make_dir
 
 from ._errors import CoordinatorError
 from .config import RunConfig
 from .progress import accuracy_text
-from .rundir import SUMMARY, check_run_dir
+from .rundir import SUMMARY, check_run_dir, lock_run_dir
 from .workflow import check_resumable
 from . import superlink
 from .tls import check_server_certificate, connect_host
@@ -127,6 +127,52 @@ def write_app_dir(app_dir: Path, run: RunConfig) -> Path:
     return app_dir
 
 
+def _children_map() -> dict[int, list[int]]:
+    """Parent pid -> child pids, from /proc (Linux; empty elsewhere)."""
+    out: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        out.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    return out
+
+
+def _descendants(pid: int) -> list[int]:
+    children, out, todo = _children_map(), [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def _signal_groups(groups: set[int], sig: int) -> None:
+    for g in groups:
+        try:
+            os.killpg(g, sig)
+        except ProcessLookupError:
+            pass
+
+
 class Coordinator:
     """Owns the SuperLink and the ``flwr`` CLI calls of one ``coordinator start``."""
 
@@ -204,7 +250,10 @@ class Coordinator:
                     "--ssl-keyfile", str(self.certs.server_key), "--enable-supernode-auth"]
         log = open(self.log_path, "ab")  # noqa: SIM115 - closed with the process
         env = {**_flwr_env(self.state / "superlink-home"), superlink.MAX_BODY_ENV: str(self.max_body())}
-        self.superlink = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        # SIGTERM when this process dies, even by SIGKILL (Linux): a killed coordinator left its SuperLink serving,
+        # and the ServerApp training and writing the run directory, unsupervised
+        self.superlink = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                          preexec_fn=die_with_parent if sys.platform.startswith("linux") else None)
         self._wait_healthy()
 
     def max_body(self) -> int:
@@ -261,13 +310,23 @@ class Coordinator:
         return " | ".join((telling or text)[-lines:]) + f" (full log: {self.log_path})"
 
     def stop(self) -> None:
-        if self.superlink is not None and self.superlink.poll() is None:
-            os.killpg(self.superlink.pid, signal.SIGTERM)
-            try:
-                self.superlink.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.superlink.pid, signal.SIGKILL)
-                self.superlink.wait()
+        """Stop the SuperLink's process group and every group its descendants started (Flower's superexec runs
+        the ServerApp, flwr-serverapp, in a session of its own: stopping the SuperLink's group alone left it
+        running for 20-30 s, its parent gone)."""
+        if self.superlink is None or self.superlink.poll() is not None:
+            return
+        groups = {self.superlink.pid} | {g for g in map(_pgid, _descendants(self.superlink.pid)) if g}
+        groups.discard(os.getpgrp())  # (never this process's own)
+        _signal_groups(groups, signal.SIGTERM)
+        try:
+            self.superlink.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            pass
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(_group_alive(g) for g in groups - {self.superlink.pid}):
+            time.sleep(0.2)
+        _signal_groups(groups, signal.SIGKILL)  # what is left of them
+        self.superlink.wait()
 
     # -- flwr CLI --------------------------------------------------------------
     @property
@@ -312,7 +371,8 @@ class Coordinator:
 
     def submit_and_stream(self, app_dir: Path) -> int:
         proc = subprocess.Popen(["flwr", "run", str(app_dir), FEDERATION, "--stream"], stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, env=_flwr_env(self.cli_home), start_new_session=True)
+                                stderr=subprocess.STDOUT, text=True, env=_flwr_env(self.cli_home), start_new_session=True,
+                                preexec_fn=die_with_parent if sys.platform.startswith("linux") else None)
         try:
             assert proc.stdout is not None
             for line in proc.stdout:
@@ -348,6 +408,9 @@ def start_coordinator(config: str, insecure: bool = False, run_dir: str | None =
         _, ckpt = check_run_dir(run_path, "run-dir")
         if ckpt is not None:
             check_resumable(cfg.run, ckpt, run_path, None, "flower")  # as the ServerApp would, once agents had joined
+    coord.check_port_free()  # (start_superlink checks again) before the banner says it is starting there
+    if cfg.run.server.run_dir:
+        lock_run_dir(run_path, "run-dir")  # held while this coordinator runs: a second one there is refused
     print(f"fedshield coordinator: SuperLink on {coord.address} ({'INSECURE' if insecure else 'TLS + node authentication'}), "
           f"run directory {run_path}", file=sys.stderr)
 

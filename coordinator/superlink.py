@@ -182,6 +182,9 @@ def command(*args: str) -> list[str]:
     return [sys.executable, "-P", "-c", loader, os.path.abspath(__file__), *args]
 
 
+GRACEFUL_SHUTDOWN_S = 5.0
+
+
 def main(argv: list[str] | None = None) -> None:
     for var in UNGUARDED_APIS:
         if os.environ.pop(var, None) is not None:
@@ -198,7 +201,9 @@ def main(argv: list[str] | None = None) -> None:
     def run(*args: Any, **kwargs: Any) -> None:
         # No X-Forwarded-For / Forwarded: uvicorn rewrites the peer from them for the addresses in
         # $FORWARDED_ALLOW_IPS (often "*" in container images), and a remote peer then passed for 127.0.0.1.
-        serve(*args, **{**kwargs, "proxy_headers": False})
+        # A bounded graceful shutdown: uvicorn waited for every open request, and a log stream (flwr run
+        # --stream) never ends, so a SIGTERM (the coordinator's stop, or its death) left the SuperLink serving.
+        serve(*args, **{**kwargs, "proxy_headers": False, "timeout_graceful_shutdown": GRACEFUL_SHUTDOWN_S})
 
     cli.uvicorn = SimpleNamespace(run=run)  # only flower_superlink's own call (uvicorn's module is left as it is)
     sys.argv = ["flower-superlink", *(sys.argv[1:] if argv is None else argv)]

@@ -266,6 +266,12 @@ class SyncWorkflow:
                 raise CoordinatorError(f"run directory {self.run_dir.path}: the checkpoint's privacy accounting must "
                                        f"be readable. Found it is not ({type(exc).__name__}: {shown(str(exc), 60)}); "
                                        "use another run-dir.") from None
+            spent = [row["epsilon"] for row in self.history if row.get("epsilon") is not None]
+            if spent and not math.isclose(spent[-1], self.dp.epsilon, rel_tol=1e-9, abs_tol=1e-12):
+                # an accountant with events taken out would under-state the budget spent from here on
+                raise CoordinatorError(f"run directory {self.run_dir.path}: the checkpoint's privacy accounting must "
+                                       f"give the epsilon its last round recorded ({spent[-1]:.6g}). Found "
+                                       f"{self.dp.epsilon:.6g}; use another run-dir.")
         if ckpt.get("profiles"):
             self.profiles.load_state_dict(ckpt["profiles"])
         if ckpt.get("engine") and hasattr(self.grid, "load_state_dict"):
@@ -564,6 +570,9 @@ class SyncWorkflow:
         return self.finish()
 
     def finish(self) -> dict[str, Any]:
+        # metrics.csv again: a run stopped between its last checkpoint and this file's write had nothing left
+        # to train when resumed, and its last row stayed missing
+        self.run_dir.write_metrics(self.history)
         load_flat(self.model, self.weights)
         self.run_dir.save_model({k: v.detach().cpu() for k, v in self.model.state_dict().items()})
         if self.history:

@@ -26,7 +26,7 @@ def _path(text: str) -> str:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from coordinator.rundir import check_run_dir, time_axis, time_label
+    from coordinator.rundir import check_run_dir, lock_run_dir, time_axis, time_label
 
     from coordinator.progress import accuracy_text as _accuracy
     from coordinator.rundir import SUMMARY
@@ -88,6 +88,8 @@ def _simulate(args: argparse.Namespace) -> int:
             _check_same_run(scn, ckpt, run_dir)
     for scn, _ in runs:
         check_ray_cluster(scn)  # a Ray cluster that does not answer: before any run too
+    for _, run_dir in runs:
+        lock_run_dir(run_dir)  # held until this process ends: no other run writes there meanwhile
     results = []
     labels = {}  # run directory -> its label in a comparison (unique, where the directories' own names may not be)
     for (scn, run_dir), (done, ckpt), label in zip(runs, resumed, names if len(runs) > 1 else [""], strict=True):
@@ -292,5 +294,25 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def entry() -> None:
+    """The ``fedshield`` console script: ``main``, then the exit. After an interrupt, threads a library left
+    running (a Flower worker blocked in ray.get for a result that never comes, seen under load) get a bounded
+    time to end; then the process exits anyway: the interpreter's exit would wait on them for ever."""
+    code = main()
+    if code == 130:
+        import os
+        import threading
+
+        deadline = time.monotonic() + 15.0
+        for thread in threading.enumerate():
+            if thread is not threading.main_thread() and not thread.daemon:
+                thread.join(max(0.0, deadline - time.monotonic()))
+        if any(t.is_alive() and not t.daemon and t is not threading.main_thread() for t in threading.enumerate()):
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -94,6 +94,8 @@ class InProcessGrid(Grid):
                 node = int(key)
                 if not (isinstance(residual, torch.Tensor) and residual.dtype == torch.float32 and residual.dim() == 1):
                     raise TypeError(f"node {node}'s {name} must be a 1-D float32 tensor")
+                if not bool(torch.isfinite(residual).all()):  # every later update of the node would be refused
+                    raise ValueError(f"node {node}'s {name} must be finite")
                 if node in self.contexts:
                     self.contexts[node].state.array_records[name] = ArrayRecord({"r": tensor_to_array(residual)})
 

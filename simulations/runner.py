@@ -190,6 +190,10 @@ def check_ray_cluster(scn: Scenario) -> str | None:
     its ``host:port`` (None where the run starts a Ray instance of its own)."""
     if scn.sim.engine != "flower":
         return None
+    joining = "ray-address" if scn.sim.ray_address else "RAY_ADDRESS" if os.environ.get("RAY_ADDRESS") else ""
+    if joining and scn.sim.ray_num_cpus:  # Ray refuses num_cpus when joining: a traceback from inside Flower's engine
+        raise CoordinatorError(f"simulation.ray-num-cpus must be 0 when the run joins a Ray cluster ({joining} is set: the "
+                               f"cluster's own resources apply). Found {scn.sim.ray_num_cpus}.")
     if scn.sim.ray_address:
         return check_ray_address(scn.sim.ray_address)
     if os.environ.get("RAY_ADDRESS"):
@@ -277,6 +281,22 @@ class ClusterWatch:
                 return
 
 
+@contextlib.contextmanager
+def _no_ray_sigterm_handler() -> Iterator[None]:
+    """ray.init (called by Flower from the main thread) replaces the process's SIGTERM handler with its own,
+    sys.exit(15): a SIGTERM then unwound the main thread past Flower's shutdown, and the interpreter's exit
+    waited for ever on a Flower worker blocked in ray.get. Within the block Ray sets none, so a SIGTERM takes
+    the handler ``fedshield simulate`` set (the KeyboardInterrupt of Ctrl-C), whose way out is clean."""
+    import ray._private.utils as ray_utils
+
+    real = ray_utils.set_sigterm_handler
+    ray_utils.set_sigterm_handler = lambda handler: None
+    try:
+        yield
+    finally:
+        ray_utils.set_sigterm_handler = real
+
+
 def run_flower_engine(scn: Scenario, on_round: RoundCallback | None) -> dict[str, Any]:
     """The ServerApp and ClientApp under ``flwr.simulation.run_simulation``."""
     # Before Ray is imported (it reads this once): no native failure-signal handler in this process,
@@ -296,7 +316,8 @@ def run_flower_engine(scn: Scenario, on_round: RoundCallback | None) -> dict[str
     flwr_logger.addFilter(_not_for_our_users)
     watch = ClusterWatch(stop, hostport)
     try:
-        with ctrl_c_sets(stop) as interrupted, warnings.catch_warnings(), watch, local_ray_auth(hostport is not None):
+        with ctrl_c_sets(stop) as interrupted, warnings.catch_warnings(), watch, local_ray_auth(hostport is not None), \
+                _no_ray_sigterm_handler():
             warnings.filterwarnings("ignore", message="Tip: In future versions of Ray", category=FutureWarning)
             try:
                 run_simulation(

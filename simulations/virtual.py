@@ -40,6 +40,7 @@ import hashlib
 import heapq
 import math
 import random
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -233,6 +234,7 @@ class VirtualGrid(InProcessGrid):
         self.clock, self.seed, self.window_s = clock, int(seed), float(availability_window_s)
         self.records: dict[str, MessageRecord] = {}
         self._pending: dict[str, Message] = {}  # message id -> reply (or error), not yet pulled
+        self._pending_of: Counter[int] = Counter()  # node -> its messages in _pending (_outstanding, in O(1))
         self._heap: list[tuple[float, str]] = []  # (visible_at, message id), lazily cleaned
         self._node_free: dict[int, float] = dict.fromkeys(self.profiles, clock.now())
         self._node_count: dict[int, int] = dict.fromkeys(self.profiles, 0)
@@ -337,6 +339,7 @@ class VirtualGrid(InProcessGrid):
                                                   math.isfinite(deadline), self._outstanding(node))
                 if math.isfinite(deadline):
                     self._pending[mid] = _expired(msg)
+                    self._pending_of[node] += 1
                     heapq.heappush(self._heap, (deadline, mid))
                 continue
             reply = call_client(self._client, msg, self.contexts[node])
@@ -370,11 +373,13 @@ class VirtualGrid(InProcessGrid):
                                               dropped, expired and math.isfinite(deadline), outstanding)
             if reply is not None:
                 self._pending[mid] = reply
+                self._pending_of[node] += 1
                 heapq.heappush(self._heap, (visible, mid))
         return ids
 
     def _outstanding(self, node: int) -> int:
-        return sum(1 for r in self.records.values() if r.node_id == node and r.message_id in self._pending)
+        """The node's messages whose reply is not pulled yet (a scan of every record made each round slower)."""
+        return self._pending_of[node]
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
         now = self.clock.now()
@@ -382,6 +387,7 @@ class VirtualGrid(InProcessGrid):
         for mid in list(message_ids):
             if mid in self._pending and self.records[mid].visible_at <= now:
                 out.append(self._pending.pop(mid))
+                self._pending_of[self.records[mid].node_id] -= 1
                 self.records[mid].pulled_at = now
         return out
 

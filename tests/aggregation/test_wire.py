@@ -305,3 +305,21 @@ def test_any_mutated_header_only_raises_aggregation_error(flips):
     for pos, value in flips:
         data[pos] = value
     _only_aggregation_error(_with(data=bytes(data)))
+
+
+def test_the_header_cache_is_keyed_by_the_whole_header():
+    """Same npy header length, other shapes and dtypes: a hit keyed by less would refuse valid arrays."""
+    for n in (10, 20, 30):
+        assert array_view(tensor_to_array(torch.arange(n, dtype=torch.float32)), "float32", n).shape == (n,)
+    assert array_view(tensor_to_array(torch.zeros(10, dtype=torch.int32)), "int32", 10).dtype.str == "<i4"
+
+
+def test_a_header_seen_before_is_not_parsed_again(monkeypatch):
+    from aggregation import wire
+
+    array_view(tensor_to_array(torch.ones(37, dtype=torch.float32)), "float32", 37)  # now cached
+    calls = []
+    real = wire._parse_header_uncached
+    monkeypatch.setattr(wire, "_parse_header_uncached", lambda d: calls.append(1) or real(d))
+    assert array_view(tensor_to_array(torch.zeros(37, dtype=torch.float32)), "float32", 37).shape == (37,)
+    assert calls == []

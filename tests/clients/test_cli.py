@@ -307,3 +307,57 @@ def test_the_supernode_gets_the_coordinator_address_flower_can_parse(monkeypatch
     cmd = cli.supernode_command(args)
     assert cmd[cmd.index("--superlink") + 1] == superlink
     assert parse_address(superlink)[0] == given.rpartition(":")[0].strip("[]")
+
+
+_FAKE_NODE = r"""
+import signal, sys, time
+def on(signum, frame):  # what a ClientApp killed by SIGINT printed: a traceback
+    if signum == signal.SIGINT:
+        print("Traceback (most recent call last):\n  File 'x', line 1\nKeyboardInterrupt", flush=True)
+    print("INFO:     Finished server process [1]", flush=True)
+    sys.exit(0)
+signal.signal(signal.SIGINT, on)
+signal.signal(signal.SIGTERM, on)
+print("INFO :      Sent successfully", flush=True)
+open(sys.argv[1], "w").close()
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("sig, code, word", [("SIGINT", 130, "interrupted"), ("SIGTERM", 0, "stopped")])
+def test_an_interrupted_agent_stops_its_node_with_sigterm_and_says_so_in_one_line(tmp_path, capsys, monkeypatch,
+                                                                                    sig, code, word):
+    """Ctrl-C was passed on as SIGINT: the ClientApp running then printed a KeyboardInterrupt traceback, and the
+    agent exited 0 without a line of its own (a README walk)."""
+    import signal
+    import sys
+    import threading
+    import time
+
+    from clients import cli
+    from simulations.cli import build_parser
+
+    ready = tmp_path / "ready"
+    monkeypatch.setattr(cli, "supernode_command", lambda args: [sys.executable, "-c", _FAKE_NODE, str(ready)])
+    args = build_parser().parse_args(["agent", "start", "--coordinator", "127.0.0.1:1", "--insecure"])
+
+    main_thread = threading.get_ident()
+
+    def interrupt():  # to the main thread, as the kernel delivers a Ctrl-C to the single-threaded agent
+        for _ in range(300):
+            if ready.exists():
+                break
+            time.sleep(0.05)
+        signal.pthread_kill(main_thread, getattr(signal, sig))
+
+    old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    threading.Thread(target=interrupt, daemon=True).start()
+    try:
+        assert cli.start_agent(args) == code
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert err.strip().splitlines()[-1] == (f"fedshield agent: {word}; the node left the federation after answering "
+                                            "1 message.")

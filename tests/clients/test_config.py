@@ -136,3 +136,10 @@ def test_to_mapping_round_trips_and_split_mapping_routes_keys():
     assert build_config(TaskSpec, task_part) == spec
     assert build_config(TrainSettings, train_part) == train
     assert "round" not in task_part and "round" not in train_part
+
+
+@pytest.mark.parametrize("typo, meant", [("local-epoch", "local-epochs"), ("batch_size", "batch-size")])
+def test_an_unknown_key_close_to_a_known_one_names_it_instead_of_listing_all(typo, meant):
+    with pytest.raises(ConfigError) as info:
+        build_config(TrainSettings, {typo: 1}, "cfg")
+    assert str(info.value) == f"cfg.{typo} is not a known key. Did you mean {meant}?"

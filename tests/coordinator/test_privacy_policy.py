@@ -361,3 +361,18 @@ def test_central_dp_without_a_known_population_needs_dp_expected_clients(tmp_pat
         SyncWorkflow(cfg, grid, RunDirectory(tmp_path / "d"))
     wf = SyncWorkflow(cfg, grid, RunDirectory(tmp_path / "d"), sim_nodes=8)  # Flower's simulation engine: its count
     assert wf.dp_divisor == 4
+
+
+def test_distributed_dp_clients_clip_below_dp_clip_by_the_rounding_they_may_add():
+    """Stochastic rounding moves a vector by up to step x sqrt(numel): clipping to dp-clip itself let a quantized
+    update pass it (a mutation review, helper-53, found this untested)."""
+    from coordinator import CoordinatorError
+    from coordinator.config import PrivacySettings
+    from coordinator.privacy_policy import DistributedDp
+
+    dp = DistributedDp(PrivacySettings(dp="distributed", dp_clip=0.5, dp_noise_multiplier=0.8), 1.0, 1, 1.0, 0.2)
+    clip, mu = dp.client_noise(selected=10, step=0.001, numel=100)
+    assert clip == pytest.approx(0.5 - 0.001 * 10)
+    assert mu == pytest.approx((0.8 * 0.5 / 0.001) ** 2 / (10 * 0.8) / 2)
+    with pytest.raises(CoordinatorError, match="must exceed the quantization grid"):
+        dp.client_noise(selected=10, step=0.05, numel=100)  # rounding 0.5 >= clip

@@ -9,10 +9,16 @@ from coordinator import CoordinatorError, RunDirectory
 from coordinator.rundir import CHECKPOINT, is_simulated, time_axis, time_label
 
 
+def _row(rnd: int, **changes) -> dict:
+    """A history row with what the plots, the summary and a resume read."""
+    return {"round": rnd, "test_accuracy": 0.5, "test_loss": 1.0, "round_time_s": 1.0, "bytes_down": 10, "bytes_up": 10,
+            **changes}
+
+
 def test_checkpoint_round_trip(tmp_path):
     rd = RunDirectory(tmp_path / "run")
     assert rd.load_checkpoint() is None
-    full = {"round": 2, "version": 2, "weights": torch.ones(3), "history": [{"round": 1}, {"round": 2}], "optimizer": {},
+    full = {"round": 2, "version": 2, "weights": torch.ones(3), "history": [_row(1), _row(2)], "optimizer": {},
             "rejections": {}, "fingerprint": {}}
     rd.save_checkpoint(full)
     state = rd.load_checkpoint()
@@ -40,7 +46,7 @@ def test_a_checkpoint_that_loads_but_is_incomplete_is_one_error(tmp_path, key, b
 
 
 def _state(**changes):
-    state = {"round": 2, "version": 2, "weights": torch.ones(3), "history": [{"round": 1}, {"round": 2}],
+    state = {"round": 2, "version": 2, "weights": torch.ones(3), "history": [_row(1), _row(2)],
              "optimizer": {}, "rejections": {"bad-array": 1}, "fingerprint": {"numel": 3}}
     return {**state, **changes}
 
@@ -54,6 +60,11 @@ def _state(**changes):
     ({"rejections": {"x": "y"}}, "rejection counts must be integers >= 0"),
     ({"extra": [1]}, "'extra' must be a dict"),
     ({"privacy": "spent"}, "'privacy' must be a dict"),
+    # a review (helper-50): each of these resumed, then failed after training a round, or reported wrong results
+    ({"history": [_row(1), _row(1), _row(2)]}, r"the history's rounds must increase row by row \(no round twice\)"),
+    ({"history": [_row(1), {"round": 2}]}, "round 2's test_accuracy must be a number. Found 'None'"),
+    ({"history": [_row(1), _row(2, bytes_down="x")]}, "round 2's bytes_down must be a number. Found 'x'"),
+    ({"rejections": {1: 2, "a": 3}}, "rejection counts must be keyed by rule names"),
 ])
 def test_a_checkpoint_whose_parts_disagree_is_one_error(tmp_path, changes, problem):
     """Each of these loaded and then ended in a traceback, or ran on silently (NaN weights: every reply refused)."""
@@ -149,3 +160,65 @@ def test_check_run_dir_names_a_link_to_nowhere(tmp_path):
     with pytest.raises(CoordinatorError, match="a link to .*gone, which does not exist"):
         check_run_dir(tmp_path / "link" / "run")
     assert check_run_dir(tmp_path / "new" / "run") == (0, None) and sorted(tmp_path.iterdir()) == [tmp_path / "link"]
+
+
+def test_float16_weights_are_refused_not_resumed_for_every_client_to_refuse(tmp_path):
+    rd = RunDirectory(tmp_path / "run")
+    rd.save_checkpoint(_state(weights=torch.ones(3, dtype=torch.float16)))
+    with pytest.raises(CoordinatorError, match=r"is not a complete fedshield checkpoint \('weights' is missing or not"):
+        rd.load_checkpoint()
+
+
+def test_a_compressed_checkpoint_is_refused_before_it_is_inflated(tmp_path):
+    """torch.save stores its entries: a deflated 500M-zero checkpoint (2 MB) took 5.7 GB before its size was
+    checked."""
+    import zipfile
+
+    rd = RunDirectory(tmp_path / "run")
+    rd.save_checkpoint(_state())
+    path = rd.file(CHECKPOINT)
+    with zipfile.ZipFile(path) as src:
+        entries = [(info, src.read(info)) for info in src.infolist()]
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as dst:
+        for info, data in entries:
+            dst.writestr(info.filename, data)
+    with pytest.raises(CoordinatorError, match=r"is not a fedshield checkpoint \(entry .* is compressed, as torch.save "
+                                               "never writes"):
+        rd.load_checkpoint()
+
+
+def test_a_plain_pickle_is_refused_without_torch_s_warning(tmp_path, recwarn):
+    import pickle
+
+    rd = RunDirectory(tmp_path / "run")
+    rd.file(CHECKPOINT).write_bytes(pickle.dumps({"round": 1}, protocol=4))
+    with pytest.raises(CoordinatorError, match="is not a fedshield checkpoint"):
+        rd.load_checkpoint()
+    assert not [w for w in recwarn if "pickle" in str(w.message)]
+
+
+def test_a_run_dir_is_held_by_one_process_at_a_time(tmp_path):
+    """Two runs in one directory resumed each other's checkpoints and mixed their results (a review)."""
+    import subprocess
+    import sys
+
+    from coordinator.rundir import LOCK, lock_run_dir
+
+    run = tmp_path / "run"
+    (run).mkdir()
+    (run / ".checkpoint.pt.0123abcd.tmp").write_bytes(b"half")  # a write killed midway
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from coordinator.rundir import lock_run_dir; "
+                               f"lock_run_dir({str(run)!r}); print('held', flush=True); time.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert not (run / ".checkpoint.pt.0123abcd.tmp").exists()  # cleared by the run that holds the directory
+        with pytest.raises(CoordinatorError, match=rf"--run-dir {run} must not be in use by another run. Found it held "
+                                                   rf"by process {holder.pid}; "):
+            lock_run_dir(run)
+    finally:
+        holder.kill()
+        holder.wait()
+    lock_run_dir(run)  # free again (the holder's lock went with it)
+    lock_run_dir(run)  # this process holds it already: fine
+    assert (run / LOCK).read_text().strip() == str(__import__("os").getpid())

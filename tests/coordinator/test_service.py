@@ -29,6 +29,19 @@ def test_a_port_someone_listens_on_is_refused_before_anything_starts(tmp_path):
     assert coord.superlink is None, "no SuperLink is started on a port in use"
 
 
+def test_a_port_in_use_is_the_only_line_not_after_the_starting_banner(tmp_path, capsys):
+    from simulations.cli import main
+
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        _config(tmp_path, port)
+        assert main(["coordinator", "start", "--config", str(tmp_path / "coordinator.toml"), "--insecure"]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("fedshield coordinator: WARNING")]
+    assert len(lines) == 1 and lines[0].startswith(f"fedshield: error: coordinator.port {port} on 127.0.0.1 must be free")
+
+
 def test_a_free_port_passes_the_check(tmp_path):
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

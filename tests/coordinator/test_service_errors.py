@@ -264,8 +264,9 @@ def test_a_run_dir_of_another_configuration_is_refused_before_the_superlink_star
     _tls_config(tmp_path)
     numel = 64 * 128 + 128 + 128 * 10 + 10  # the digits MLP's
     old = RunConfig.from_mapping({"min-nodes": 1, "lr": 0.2})
+    row = {"round": 1, "test_accuracy": 0.5, "test_loss": 1.0, "round_time_s": 1.0, "bytes_down": 1, "bytes_up": 1}
     RunDirectory(tmp_path / "r").save_checkpoint({"round": 1, "version": 1, "weights": torch.zeros(numel), "history": [
-        {"round": 1}], "optimizer": {}, "rejections": {}, "fingerprint": run_fingerprint(old, numel, None, "flower")})
+        row], "optimizer": {}, "rejections": {}, "fingerprint": run_fingerprint(old, numel, None, "flower")})
     line = _coordinator_error(tmp_path, capsys, monkeypatch, "--run-dir", str(tmp_path / "r"))
     assert "must hold a checkpoint of this configuration to resume. Found lr = 0.2 there, 0.1 now" in line
 
@@ -313,3 +314,20 @@ def test_central_dp_divides_by_the_enrolled_keys_and_needs_a_count_under_insecur
     assert line.startswith("fedshield: error: run.dp-expected-clients must be set under dp = 'central' with --insecure")
     (tmp_path / "c.toml").write_text(text + 'dp = "central"\ndp-noise-multiplier = 1.0\ndp-expected-clients = 5\n')
     assert Coordinator(load_coordinator_config(tmp_path / "c.toml"), insecure=True).cfg.run.privacy.dp_expected_clients == 5
+
+
+def test_a_run_dir_another_coordinator_holds_is_refused_before_the_superlink_starts(tmp_path, capsys, monkeypatch):
+    import subprocess
+    import sys
+
+    _tls_config(tmp_path)
+    holder = subprocess.Popen([sys.executable, "-c", "import time; from coordinator.rundir import lock_run_dir; "
+                               f"lock_run_dir({str(tmp_path / 'r')!r}); print('held', flush=True); time.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        line = _coordinator_error(tmp_path, capsys, monkeypatch, "--run-dir", str(tmp_path / "r"))
+        assert f"run-dir {tmp_path / 'r'} must not be in use by another run. Found it held by process {holder.pid}" in line
+    finally:
+        holder.kill()
+        holder.wait()

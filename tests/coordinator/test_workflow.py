@@ -442,3 +442,65 @@ def test_a_checkpoint_with_a_setting_now_refused_as_ignored_still_resumes_withou
     with pytest.raises(CoordinatorError, match="dp-clip = 5.0 there, 1.0 now"):  # read under central DP: compared
         check_fingerprint({"fingerprint": {**run_fingerprint(central, 100), "dp-clip": 5.0}},
                           run_fingerprint(central, 100), tmp_path)
+
+
+# -- a checkpoint edited or cut short (review helper-50) ---------------------------------------------------------
+def test_a_run_stopped_before_its_last_metrics_write_gets_the_row_back_on_resume(tmp_path):
+    """Killed between the last round's checkpoint and metrics.csv: the resume had nothing to train and the
+    row stayed missing."""
+    import csv
+
+    from clients.client_app import app
+
+    SyncWorkflow(cfg(**{"num-rounds": 2}), InProcessGrid(app, 2), RunDirectory(tmp_path)).run()
+    run_dir = RunDirectory(tmp_path)
+    run_dir.write_metrics(run_dir.load_checkpoint()["history"][:1])  # as if killed before the second write
+    SyncWorkflow(cfg(**{"num-rounds": 2}), InProcessGrid(app, 2), RunDirectory(tmp_path)).run()
+    assert [r["round"] for r in csv.DictReader(open(tmp_path / METRICS))] == ["1", "2"]
+
+
+def _dp_run(tmp_path, nodes=2):
+    from clients.client_app import app
+
+    kw = {"num-rounds": 2, "dp": "central", "dp-noise-multiplier": 1.0, "fraction-train": 1.0}
+    SyncWorkflow(cfg(**kw), InProcessGrid(app, nodes), RunDirectory(tmp_path)).run()
+    return kw
+
+
+@pytest.mark.parametrize("damage, found", [
+    (lambda p: p["accountant"].update(events=[]), "must give the epsilon its last round recorded"),
+    (lambda p: p.update(z=0.0), r"must be readable. Found it is not \(ValueError: .its noise multiplier \(0\) and clip \(1\)"),
+    (lambda p: p.update(clip=float("nan")), r"must be readable. Found it is not \(ValueError: .its noise multiplier \(1\) and clip \(nan\)"),
+])
+def test_a_checkpoint_s_privacy_accounting_that_was_changed_is_refused(tmp_path, damage, found):
+    """An accountant with its events taken out resumed and reported epsilon 4.73 for a run that had spent 10.73."""
+    from clients.client_app import app
+    from coordinator import CoordinatorError
+
+    kw = _dp_run(tmp_path)
+    run_dir = RunDirectory(tmp_path)
+    ckpt = run_dir.load_checkpoint()
+    assert "events" in ckpt["privacy"]["accountant"]
+    damage(ckpt["privacy"])
+    run_dir.save_checkpoint(ckpt)
+    with pytest.raises(CoordinatorError, match=found):
+        SyncWorkflow(cfg(**{**kw, "num-rounds": 3}), InProcessGrid(app, 2), RunDirectory(tmp_path))
+
+
+def test_damaged_engine_and_profile_state_is_refused_or_left_out_not_a_traceback(tmp_path):
+    from clients.client_app import app
+    from coordinator import CoordinatorError
+
+    SyncWorkflow(cfg(**{"num-rounds": 1, "codec": "topk"}), InProcessGrid(app, 2), RunDirectory(tmp_path)).run()
+    run_dir = RunDirectory(tmp_path)
+    ckpt = run_dir.load_checkpoint()
+    ckpt["profiles"] = {"nodes": [1, 2]}  # not a mapping: nothing of it kept (it only steers selection)
+    run_dir.save_checkpoint(ckpt)
+    assert SyncWorkflow(cfg(**{"num-rounds": 2, "codec": "topk"}), InProcessGrid(app, 2), RunDirectory(tmp_path)).round == 1
+    (name, per_node), = ckpt["engine"]["client-state"].items()
+    node = next(iter(per_node))
+    per_node[node] = torch.full_like(per_node[node], float("nan"))  # every later update of the node refused
+    run_dir.save_checkpoint(ckpt)
+    with pytest.raises(CoordinatorError, match=rf"engine state must be this engine's. Found it unreadable \(ValueError: "
+                                               rf".node {node}'s {name} must be finite"):
+        SyncWorkflow(cfg(**{"num-rounds": 2, "codec": "topk"}), InProcessGrid(app, 2), RunDirectory(tmp_path))

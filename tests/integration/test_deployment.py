@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from coordinator.rundir import CHECKPOINT, CONFIG, METRICS, MODEL, PLOT, SUMMARY
+from coordinator.service import _descendants
 
 from .deploy import metrics_rows, setup_deployment, start_agent, start_coordinator
 from .procs import wait_for
@@ -61,6 +62,21 @@ def test_three_node_tls_run_and_unenrolled_key_refused(tmp_path, procs, fedshiel
         assert "the coordinator went away after this node answered" in log and "Traceback" not in log
 
 
+def _cmdline(pid: int) -> bytes:
+    try:
+        return open(f"/proc/{pid}/cmdline", "rb").read()
+    except OSError:
+        return b""
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie."""
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 @pytest.mark.timeout(600)
 def test_coordinator_resumes_from_checkpoint(tmp_path, procs, fedshield_bin):
     port = setup_deployment(tmp_path, fedshield_bin, num_rounds=4, keys=3)
@@ -69,7 +85,10 @@ def test_coordinator_resumes_from_checkpoint(tmp_path, procs, fedshield_bin):
     for i in range(3):
         start_agent(procs, tmp_path, fedshield_bin, port, i)
     wait_for(lambda: (run_dir / METRICS).is_file() and len(metrics_rows(run_dir)) >= 2, 300, "round 2's checkpoint", 0.1)
-    procs.stop("coordinator")  # SIGTERM: the coordinator stops its SuperLink
+    tree = _descendants(procs.procs["coordinator"].pid)
+    assert any(b"flwr-serverapp" in _cmdline(pid) for pid in tree), "the run's ServerApp process, to be stopped"
+    procs.stop("coordinator")  # SIGTERM: the coordinator stops its SuperLink, and the ServerApp Flower started
+    assert not [pid for pid in tree if _running(pid)], "every process the coordinator started has stopped"
     for i in range(3):
         procs.stop(f"agent{i}")
     saved = torch.load(run_dir / CHECKPOINT, weights_only=True)
@@ -118,3 +137,22 @@ def test_fedbuff_on_a_real_superlink_with_a_slow_node(tmp_path, procs, fedshield
     assert sum(int(r["accepted"]) for r in rows) == 2 * 5 <= summary["accepted_total"]
     assert max(float(r["mean_staleness"]) for r in rows) > 0  # late updates arrived and were down-weighted
     assert 0.80 <= summary["final_test_accuracy"] <= 0.995
+
+
+@pytest.mark.timeout(180)
+def test_a_coordinator_killed_outright_takes_its_superlink_and_serverapp_down(tmp_path, procs, fedshield_bin):
+    """kill -9 of coordinator start left the SuperLink serving (uvicorn waited for the log stream to end), its
+    ServerApp training and writing the run directory, and the port taken (a review)."""
+    import os
+    import signal
+
+    from .procs import free_port
+
+    (tmp_path / "c.toml").write_text(f'[coordinator]\nhost = "127.0.0.1"\nport = {free_port()}\n[run]\nmin-nodes = 1\n')
+    procs.start("coordinator", [fedshield_bin, "coordinator", "start", "--config", "c.toml", "--insecure"], cwd=tmp_path,
+                env={"FLWR_HOME": str(tmp_path / "flwr-home")})
+    pid = procs.procs["coordinator"].pid
+    wait_for(lambda: any(b"flwr-serverapp" in _cmdline(p) for p in _descendants(pid)), 120, "the run's ServerApp")
+    tree = _descendants(pid)
+    os.kill(pid, signal.SIGKILL)  # the coordinator alone, as the OOM killer would
+    wait_for(lambda: not [p for p in tree if _running(p)], 40, "every process it started to stop")

@@ -18,7 +18,9 @@ from privacy.secagg.protocol import (
     SecAggParams,
     SecAggRejected,
     SecAggServer,
+    ring_dtype,
 )
+from privacy.secagg import protocol, shamir
 
 FAST = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -140,14 +142,32 @@ def test_masked_input_looks_uniform():
 
 
 # -- bad input: each rejected with a reason, the honest round unaffected --------------------------
-def started(n=6, k=5, t=4):
-    params = make_params(n, k, t)
+def started(n=6, k=5, t=4, bits=32):
+    params = make_params(n, k, t, bits=bits)
     server = SecAggServer(params)
     clients, keys = {}, {}
     for v in params.nodes:
         clients[v], keys[v] = SecAggClient.setup(v, params)
         server.on_keys(v, keys[v])
     return params, server, clients, keys
+
+
+def shared(n=6, k=5, t=4, bits=32):
+    """A round past share-keys: (params, server, clients, the masked-input requests)."""
+    params, server, clients, _ = started(n, k, t, bits)
+    reqs = server.share_keys_requests()
+    for v in params.nodes:
+        server.on_shares(v, clients[v].share_keys(reqs[v]))
+    return params, server, clients, server.masked_input_requests()
+
+
+def masked(n=6, k=5, t=4):
+    """A round where every client has received its shares and masked a zero vector: (params, server, clients)."""
+    params, server, clients, reqs = shared(n, k, t)
+    for v in params.nodes:
+        clients[v].receive_shares(reqs[v])
+        clients[v].mask(torch.zeros(params.dim, dtype=torch.int64))
+    return params, server, clients
 
 
 def test_server_rejects_bad_stage_one_messages():
@@ -492,14 +512,7 @@ def test_a_misshapen_share_in_an_unmask_reply_is_left_out_alone():
 
 def test_a_client_refuses_to_unmask_with_fewer_than_t_surviving_neighbours():
     """Answering would hand the server key shares of t or more 'dropped' neighbours while too few survive."""
-    params, server, clients, keys = started(6, 5, 4)
-    reqs = server.share_keys_requests()
-    for v in params.nodes:
-        server.on_shares(v, clients[v].share_keys(reqs[v]))
-    reqs = server.masked_input_requests()
-    for v in params.nodes:
-        clients[v].receive_shares(reqs[v])
-        clients[v].mask(torch.zeros(params.dim, dtype=torch.int64))
+    params, server, clients = masked(6, 5, 4)
     a, b, *rest = params.nodes
     with pytest.raises(SecAggRejected) as info:
         clients[a].unmask([a, b], rest)  # itself and one neighbour survive: 2 < t = 4
@@ -523,3 +536,61 @@ def test_a_rebuilt_self_seed_is_checked_against_its_committed_hash(monkeypatch):
     params, server = _unmask_round(6, 5, 3, lambda v, shares: shares)
     result = server.finish()
     assert calls and torch.equal(result.total, torch.full((params.dim,), len(params.nodes), dtype=torch.int64))
+
+
+# -- refusals a mutation review (helper-53) found untested --------------------------------------------------------
+def test_an_unmask_reply_missing_a_share_is_refused():
+    def drop_one(v, shares):
+        return dict(list(shares.items())[:-1]) if v == 101 else shares
+    with pytest.raises(SecAggRejected, match="wrong-share-count"):
+        _unmask_round(6, 5, 3, drop_one)
+
+
+def test_a_masked_value_at_or_above_2_pow_bits_is_refused():
+    params, server, _, _ = shared(6, 5, 3, bits=20)
+    a = params.nodes[0]
+    bad = np.zeros(params.dim, dtype=ring_dtype(20))
+    bad[3] = 1 << 20
+    with pytest.raises(SecAggRejected, match="below 2\\*\\*20"):
+        server.add_masked(a, bad)
+    assert int(server.total.sum()) == 0
+
+
+def _liar_round(monkeypatch, patch):
+    params, server, clients, keys = started(6, 5, 3)
+    reqs = server.share_keys_requests()
+    liar, honest = params.nodes[0], params.nodes[1]
+    with monkeypatch.context() as m:
+        patch(m)
+        server.on_shares(liar, clients[liar].share_keys(reqs[liar]))
+    for v in params.nodes[1:]:
+        server.on_shares(v, clients[v].share_keys(reqs[v]))
+    reqs = server.masked_input_requests()
+    return liar, clients[honest], clients[honest].receive_shares(reqs[honest])
+
+
+def test_sealed_shares_naming_another_sender_are_left_out(monkeypatch):
+    real = protocol._seal
+    liar, honest, unopened = _liar_round(
+        monkeypatch, lambda m: m.setattr(protocol, "_seal", lambda s, r, bs, ss: real(s + 1, r, bs, ss)))
+    assert list(unopened) == [liar] and "names other nodes" in unopened[liar] and liar not in honest.held
+
+
+def test_seed_and_key_shares_at_different_x_are_left_out(monkeypatch):
+    real, calls = shamir.split_bytes, []
+
+    def split(secret, t, n):
+        out = real(secret, t, n)
+        calls.append(1)
+        return out if len(calls) % 2 else out[1:] + out[:1]  # key shares rotated: x differs from the seed's
+    liar, honest, unopened = _liar_round(monkeypatch, lambda m: m.setattr(protocol, "split_bytes", split))
+    assert list(unopened) == [liar] and "one x-coordinate" in unopened[liar] and liar not in honest.held
+
+
+def test_unmask_naming_a_node_whose_shares_are_not_held_is_refused():
+    params, _, clients = masked(6, 5, 3)
+    a, rest = params.nodes[0], params.nodes[1:]
+    with pytest.raises(SecAggRejected, match="does not hold"):
+        clients[a].unmask([a, *rest], [999])
+    with pytest.raises(SecAggRejected, match="does not hold"):
+        clients[a].unmask([a, *rest, 999], [])

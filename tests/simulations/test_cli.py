@@ -14,7 +14,7 @@ from rich.console import Console
 
 from coordinator import RunDirectory
 from coordinator.progress import RoundProgress, format_row
-from coordinator.rundir import CHECKPOINT, SUMMARY
+from coordinator.rundir import CHECKPOINT, LOCK, SUMMARY
 from simulations import cli
 from simulations.cli import main
 
@@ -164,7 +164,7 @@ def test_resume_with_no_rounds_left_says_so_and_trains_nothing(tmp_path, capsys,
     assert f"already holds 3 rounds (>= the {requested} requested); nothing trained" in err[0]
     assert "--rounds N with N > 3" in err[0]
     assert "after 3 rounds (none trained now)" in captured.out
-    assert (d / CHECKPOINT).read_bytes() == before and sorted(p.name for p in d.iterdir()) == [CHECKPOINT, SUMMARY]
+    assert (d / CHECKPOINT).read_bytes() == before and sorted(p.name for p in d.iterdir() if p.name != LOCK) == [CHECKPOINT, SUMMARY]
 
 
 def test_another_scenarios_run_directory_is_refused_not_reported_as_this_ones(tmp_path, capsys):
@@ -432,3 +432,20 @@ def test_a_run_dir_that_exists_but_cannot_be_written_or_is_empty_is_one_line(cap
     with pytest.raises(SystemExit):
         main(["simulate", "--run-dir", ""])
     assert "must be a path" in _one_error_line(capsys)
+
+
+def test_a_run_dir_another_run_holds_is_refused_in_one_line(tmp_path, capsys):
+    import subprocess
+    import sys
+
+    holder = subprocess.Popen([sys.executable, "-c", "import time; from coordinator.rundir import lock_run_dir; "
+                               f"lock_run_dir({str(tmp_path / 'run')!r}); print('held', flush=True); time.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert main(["simulate", "--engine", "inprocess", "--rounds", "1", "--run-dir", str(tmp_path / "run"),
+                     "--quiet"]) == 2
+        assert f"must not be in use by another run. Found it held by process {holder.pid}" in _one_error_line(capsys)
+    finally:
+        holder.kill()
+        holder.wait()

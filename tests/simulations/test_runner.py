@@ -340,3 +340,19 @@ def test_rays_sigterm_exit_is_an_interrupt_even_before_the_watcher_saw_the_signa
                    run=RunConfig.from_mapping({"num-rounds": 1, "min-nodes": 2}))
     with pytest.raises(becomes):
         runner.run_flower_engine(scn, None)
+
+
+def test_ray_num_cpus_is_refused_when_the_run_joins_a_cluster(monkeypatch):
+    """Ray refuses num_cpus when connecting to a cluster: it was a traceback from inside Flower's engine (a review)."""
+    from coordinator import CoordinatorError, RunConfig
+    from simulations.runner import check_ray_cluster
+    from simulations.scenario import Scenario, SimulationSettings
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    sim = SimulationSettings(name="t", num_supernodes=3, engine="flower", ray_num_cpus=2, ray_address="127.0.0.1:1")
+    with pytest.raises(CoordinatorError, match=r"ray-num-cpus must be 0 when the run joins a Ray cluster \(ray-address"):
+        check_ray_cluster(Scenario(sim=sim, run=RunConfig.from_mapping({})))
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
+    sim = SimulationSettings(name="t", num_supernodes=3, engine="flower", ray_num_cpus=2)
+    with pytest.raises(CoordinatorError, match=r"joins a Ray cluster \(RAY_ADDRESS is set"):
+        check_ray_cluster(Scenario(sim=sim, run=RunConfig.from_mapping({})))
