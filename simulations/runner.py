@@ -315,6 +315,13 @@ def run_flower_engine(scn: Scenario, on_round: RoundCallback | None) -> dict[str
     flwr_logger = logging.getLogger("flwr")
     flwr_logger.addFilter(_not_for_our_users)
     watch = ClusterWatch(stop, hostport)
+
+    def quiet_once_stopped(record: logging.LogRecord) -> bool:
+        # A stopped run's client actors die under the tasks they ran (a SIGTERM to the process group reaches
+        # them too): Flower then logs an error and a traceback per task, ~56 lines before "interrupted".
+        return not (stop.is_set() and record.levelno >= logging.ERROR)
+
+    flwr_logger.addFilter(quiet_once_stopped)
     try:
         with ctrl_c_sets(stop) as interrupted, warnings.catch_warnings(), watch, local_ray_auth(hostport is not None), \
                 _no_ray_sigterm_handler():
@@ -340,6 +347,7 @@ def run_flower_engine(scn: Scenario, on_round: RoundCallback | None) -> dict[str
                 raise KeyboardInterrupt
     finally:
         flwr_logger.removeFilter(_not_for_our_users)
+        flwr_logger.removeFilter(quiet_once_stopped)
     if watch.lost and not result:  # (a run that finished keeps its summary, whatever Ray's shutdown did after)
         raise _cluster_lost(watch.lost, scn)
     if not result:

@@ -106,7 +106,7 @@ def test_bad_input_is_one_line(tmp_path, fedshield_bin):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("sig, to", [("SIGINT", "other"), ("SIGTERM", "other"), ("SIGTERM", "main")])
+@pytest.mark.parametrize("sig, to", [("SIGINT", "other"), ("SIGTERM", "other"), ("SIGTERM", "main"), ("SIGTERM", "group")])
 def test_ctrl_c_stops_a_flower_engine_run_at_once_and_saves_no_more_rounds(tmp_path, procs, fedshield_bin, sig, to):
     """Ctrl-C reaches only the main thread; the ServerApp's thread must stop too (it used to run on,
     saving empty rounds with no clients, and the process never exited).
@@ -137,8 +137,11 @@ def test_ctrl_c_stops_a_flower_engine_run_at_once_and_saves_no_more_rounds(tmp_p
 
     others = sorted(t for t in map(int, os.listdir(f"/proc/{proc.pid}/task")) if t != proc.pid and takes_sigint(t))
     assert others, "Flower's engine runs threads beside the main one"
-    target = proc.pid if to == "main" else others[len(others) // 2]
-    assert ctypes.CDLL(None, use_errno=True).tgkill(proc.pid, target, signum) == 0
+    if to == "group":  # as timeout(1), systemd or kill -TERM -PGID: the client actors get it too
+        os.killpg(proc.pid, signum)
+    else:
+        target = proc.pid if to == "main" else others[len(others) // 2]
+        assert ctypes.CDLL(None, use_errno=True).tgkill(proc.pid, target, signum) == 0
     assert procs.wait("simulate", timeout=45) == 130, procs.log("simulate")[-3000:]
     rounds_then = len(list(csv.DictReader(open(metrics))))
     assert rounds_then < 60
@@ -146,6 +149,7 @@ def test_ctrl_c_stops_a_flower_engine_run_at_once_and_saves_no_more_rounds(tmp_p
     assert len(list(csv.DictReader(open(metrics)))) == rounds_then, "no round is saved after the interrupt"
     assert "fedshield: interrupted" in procs.log("simulate")
     assert "SIGTERM received" not in procs.log("simulate")
+    assert "Traceback" not in procs.log("simulate"), "the actors' deaths logged by Flower, after the stop"
 
 
 def _gcs_token(session: int) -> str:
