@@ -363,9 +363,10 @@ def start_agent(args: argparse.Namespace) -> int:
     def forward(signum: int, _frame: object) -> None:
         # SIGTERM to the group whatever came in: SIGINT made the ClientApp running at that moment print a
         # KeyboardInterrupt traceback (and its SuperNode's shutdown is not the user's business either)
+        # a second signal (the node hangs on its way out): SIGKILL
+        _stop_group(proc, signal.SIGKILL if stopped_by else signal.SIGTERM)
         stopped_by.append(signum)
         quiet.set()
-        _stop_group(proc, signal.SIGTERM)
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, forward)

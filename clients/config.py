@@ -106,13 +106,20 @@ def config_keys(cls: type) -> list[str]:
     return sorted(kebab(f.name) for f in dataclasses.fields(cls))
 
 
+_KEY_ALIASES = {"learning-rate": "lr", "rounds": "num-rounds", "epochs": "local-epochs", "clients": "num-supernodes",
+                "num-clients": "num-supernodes"}
+
+
 def unknown_key(prefix: str, key: Any, known: Iterable[str]) -> ConfigError:
     """The error for an unknown key: the closest known one when there is one (a typo, or snake_case), else
     every known key."""
     import difflib
 
     known = sorted(known)
-    close = difflib.get_close_matches(str(key).replace("_", "-"), known, n=1, cutoff=0.75) if isinstance(key, str) else []
+    close = difflib.get_close_matches(str(key).replace("_", "-"), known, n=1, cutoff=0.85) if isinstance(key, str) else []
+    alias = _KEY_ALIASES.get(str(key).replace("_", "-"))
+    if alias in known:  # another library's name for it (learning-rate was "close" to clip-learning-rate)
+        close = [alias]
     hint = f"Did you mean {close[0]}?" if close else f"Known keys: {', '.join(known)}."
     return ConfigError(f"{prefix}{shown_key(key)} is not a known key. {hint}")
 

@@ -13,7 +13,9 @@ import hashlib
 import io
 import json
 import os
+import re
 import tempfile
+import time
 import warnings
 import zipfile
 from pathlib import Path
@@ -189,14 +191,19 @@ def check_run_dir(run_dir: Path, flag: str = "--run-dir") -> tuple[int, dict[str
 
 
 LOCK = ".fedshield.lock"
+# write_atomic's temporary names (".NAME.<16 hex>.tmp") for the files a run writes here
+_STALE = re.compile(r"\.(" + "|".join(map(re.escape, (CHECKPOINT, METRICS, SUMMARY, MODEL, PLOT, CONFIG, EPSILON_PLOT,
+                                                          TIME_PLOT))) + r")\.[0-9a-f]{16}\.tmp")
 _HELD: dict[Path, int] = {}  # run directory -> the open lock file this process holds (released when it exits)
 
 
-def lock_run_dir(run_dir: str | os.PathLike, flag: str = "--run-dir") -> None:
-    """Make ``run_dir`` and hold its lock (an flock on LOCK, beside the checkpoint) until this process exits; a
-    CoordinatorError naming the holder when another process has it. Two runs in one directory resumed each
-    other's checkpoints, mixed their metrics, spent DP noise twice on the same data, and failed on each other's
-    files (a review). ``fedshield simulate`` and ``coordinator start`` take it after their checks, before the run."""
+def lock_run_dir(run_dir: str | os.PathLike, flag: str = "--run-dir", wait: float = 0.0) -> None:
+    """Make ``run_dir`` and hold its lock (an flock on LOCK, beside the checkpoint) until this process exits or
+    ``unlock_run_dir``; a CoordinatorError naming the holder when another process has it after ``wait`` seconds.
+    Two runs in one directory resumed each other's checkpoints, mixed their metrics, spent DP noise twice on the
+    same data, and failed on each other's files (a review). ``fedshield simulate`` takes it for its runs; under
+    ``coordinator start`` the ServerApp's process does (the coordinator only probes it before it starts: killed
+    outright, it would free the directory while its ServerApp still wrote there)."""
     path = Path(run_dir).expanduser().resolve()
     if path in _HELD:
         return
@@ -206,18 +213,40 @@ def lock_run_dir(run_dir: str | os.PathLike, flag: str = "--run-dir") -> None:
     except OSError as exc:
         raise CoordinatorError(f"{flag} {path} must let this run make its lock file {LOCK}. Found: "
                                f"{exc.strerror or exc}; pick another {flag}.") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        holder = os.read(fd, 32).decode("ascii", "replace").strip()
-        os.close(fd)
-        raise CoordinatorError(f"{flag} {path} must not be in use by another run. Found it held by process "
-                               f"{holder or '(unknown)'}; wait for that run to end, or pick another {flag}.") from None
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):  # no locking there (NFS without lockd, ...)
+                os.close(fd)
+                raise CoordinatorError(f"{flag} {path} must be on a file system that can lock files. Found: "
+                                       f"{exc.strerror or exc} (locking {LOCK}); pick another {flag}.") from None
+            if time.monotonic() >= deadline:
+                holder = os.read(fd, 32).decode("ascii", "replace").strip()
+                os.close(fd)
+                raise CoordinatorError(f"{flag} {path} must not be in use by another run. Found it held by process "
+                                       f"{holder or '(unknown)'}; wait for that run to end, or pick another "
+                                       f"{flag}.") from None
+            time.sleep(0.2)
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     _HELD[path] = fd
-    for stale in path.glob(".*.tmp"):  # write_atomic's temporary files left by a process killed mid-write
-        stale.unlink(missing_ok=True)
+    for stale in path.iterdir():  # write_atomic's temporary files of this directory's files, left by a killed write
+        if _STALE.fullmatch(stale.name):
+            try:
+                if stale.is_file() and not stale.is_symlink():
+                    stale.unlink()
+            except OSError:
+                pass
+
+
+def unlock_run_dir(run_dir: str | os.PathLike) -> None:
+    """Let go of a lock ``lock_run_dir`` took (nothing if this process holds none there)."""
+    fd = _HELD.pop(Path(run_dir).expanduser().resolve(), None)
+    if fd is not None:
+        os.close(fd)
 
 
 class RunDirectory:

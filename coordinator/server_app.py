@@ -12,7 +12,7 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from .config import RunConfig
-from .rundir import RunDirectory
+from .rundir import RunDirectory, lock_run_dir
 from .workflow import Clock, RoundCallback, StoppableClock, SyncWorkflow
 
 
@@ -61,6 +61,9 @@ def default_run_dir(run_id: int) -> Path:
     return home / "runs" / f"run-{run_id}"
 
 
+LOCK_WAIT_S = 30.0  # how long a ServerApp waits for its run directory's lock
+
+
 def make_server_app(
     cfg: RunConfig | None = None, on_round: RoundCallback | None = None, result: dict[str, Any] | None = None,
     stop: threading.Event | None = None, sim_nodes: int | None = None,
@@ -77,6 +80,9 @@ def make_server_app(
     def main(grid: Grid, context: Context) -> None:
         run_cfg = cfg if cfg is not None else RunConfig.from_mapping(context.run_config)
         run_dir = RunDirectory(run_cfg.server.run_dir or default_run_dir(context.run_id))
+        # held for the run (under fedshield simulate, this process holds it already); a ServerApp of a coordinator
+        # killed a moment ago may still hold it: waited for, a little
+        lock_run_dir(run_dir.path, "run-dir", wait=LOCK_WAIT_S)
         clock = StoppableClock(stop) if stop is not None else None
         summary = make_workflow(run_cfg, grid, run_dir, clock=clock, on_round=on_round, sim_nodes=sim_nodes).run()
         if result is not None:

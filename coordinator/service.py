@@ -34,7 +34,7 @@ from privacy import CertificatePaths, check_public_key, make_dir
 from ._errors import CoordinatorError
 from .config import RunConfig
 from .progress import accuracy_text
-from .rundir import SUMMARY, check_run_dir, lock_run_dir
+from .rundir import SUMMARY, check_run_dir, lock_run_dir, unlock_run_dir
 from .workflow import check_resumable
 from . import superlink
 from .tls import check_server_certificate, connect_host
@@ -325,7 +325,8 @@ class Coordinator:
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and any(_group_alive(g) for g in groups - {self.superlink.pid}):
             time.sleep(0.2)
-        _signal_groups(groups, signal.SIGKILL)  # what is left of them
+        # SIGKILL only to groups that still have members (a group gone for seconds could be another's by now)
+        _signal_groups({g for g in groups if _group_alive(g)}, signal.SIGKILL)
         self.superlink.wait()
 
     # -- flwr CLI --------------------------------------------------------------
@@ -409,8 +410,8 @@ def start_coordinator(config: str, insecure: bool = False, run_dir: str | None =
         if ckpt is not None:
             check_resumable(cfg.run, ckpt, run_path, None, "flower")  # as the ServerApp would, once agents had joined
     coord.check_port_free()  # (start_superlink checks again) before the banner says it is starting there
-    if cfg.run.server.run_dir:
-        lock_run_dir(run_path, "run-dir")  # held while this coordinator runs: a second one there is refused
+    if cfg.run.server.run_dir:  # not in use by another run (its ServerApp holds the lock): probed before anything starts
+        lock_run_dir(run_path, "run-dir")
     print(f"fedshield coordinator: SuperLink on {coord.address} ({'INSECURE' if insecure else 'TLS + node authentication'}), "
           f"run directory {run_path}", file=sys.stderr)
 
@@ -425,6 +426,7 @@ def start_coordinator(config: str, insecure: bool = False, run_dir: str | None =
             coord.register_keys()
         app_dir = write_app_dir(coord.state / "app", cfg.run)
         started = time.time()
+        unlock_run_dir(run_path)  # the ServerApp takes it: its process outlives this one's if this is killed
         coord.submit_and_stream(app_dir)
         status, details = coord.run_status()
         summary = run_path / SUMMARY

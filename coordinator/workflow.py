@@ -117,6 +117,9 @@ def run_fingerprint(cfg: RunConfig, numel: int, nodes: int | None = None, engine
     p = cfg.privacy
     if p.dp in ("central", "distributed") and p.dp_noise_multiplier == 0:  # calibrated from the budget
         out["target-epsilon"] = p.target_epsilon
+    if p.dp == "central" and cfg.asynchrony.workflow == "fedbuff":
+        # releases noised for 2 clip norms since this was recorded; a checkpoint without it spent more than it says
+        out["dp-sensitivity"] = 2.0
     out.update({"numel": numel, "fingerprint-version": FINGERPRINT_VERSION})
     if nodes is not None:
         out["nodes"] = nodes

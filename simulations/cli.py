@@ -304,10 +304,14 @@ def entry() -> None:
         import threading
 
         deadline = time.monotonic() + 15.0
-        for thread in threading.enumerate():
-            if thread is not threading.main_thread() and not thread.daemon:
-                thread.join(max(0.0, deadline - time.monotonic()))
-        if any(t.is_alive() and not t.daemon and t is not threading.main_thread() for t in threading.enumerate()):
+        try:
+            for thread in threading.enumerate():
+                if thread is not threading.main_thread() and not thread.daemon:
+                    thread.join(max(0.0, deadline - time.monotonic()))
+            stuck = any(t.is_alive() and not t.daemon and t is not threading.main_thread() for t in threading.enumerate())
+        except KeyboardInterrupt:  # a second Ctrl-C (or SIGTERM) while waiting: out now, without a traceback
+            stuck = True
+        if stuck:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(code)

@@ -361,3 +361,39 @@ def test_an_interrupted_agent_stops_its_node_with_sigterm_and_says_so_in_one_lin
     assert "Traceback" not in err and "KeyboardInterrupt" not in err
     assert err.strip().splitlines()[-1] == (f"fedshield agent: {word}; the node left the federation after answering "
                                             "1 message.")
+
+
+@pytest.mark.timeout(40)  # the node sleeps 60 s: waited out, the test times out
+def test_a_second_ctrl_c_kills_a_node_that_hangs_on_its_way_out(tmp_path, capsys, monkeypatch):
+    import signal
+    import sys
+    import threading
+    import time
+
+    from clients import cli
+    from simulations.cli import build_parser
+
+    ready = tmp_path / "ready"
+    stuck = ("import signal, sys, time\nsignal.signal(signal.SIGTERM, lambda s, f: None)\n"
+             "print('INFO :      Sent successfully', flush=True)\nopen(sys.argv[1], 'w').close()\ntime.sleep(60)\n")
+    monkeypatch.setattr(cli, "supernode_command", lambda args: [sys.executable, "-c", stuck, str(ready)])
+    args = build_parser().parse_args(["agent", "start", "--coordinator", "127.0.0.1:1", "--insecure"])
+    main_thread = threading.get_ident()
+
+    def twice():
+        for _ in range(300):
+            if ready.exists():
+                break
+            time.sleep(0.05)
+        signal.pthread_kill(main_thread, signal.SIGINT)
+        time.sleep(0.5)
+        signal.pthread_kill(main_thread, signal.SIGINT)
+
+    old = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    threading.Thread(target=twice, daemon=True).start()
+    try:
+        assert cli.start_agent(args) == 130
+    finally:
+        signal.signal(signal.SIGINT, old[0])
+        signal.signal(signal.SIGTERM, old[1])
+    assert "interrupted" in capsys.readouterr().err

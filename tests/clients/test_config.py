@@ -98,9 +98,9 @@ def test_integral_float_is_accepted_for_int_and_becomes_int():
 
 def test_unknown_key_is_an_error_naming_it_and_the_known_keys():
     with pytest.raises(ConfigError) as info:
-        build_config(TrainSettings, {"lr": 0.1, "learning-rate": 0.1}, "cfg")
+        build_config(TrainSettings, {"lr": 0.1, "speed": 0.1}, "cfg")  # (nothing close: every known key listed)
     msg = str(info.value)
-    assert msg.startswith("cfg.learning-rate is not a known key.")
+    assert msg.startswith("cfg.speed is not a known key.")
     for key in config_keys(TrainSettings):
         assert key in msg
 
@@ -138,7 +138,8 @@ def test_to_mapping_round_trips_and_split_mapping_routes_keys():
     assert "round" not in task_part and "round" not in train_part
 
 
-@pytest.mark.parametrize("typo, meant", [("local-epoch", "local-epochs"), ("batch_size", "batch-size")])
+@pytest.mark.parametrize("typo, meant", [("local-epoch", "local-epochs"), ("batch_size", "batch-size"),
+                                         ("learning-rate", "lr"), ("epochs", "local-epochs")])
 def test_an_unknown_key_close_to_a_known_one_names_it_instead_of_listing_all(typo, meant):
     with pytest.raises(ConfigError) as info:
         build_config(TrainSettings, {typo: 1}, "cfg")

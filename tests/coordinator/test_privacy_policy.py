@@ -376,3 +376,20 @@ def test_distributed_dp_clients_clip_below_dp_clip_by_the_rounding_they_may_add(
     assert mu == pytest.approx((0.8 * 0.5 / 0.001) ** 2 / (10 * 0.8) / 2)
     with pytest.raises(CoordinatorError, match="must exceed the quantization grid"):
         dp.client_noise(selected=10, step=0.05, numel=100)  # rounding 0.5 >= clip
+
+
+def test_a_fedbuff_dp_checkpoint_from_before_the_2c_noise_is_refused_naming_it(tmp_path):
+    """Its releases were noised for one clip norm: resumed, the run would go on from an epsilon that under-states
+    what was spent. The fingerprint names the sensitivity since."""
+    from coordinator import CoordinatorError
+    from coordinator.workflow import check_fingerprint, run_fingerprint
+
+    cfg = RunConfig.from_mapping({**BASE, "dp": "central", "dp-noise-multiplier": 1.0, "workflow": "fedbuff",
+                                  "fraction-train": 1.0})
+    now = run_fingerprint(cfg, 100)
+    assert now["dp-sensitivity"] == 2.0
+    before = {k: v for k, v in now.items() if k != "dp-sensitivity"}
+    with pytest.raises(CoordinatorError, match=r"Found dp-sensitivity = '\(unset\)' there, 2.0 now"):
+        check_fingerprint({"fingerprint": before}, now, tmp_path)
+    assert "dp-sensitivity" not in run_fingerprint(RunConfig.from_mapping({**BASE, "dp": "central",
+                                                                           "dp-noise-multiplier": 1.0}), 100)

@@ -206,13 +206,16 @@ def test_a_run_dir_is_held_by_one_process_at_a_time(tmp_path):
 
     run = tmp_path / "run"
     (run).mkdir()
-    (run / ".checkpoint.pt.0123abcd.tmp").write_bytes(b"half")  # a write killed midway
+    (run / ".checkpoint.pt.0123456789abcdef.tmp").write_bytes(b"half")  # a write killed midway
+    (run / ".vimrc.tmp").write_text("not ours")  # (--run-dir . or ~: only this run's temporary files go)
+    (run / ".session.tmp").mkdir()
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from coordinator.rundir import lock_run_dir; "
                                f"lock_run_dir({str(run)!r}); print('held', flush=True); time.sleep(60)"],
                               stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        assert not (run / ".checkpoint.pt.0123abcd.tmp").exists()  # cleared by the run that holds the directory
+        assert not (run / ".checkpoint.pt.0123456789abcdef.tmp").exists()  # cleared by the run that holds it
+        assert (run / ".vimrc.tmp").read_text() == "not ours" and (run / ".session.tmp").is_dir()
         with pytest.raises(CoordinatorError, match=rf"--run-dir {run} must not be in use by another run. Found it held "
                                                    rf"by process {holder.pid}; "):
             lock_run_dir(run)
@@ -222,3 +225,20 @@ def test_a_run_dir_is_held_by_one_process_at_a_time(tmp_path):
     lock_run_dir(run)  # free again (the holder's lock went with it)
     lock_run_dir(run)  # this process holds it already: fine
     assert (run / LOCK).read_text().strip() == str(__import__("os").getpid())
+
+
+def test_a_file_system_that_cannot_lock_is_said_so_not_blamed_on_a_stale_pid(tmp_path, monkeypatch):
+    import errno
+    import fcntl
+
+    from coordinator.rundir import LOCK, lock_run_dir
+
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / LOCK).write_text("4242\n")  # an earlier holder's pid
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with pytest.raises(CoordinatorError, match=r"must be on a file system that can lock files. Found: No locks available"):
+        lock_run_dir(tmp_path / "run")
