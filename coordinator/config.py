@@ -518,6 +518,12 @@ class RunConfig:
             return "under central DP"
         return "" if self.aggregation.aggregator == "mean" else f"under the {self.aggregation.aggregator} rule"
 
+    def release_short_of_nodes(self, nodes: int) -> str:
+        """``one_update_per_node``'s reason when this run is FedBuff and ``nodes`` distinct nodes cannot fill a
+        release of ``buffer-size`` (it would stall, then fail, once clients had trained), else ''."""
+        why = self.one_update_per_node()
+        return why if self.asynchrony.workflow == "fedbuff" and why and self.asynchrony.buffer_size > nodes else ""
+
     def dp_divisor(self, population: int | None) -> int:
         """The public count a synchronous central-DP round's noised sum is divided by: ``dp-expected-clients``,
         else the expected sample, ``fraction-train`` x ``population`` (the run's clients: fixed before it starts).

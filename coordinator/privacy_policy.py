@@ -39,7 +39,7 @@ class CentralDp:
 
     def __init__(self, cfg: PrivacySettings, expected_rate: float, num_rounds: int, sensitivity: float = 1.0) -> None:
         self.cfg = cfg
-        # clip norms one client's presence moves a release by (RunConfig.dp_sensitivity_factor): the sum's noise and
+        # clip norms one client's presence moves a release by (coordinator.workflow.FIXED_SIZE_SENSITIVITY under FedBuff): the sum's noise and
         # the adaptive clip's count noise are both scaled by it, so z is relative to the real sensitivity
         self.sensitivity = sensitivity
         self.accountant = RdpAccountant(cfg.dp_delta)

@@ -137,22 +137,19 @@ def _inconsistency(state: dict[str, Any]) -> str | None:
     return None
 
 
-class _Compressed(Exception):
-    pass
-
-
 def _check_stored(path: Path) -> None:
     """torch.save stores a checkpoint's entries uncompressed: a compressed entry (a 2 MB file that inflated to
-    5.7 GB before its size was checked) is refused before torch.load reads anything. Not a zip: torch.load's to
-    refuse."""
+    5.7 GB before its size was checked) is refused before torch.load reads anything. Not a zip, or unreadable:
+    torch.load's to refuse."""
     try:
         with zipfile.ZipFile(path) as archive:
             packed = [i.filename for i in archive.infolist() if i.compress_type != zipfile.ZIP_STORED]
-    except (zipfile.BadZipFile, ValueError, EOFError):
+    except (zipfile.BadZipFile, ValueError, EOFError, OSError):
         return
     if packed:
-        raise _Compressed(f"entry {packed[0][:60]!r} is compressed, as torch.save never writes; it could inflate "
-                          "to any size")
+        raise CoordinatorError(f"{path} is not a fedshield checkpoint (entry {packed[0][:60]!r} is compressed, as "
+                               "torch.save never writes; it could inflate to any size); move it away or pick another "
+                               "--run-dir.")
 
 
 def check_run_dir(run_dir: Path, flag: str = "--run-dir") -> tuple[int, dict[str, Any] | None]:
@@ -270,8 +267,8 @@ class RunDirectory:
         path = self.file(CHECKPOINT)
         if not path.exists():
             return None
+        _check_stored(path)
         try:
-            _check_stored(path)
             with warnings.catch_warnings():  # (torch warns of a plain pickle before refusing it: the refusal is the line)
                 warnings.simplefilter("ignore")
                 state = torch.load(path, map_location="cpu", weights_only=True)
@@ -280,9 +277,6 @@ class RunDirectory:
                 raise CoordinatorError(f"checkpoint {path} must be readable. Found: {exc.strerror or exc}.") from None
             raise CoordinatorError(f"{path} is not a fedshield checkpoint (truncated or corrupted: "
                                    f"{exc.strerror or exc}); move it away or pick another --run-dir.") from None
-        except _Compressed as exc:
-            raise CoordinatorError(f"{path} is not a fedshield checkpoint ({exc}); move it away or pick another "
-                                   "--run-dir.") from None
         except Exception as exc:  # torch/pickle raise many kinds (UnpicklingError, RuntimeError, EOFError, KeyError...)
             text = str(exc).strip().splitlines()
             with open(path, "rb") as f:

@@ -200,10 +200,11 @@ class Coordinator:
             if need > enrolled:
                 raise ConfigError(f"run.min-nodes must be <= the {enrolled} enrolled client key(s) (only enrolled nodes "
                                   f"can join: no round could start). Found {need}.")
-            why, size = cfg.run.one_update_per_node(), cfg.run.asynchrony.buffer_size
-            if cfg.run.asynchrony.workflow == "fedbuff" and why and size > enrolled:  # else the run stalls, then fails, once agents have trained
+            why = cfg.run.release_short_of_nodes(enrolled)
+            if why:
                 raise ConfigError(f"run.buffer-size must be <= the {enrolled} enrolled client key(s) (a FedBuff release "
-                                  f"{why} takes one update from each of buffer-size nodes). Found {size}.")
+                                  f"{why} takes one update from each of buffer-size nodes). Found "
+                                  f"{cfg.run.asynchrony.buffer_size}.")
         run = cfg.run
         if run.privacy.dp == "central" and run.asynchrony.workflow == "sync" and not run.privacy.dp_expected_clients:
             # The public count a round's noised sum is divided by: the expected sample of the enrolled clients

@@ -101,6 +101,9 @@ RESUMABLE_CHANGES = frozenset({"num-rounds", "run-dir", "device", "poll-interval
                                "secagg-stage-timeout", "secagg-pipeline", "min-nodes", "max-update-mb", "target-epsilon",
                                "dp-expected-clients"})  # (public, fixed before each round: from the enrolled keys)
 FINGERPRINT_VERSION = 2
+# Clip norms one client's presence moves a release of a fixed number of updates by (FedBuff's): its own update in,
+# another's out (SyncWorkflow.FIXED_SIZE_RELEASES)
+FIXED_SIZE_SENSITIVITY = 2.0
 
 
 def run_fingerprint(cfg: RunConfig, numel: int, nodes: int | None = None, engine: str | None = None) -> dict[str, Any]:
@@ -119,7 +122,7 @@ def run_fingerprint(cfg: RunConfig, numel: int, nodes: int | None = None, engine
         out["target-epsilon"] = p.target_epsilon
     if p.dp == "central" and cfg.asynchrony.workflow == "fedbuff":
         # releases noised for 2 clip norms since this was recorded; a checkpoint without it spent more than it says
-        out["dp-sensitivity"] = 2.0
+        out["dp-sensitivity"] = FIXED_SIZE_SENSITIVITY
     out.update({"numel": numel, "fingerprint-version": FINGERPRINT_VERSION})
     if nodes is not None:
         out["nodes"] = nodes
@@ -194,7 +197,8 @@ class SyncWorkflow:
         self.slow_link = (self._codec_plan(cfg.aggregation.make_codec(cfg.aggregation.slow_link_codec))
                           if cfg.aggregation.slow_link_mbps > 0 else None)
         self._slow_nodes: set[int] = set()
-        dp_args = (cfg.privacy, cfg.dp_sampling_rate(), cfg.server.num_rounds, 2.0 if self.FIXED_SIZE_RELEASES else 1.0)
+        dp_args = (cfg.privacy, cfg.dp_sampling_rate(), cfg.server.num_rounds,
+                   FIXED_SIZE_SENSITIVITY if self.FIXED_SIZE_RELEASES else 1.0)
         self.poisson = cfg.dp_sampling_rate() < 1.0  # secret Poisson sampling (see select)
         self._online, self._rate = 0, 1.0
         self.dp = (CentralDp(*dp_args) if cfg.privacy.dp == "central"

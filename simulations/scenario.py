@@ -91,9 +91,9 @@ class Scenario:
         run = RunConfig.from_mapping(data.get("run", {}))
         if run.server.min_nodes > sim.num_supernodes:
             raise ConfigError(f"run.min-nodes must be <= simulation.num-supernodes={sim.num_supernodes}. Found {run.server.min_nodes}.")
-        asy, why = run.asynchrony, run.one_update_per_node()
-        if asy.workflow == "fedbuff" and why and asy.buffer_size > sim.num_supernodes:  # one update per node a release
-            raise ConfigError(f"simulation.num-supernodes must be >= run.buffer-size = {asy.buffer_size} (a FedBuff "
+        why = run.release_short_of_nodes(sim.num_supernodes)
+        if why:
+            raise ConfigError(f"simulation.num-supernodes must be >= run.buffer-size = {run.asynchrony.buffer_size} (a FedBuff "
                               f"release {why} takes one update from each of buffer-size nodes). Found "
                               f"{sim.num_supernodes}.")
         tiers = parse_tiers(data["tiers"], source) if "tiers" in data else ()
