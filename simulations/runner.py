@@ -184,12 +184,30 @@ def check_ray_address(address: str, timeout: float = 5.0, what: str = "simulatio
     return hostport
 
 
+RAY_MISSING = ("simulation.engine 'flower' runs Flower's simulation engine on Ray, which this install lacks (fedshield's "
+               "base install leaves Ray out, for edge devices): pip install 'fedshield[simulation]', or run with "
+               "--engine inprocess or --engine virtual, which need no Ray.")
+
+
+def ray_installed() -> bool:
+    """Whether Ray can be imported here (fedshield's ``simulation`` extra), without importing it."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("ray") is not None
+    except (ImportError, ValueError):  # a broken or blocked install (``sys.modules["ray"] = None``)
+        return False
+
+
 def check_ray_cluster(scn: Scenario) -> str | None:
-    """On Flower's engine, the Ray cluster the run would join (``ray-address``, else ``RAY_ADDRESS``,
-    which ``ray.init()`` follows when given no address) must answer: ``check_ray_address``. Returns
-    its ``host:port`` (None where the run starts a Ray instance of its own)."""
+    """On Flower's engine: Ray installed (``RAY_MISSING`` otherwise), and the Ray cluster the run would
+    join (``ray-address``, else ``RAY_ADDRESS``, which ``ray.init()`` follows when given no address)
+    answering: ``check_ray_address``. Returns its ``host:port`` (None where the run starts a Ray
+    instance of its own)."""
     if scn.sim.engine != "flower":
         return None
+    if not ray_installed():
+        raise CoordinatorError(RAY_MISSING)
     joining = "ray-address" if scn.sim.ray_address else "RAY_ADDRESS" if os.environ.get("RAY_ADDRESS") else ""
     if joining and scn.sim.ray_num_cpus:  # Ray refuses num_cpus when joining: a traceback from inside Flower's engine
         raise CoordinatorError(f"simulation.ray-num-cpus must be 0 when the run joins a Ray cluster ({joining} is set: the "

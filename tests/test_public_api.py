@@ -50,3 +50,17 @@ def test_pyproject_run_config_lists_every_key_with_its_default():
 
     doc = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
     assert doc["tool"]["flwr"]["app"]["config"] == RunConfig().to_mapping()
+
+
+def test_the_base_install_leaves_ray_out_and_the_simulation_extra_brings_it():
+    """Edge agents install fedshield without Ray (~220 MB); Flower's engine is the ``simulation`` extra,
+    which ``dev`` (what CI and README's set-up install) takes."""
+    import tomllib
+    from pathlib import Path
+
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    names = [dep.split(";")[0].replace(" ", "") for dep in project["dependencies"]]
+    assert "flwr==1.42.0" in names and not any("ray" in n or "[simulation]" in n for n in names), names
+    extras = project["optional-dependencies"]
+    assert extras["simulation"] == ["flwr[simulation]==1.42.0"]
+    assert "fedshield[simulation]" in extras["dev"]

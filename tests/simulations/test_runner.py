@@ -10,6 +10,7 @@ import dataclasses
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 
@@ -356,3 +357,39 @@ def test_ray_num_cpus_is_refused_when_the_run_joins_a_cluster(monkeypatch):
     sim = SimulationSettings(name="t", num_supernodes=3, engine="flower", ray_num_cpus=2)
     with pytest.raises(CoordinatorError, match=r"joins a Ray cluster \(RAY_ADDRESS is set"):
         check_ray_cluster(Scenario(sim=sim, run=RunConfig.from_mapping({})))
+
+
+def test_flowers_engine_without_ray_is_one_line_before_a_run_dir_is_made(tmp_path, monkeypatch, capsys):
+    from simulations.cli import main
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # as on a base install: `import ray` fails
+    assert main(["simulate", "--engine", "flower", "--rounds", "1", "--run-dir", str(tmp_path / "r"), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("fedshield: error: simulation.engine 'flower'"), err
+    assert "pip install 'fedshield[simulation]'" in err[0] and "--engine inprocess" in err[0]
+    assert not (tmp_path / "r").exists()
+
+
+_NO_RAY = """
+import sys
+sys.modules["ray"] = None  # `import ray` raises ImportError, as where the simulation extra is not installed
+import importlib.metadata as md
+for ep in md.entry_points(group="console_scripts"):  # what flower-supernode and flower-superlink load
+    if ep.name in ("flower-supernode", "flower-superlink"):
+        ep.load()
+import clients.client_app, clients.cli, coordinator.server_app, coordinator.service
+from simulations.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.timeout(300)
+def test_the_agent_the_coordinator_and_the_inprocess_engine_need_no_ray(tmp_path):
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-c", _NO_RAY, "simulate", "--engine", "inprocess", "--rounds", "1",
+                           "--set", "simulation.num-supernodes=3", "--set", "run.min-nodes=3",
+                           "--run-dir", str(tmp_path / "r"), "--quiet"],
+                          capture_output=True, text=True, timeout=280, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "after 1 rounds" in proc.stdout and (tmp_path / "r" / "summary.json").is_file()
