@@ -449,6 +449,17 @@ class TrimmedMean(_Buffered):
         return out
 
 
+def trimmed_mean_min_updates(beta: float) -> int:
+    """The fewest updates a trimmed mean of ``beta`` > 0 trims anything from (``floor(beta n) >= 1``; with fewer
+    it is a plain mean, as scipy's and Flower's are); 1 at ``beta`` = 0, which trims nothing by design."""
+    if beta <= 0:
+        return 1
+    n = math.ceil(1 / beta)
+    while int(beta * n) < 1:  # 1 / beta rounded down in float
+        n += 1
+    return n
+
+
 def krum_min_updates(f: int, m: int = 1) -> int:
     """The fewest updates Krum (``n > 2f + 2``) or Multi-Krum (also ``m <= n - f``) can combine."""
     return max(2 * f + 3, m + f)

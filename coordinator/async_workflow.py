@@ -34,7 +34,6 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 
 from aggregation import tensor_to_array
-from privacy import BudgetExhausted
 from aggregation.staleness import StalenessFunction, create_staleness
 from clients.protocol import (ARRAYS, CODEC, CONFIG, LOCAL_DP, MESSAGE_TYPE_TRAIN, WEIGHTS, TrainInstruction,
                               message_nbytes, update_nbytes)
@@ -103,8 +102,6 @@ class BufferedAsyncWorkflow(SyncWorkflow):
     are all rejected, or all expire, are no progress: such a run used to go on for ever).
     """
 
-    FIXED_SIZE_RELEASES = True  # central DP: noise for 2 clip norms (SyncWorkflow.FIXED_SIZE_RELEASES)
-
     def __init__(self, cfg: RunConfig, grid: Grid, run_dir: RunDirectory, clock: Clock | None = None,
                  on_round: RoundCallback | None = None, *, concurrency: int = 10, buffer_size: int = 5,
                  max_staleness: int = 20, staleness: str | StalenessFunction = "polynomial",
@@ -170,8 +167,6 @@ class BufferedAsyncWorkflow(SyncWorkflow):
         return self.cfg.one_update_per_node()
 
     def _new_aggregator(self) -> Any:
-        if self.dp is not None:  # each update clipped to the DP clip norm
-            return self.dp.make_aggregator(self.numel, self.device, self.buffer_size)
         return self.cfg.aggregation.make_aggregator(self.numel, self.device, self.buffer_size)
 
     def _dispatch(self, nodes: list[int]) -> tuple[int, int]:
@@ -241,17 +236,12 @@ class BufferedAsyncWorkflow(SyncWorkflow):
                     continue
                 last_progress = self.clock.now()
                 if acc.count >= self.buffer_size:
-                    try:
-                        self._release(acc, window, last_release, nodes)
-                    except BudgetExhausted as exc:
-                        self.status = "budget-exhausted"
-                        log(WARNING, "[fedshield] async: stopping before release %d: %s", self.round + 1, exc)
-                        break
+                    self._release(acc, window, last_release, nodes)
                     last_release = self.clock.now()
                     acc = self._new_aggregator()
                     window = self._fresh_window()
                     self._in_buffer.clear()
-            if self.round >= total or self.status == "budget-exhausted":
+            if self.round >= total:
                 break
             if self.clock.now() - last_progress >= self.stall_timeout:
                 rejected = ", ".join(f"{rule} {n}" for rule, n in sorted(window["rejected"].items())) or "none"
@@ -272,7 +262,7 @@ class BufferedAsyncWorkflow(SyncWorkflow):
     def _fresh_window() -> dict[str, Any]:
         return {"selected": 0, "bytes_down": 0, "replies": 0, "rejected": Counter(), "bytes_up": 0, "update_bytes_up": 0,
                 "loss": LossMean(),
-                "staleness": [], "local_eps": [], "norms": []}
+                "staleness": [], "local_eps": [], "examples": 0}
 
     def _take(self, reply: Message, mid: str, flight: Flight, acc: Any, window: dict[str, Any]) -> bool:
         """Validate one reply and add it to the buffer; return whether it was accepted."""
@@ -285,17 +275,16 @@ class BufferedAsyncWorkflow(SyncWorkflow):
             if self._one_per_node and flight.node_id in self._in_buffer:
                 raise RejectedReply(ok.node_id, "duplicate-contributor", "a node adds at most one update to a release "
                                                                          f"{self._one_per_node}")
-            # Under central DP a client's weight is its staleness factor (<= 1), so its influence on the
-            # noised sum stays at most the clip norm.
+            # weight n s(staleness); the release divides by the examples, sum n (Nguyen et al.'s sum s(t) delta / K)
             factor = staleness_factor(self.staleness_fn, staleness, self.max_staleness, ok.node_id)
-            weight = factor if self.dp is not None else float(ok.num_examples) * factor
+            weight = float(ok.num_examples) * factor
             ok = add_reply(acc, self.codec, ok, weight, flight.expectation)  # the norm rules, checked while adding
         except RejectedReply as rej:
             window["rejected"][rej.rule] += 1
             self.ledger.append(LedgerEntry(mid, flight.node_id, flight.base_version, self.version, rej.rule))
             log(WARNING, "[fedshield] async: rejected reply from node %d (%s): %s", rej.node_id, rej.rule, rej.detail)
             return False
-        window["norms"].append(ok.norm)
+        window["examples"] += ok.num_examples
         self._in_buffer.add(flight.node_id)
         self.ledger.append(LedgerEntry(mid, flight.node_id, flight.base_version, self.version, "accepted",
                                        staleness, weight, self.round + 1))
@@ -306,24 +295,19 @@ class BufferedAsyncWorkflow(SyncWorkflow):
         return True
 
     def _release(self, acc: Any, window: dict[str, Any], last_release: float, nodes: list[int]) -> None:
+        # The rule's result (for the mean: sum n s delta / sum n s) times sum n s / sum n: the staleness factors
+        # discount the release (Nguyen et al. 2022, Alg. 1), not only weigh its updates against each other, which
+        # cancelled them out whenever a release's updates were equally stale. Under the robust rules (which
+        # choose by value, not weight) this scales their result by the release's mean staleness factor.
         extra: dict[str, Any] = {}
-        if self.dp is not None:
-            self.dp.check_budget(1.0)  # before the noised model is published
-            extra["clip"] = self.dp.clip
-            self.weights = self.optimizer.step(self.weights, self.dp.release(acc, self.buffer_size, self.round + 1))
-            self.dp.after_round(1.0, window["norms"], self.buffer_size)
-            extra["epsilon"] = self.dp.epsilon
-        else:
-            self.weights = self.optimizer.step(self.weights, acc.result())
-        self.version += 1
+        self._step(self.round + 1, acc.result().mul(acc.total_weight / window["examples"]), extra)
         self.round += 1
         load_flat(self.model, self.weights)
         test_acc, test_loss = evaluate(self.model, self.task.test_set)
         now = self.clock.now()
         rejected: Counter[str] = window["rejected"]
         row: dict[str, Any] = {
-            **extra,
-            "round": self.round, "nodes_online": len(nodes), "selected": window["selected"],
+            **extra, "round": self.round, "nodes_online": len(nodes), "selected": window["selected"],
             "bytes_down": window["bytes_down"], "replies": window["replies"], "accepted": acc.count,
             "rejected": sum(rejected.values()), "rejected_by_rule": dict(rejected), "bytes_up": window["bytes_up"],
             "update_bytes_up": window["update_bytes_up"],

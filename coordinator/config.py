@@ -10,12 +10,14 @@ from typing import Any
 
 from aggregation import AggregationError, available_server_optimizers, create_aggregator, create_server_optimizer
 from aggregation.codecs import Codec, create_codec
-from aggregation.robust import krum_min_updates
+from aggregation.robust import krum_min_updates, trimmed_mean_min_updates
 from clients.config import (MAX_NOISE_MULTIPLIER, MIN_LOCAL_NOISE_MULTIPLIER, MIN_NOISE_MULTIPLIER, TaskSpec, TrainSettings, build_config, check, config_keys,
                             split_mapping, to_mapping, unknown_key)
 from clients._errors import ConfigError
 
 from .profiles import SELECTION_POLICIES
+
+_FULL_STEP_OPTIMIZERS = ("fedavg", "fedavgm")  # w + lr * delta: lr 1.0 applies the mean as it is
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +35,7 @@ class ServerSettings:
     work_deadline: float = 0.0
     poll_interval: float = 0.1
     server_optimizer: str = "fedavg"
-    server_lr: float = 1.0
+    server_lr: float = 0.0  # 0: 1.0 under fedavg and fedavgm; an adaptive optimizer needs it given
     server_momentum: float = 0.9
     server_beta1: float = 0.9
     server_beta2: float = 0.99
@@ -46,8 +48,13 @@ class ServerSettings:
     selection: str = "uniform"
     fairness: float = 2.0
 
+    def effective_server_lr(self) -> float | None:
+        """``server-lr``, else (0, unset) 1.0 under fedavg and fedavgm, and None (no default) under the adaptive
+        optimizers, whose steps move each coordinate by about the learning rate whatever the update's size."""
+        return self.server_lr or (1.0 if self.server_optimizer in _FULL_STEP_OPTIMIZERS else None)
+
     def optimizer_params(self) -> dict[str, Any]:
-        return {"lr": self.server_lr, "momentum": self.server_momentum, "beta1": self.server_beta1,
+        return {"lr": self.effective_server_lr(), "momentum": self.server_momentum, "beta1": self.server_beta1,
                 "beta2": self.server_beta2, "tau": self.server_tau}
 
     def __post_init__(self) -> None:
@@ -66,14 +73,23 @@ class ServerSettings:
         check(0 < self.poll_interval <= 10, "poll-interval", "be in (0, 10] seconds", self.poll_interval)
         opts = available_server_optimizers()
         check(self.server_optimizer in opts, "server-optimizer", f"be one of {opts}", self.server_optimizer)
-        check(0 < self.server_lr <= 1e6, "server-lr", "be in (0, 1e6]", self.server_lr)
+        check(0 <= self.server_lr <= 1e6, "server-lr", "be in (0, 1e6] (0, the default: 1.0 under fedavg and fedavgm)",
+              self.server_lr)
+        # It ran at 1.0 (review helper-56): a FedAdam step moved weights of 0.05 to 0.67 where FedAvg's gave 0.07.
+        check(self.effective_server_lr() is not None, "server-lr", f"be given for server-optimizer = "
+              f"{self.server_optimizer!r} (an adaptive step moves each coordinate by about server-lr, whatever the "
+              "update's size: Reddi et al. tune it over [1e-3, 1]; Flower's defaults are 0.1, and 0.01 for FedYogi)",
+              self.server_lr)
         try:  # the optimizer's own rules (momentum and betas in [0, 1), tau > 0), before anything starts
             create_server_optimizer(self.server_optimizer, **self.optimizer_params())
         except AggregationError as exc:
             raise ConfigError(str(exc)) from None
         check(0 <= self.seed < 2**32, "seed", "be in [0, 2**32)", self.seed)
-        check(1 <= self.max_examples <= 10**38, "max-examples", "be in [1, 1e38] (weights are multiplied in float32)",
-              self.max_examples)
+        # Capped (review helper-56): a client may claim max-examples, and its weight multiplies its update in the
+        # float32 sums: 1e38 x an update of 5.0 made the mean inf. 1e12 x max-update-norm (<= 1e18) leaves 10^8 such
+        # clients within float32's 3.4e38.
+        check(1 <= self.max_examples <= 10**12, "max-examples", "be in [1, 1e12] (a client's weight multiplies its "
+              "update in float32 sums)", self.max_examples)
         check(0 < self.max_update_mb <= 1e6, "max-update-mb", "be in (0, 1e6]", self.max_update_mb)
         # Capped: past 1e18 an update's sum of squares nears float32's range (3.4e38), where the paths' float32
         # roundings of it (one per block, per 8K step, per update) could accept and refuse the same update.
@@ -159,9 +175,12 @@ class AggregationSettings:
         return {k: getattr(self, attr) for k, attr in AGGREGATOR_PARAMS[self.aggregator].items()}
 
     def min_updates(self) -> int:
-        """The fewest updates the aggregator can combine (Krum's 2f + 3, Multi-Krum's also m + f; else 1)."""
+        """The fewest updates the aggregator can combine (Krum's 2f + 3, Multi-Krum's also m + f), or, for the
+        trimmed mean, trim anything from (``trimmed_mean_min_updates``: 5 at trim-beta 0.2); else 1."""
         if self.aggregator in ("krum", "multi-krum"):
             return krum_min_updates(**self.aggregator_params())
+        if self.aggregator == "trimmed-mean":
+            return trimmed_mean_min_updates(self.trim_beta)
         return 1
 
     def make_aggregator(self, numel: int, device: Any, max_clients: int) -> Any:
@@ -469,11 +488,13 @@ class RunConfig:
                 raise ConfigError(f"{exc} (a round of min-nodes = {self.server.min_nodes} nodes could never run: raise "
                                   "min-nodes or lower secagg-threshold)") from None
         agg = self.aggregation
-        if agg.aggregator in ("krum", "multi-krum"):  # else every round would end with too few updates to combine
-            params = agg.aggregator_params()  # krum: f; multi-krum: f and m
-            need = agg.min_updates()
+        need = agg.min_updates()
+        if need > 1:  # else every round would end with too few updates to combine (or, trimmed, a plain mean)
+            params = AGGREGATOR_PARAMS[agg.aggregator]  # krum: f; multi-krum: f and m; trimmed-mean: beta
             why = (f"to give aggregator = {agg.aggregator!r} the {need} updates it needs with "
-                   + " and ".join(f"krum-{k} = {v}" for k, v in params.items()))
+                   + " and ".join(f"{attr.replace('_', '-')} = {getattr(agg, attr)}" for attr in params.values())
+                   + (" (with fewer, floor(trim-beta x n) = 0: it would trim nothing, a plain mean)"
+                      if agg.aggregator == "trimmed-mean" else ""))
             if self.asynchrony.workflow == "sync":
                 check(self.server.min_nodes >= need, "min-nodes", f"be >= {need} {why}", self.server.min_nodes)
                 close = self.server.close_after_replies  # a round closed after fewer replies could never combine them
@@ -482,6 +503,10 @@ class RunConfig:
                 check(self.asynchrony.buffer_size >= need, "buffer-size", f"be >= {need} {why}",
                       self.asynchrony.buffer_size)
         if self.privacy.dp == "central":
+            check(self.asynchrony.workflow == "sync", "workflow", "be 'sync' under central DP (which clients fill a FedBuff "
+                  "release follows the dispatch schedule, and one client's presence changes it for the rest of the run: "
+                  "a release's sum can then move by 2 x buffer-size x dp-clip, not the one clip norm the noise is sized "
+                  "for; under FedBuff use dp = 'local', where each client noises its own update)", self.asynchrony.workflow)
             check(self.server.selection == "uniform", "selection", "be 'uniform' under central DP (rounds take a "
                   "secret Poisson sample, which is what the accounting assumes)", self.server.selection)
             check(self.server.close_after_replies == 0, "close-after-replies", "be 0 under central DP (a round closed "
@@ -510,12 +535,9 @@ class RunConfig:
                   "cannot wrap around the ring", self.secure.secagg_clip)
 
     def one_update_per_node(self) -> str:
-        """Why a FedBuff release takes at most one update from each node ('' when a node may add several):
-        under central DP one client's presence must move a release by a bounded number of clip norms; the
-        robust rules count updates as distinct clients (a fast node filling a release with its updates
-        was the median of it). Such a release needs ``buffer-size`` distinct nodes."""
-        if self.privacy.dp == "central":
-            return "under central DP"
+        """Why a FedBuff release takes at most one update from each node ('' when a node may add several): the
+        robust rules count updates as distinct clients (a fast node filling a release with its updates was the
+        median of it). Such a release needs ``buffer-size`` distinct nodes."""
         return "" if self.aggregation.aggregator == "mean" else f"under the {self.aggregation.aggregator} rule"
 
     def release_short_of_nodes(self, nodes: int) -> str:
@@ -542,10 +564,9 @@ class RunConfig:
         """The sampling rate central / distributed DP is calibrated and accounted at: ``fraction-train``
         for synchronous central DP, whose rounds then take a secret Poisson sample (each node with
         that probability, from the OS's CSPRNG: ``SyncWorkflow.select``), the sample the subsampled
-        Gaussian's accounting assumes; 1 (no amplification) under FedBuff (which clients are in a
-        buffer depends on their speed) and under distributed DP (the coordinator, the party it
-        protects against, picks the sample)."""
-        if self.privacy.dp == "central" and self.asynchrony.workflow == "sync":
+        Gaussian's accounting assumes (central DP is synchronous only); 1 (no amplification) under
+        distributed DP (the coordinator, the party it protects against, picks the sample)."""
+        if self.privacy.dp == "central":
             return self.server.fraction_train
         return 1.0
 

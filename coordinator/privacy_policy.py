@@ -37,11 +37,8 @@ from .config import PrivacySettings, min_survivors
 class CentralDp:
     """Sensitivity bound + noise + accounting + budget for one run."""
 
-    def __init__(self, cfg: PrivacySettings, expected_rate: float, num_rounds: int, sensitivity: float = 1.0) -> None:
+    def __init__(self, cfg: PrivacySettings, expected_rate: float, num_rounds: int) -> None:
         self.cfg = cfg
-        # clip norms one client's presence moves a release by (coordinator.workflow.FIXED_SIZE_SENSITIVITY under FedBuff): the sum's noise and
-        # the adaptive clip's count noise are both scaled by it, so z is relative to the real sensitivity
-        self.sensitivity = sensitivity
         self.accountant = RdpAccountant(cfg.dp_delta)
         self.budget = PrivacyBudget(cfg.target_epsilon, cfg.dp_delta) if cfg.target_epsilon > 0 else None
         if cfg.dp_noise_multiplier > 0:
@@ -58,7 +55,7 @@ class CentralDp:
         # adaptive clipping: clip-count-noise, or when 0 (unset) a value derived from z (PrivacySettings.count_noise_std)
         self.count_noise_std = cfg.count_noise_std(self.z)
         self.adaptive = (AdaptiveClipping(cfg.dp_clip, cfg.clip_target_quantile, cfg.clip_learning_rate,
-                                          count_noise_std=self.count_noise_std * sensitivity, secure=cfg.dp_secure_noise,
+                                          count_noise_std=self.count_noise_std, secure=cfg.dp_secure_noise,
                                           generator=None if cfg.dp_secure_noise else torch.Generator().manual_seed(self._seed("count", 0)))
                          if cfg.adaptive_clipping else None)
         if self.adaptive is not None and cfg.clip_count_noise == 0:
@@ -84,11 +81,11 @@ class CentralDp:
         return create_aggregator("norm-bounded-mean", numel, device, max_clients, clip=self.clip)
 
     def release(self, agg: Any, asked: int, rnd: int) -> torch.Tensor:
-        """The noised mean delta: (sum of clipped updates + N(0, (z_sum*C*sensitivity)^2)) / asked (a public count)."""
+        """The noised mean delta: (sum of clipped updates + N(0, (z_sum*C)^2)) / asked (a public count)."""
         total = agg.result().mul_(agg.total_weight) if agg.count else torch.zeros(agg.numel, device=agg.device)
         z_sum = effective_noise_multiplier(self.z, self.count_noise_std) if self.adaptive else self.z
         gen = None if self.cfg.dp_secure_noise else torch.Generator().manual_seed(self._seed("sum", rnd))
-        CentralGaussianMechanism(self.clip * self.sensitivity, z_sum, secure=self.cfg.dp_secure_noise,
+        CentralGaussianMechanism(self.clip, z_sum, secure=self.cfg.dp_secure_noise,
                                  generator=gen).noise_sum_(total)
         return total.div_(max(1, asked))
 
@@ -109,9 +106,6 @@ class CentralDp:
             spent = max(self.epsilon, 1e-12)  # no budget set: describe what was spent
             text = PrivacyBudget(spent, self.cfg.dp_delta).describe(self.accountant, level="user", clip=clip)
             text = text.replace(f" (target epsilon {spent:g})", " (no target-epsilon set)")
-        if self.sensitivity != 1:
-            text += (f" Each release sums a fixed number of updates, so one client's update can displace another's: "
-                     f"the noise is sized for {self.sensitivity:g} clip norms.")
         return text
 
     # -- checkpoint ------------------------------------------------------------
@@ -143,10 +137,9 @@ class DistributedDp(CentralDp):
     negligible margin of the Gaussian (Agarwal, Kairouz, Liu 2021, Thm 3.5).
     """
 
-    def __init__(self, cfg: PrivacySettings, expected_rate: float, num_rounds: int, sensitivity: float,
-                 dropout_rate: float) -> None:
+    def __init__(self, cfg: PrivacySettings, expected_rate: float, num_rounds: int, dropout_rate: float) -> None:
         # The coordinator picks the sample and sees who took part: against it, sampling amplifies nothing.
-        super().__init__(cfg, 1.0, num_rounds, sensitivity)
+        super().__init__(cfg, 1.0, num_rounds)
         self.dropout_rate = dropout_rate
 
     def event(self, sampling_rate: float) -> PrivacyEvent:

@@ -101,9 +101,6 @@ RESUMABLE_CHANGES = frozenset({"num-rounds", "run-dir", "device", "poll-interval
                                "secagg-stage-timeout", "secagg-pipeline", "min-nodes", "max-update-mb", "target-epsilon",
                                "dp-expected-clients"})  # (public, fixed before each round: from the enrolled keys)
 FINGERPRINT_VERSION = 2
-# Clip norms one client's presence moves a release of a fixed number of updates by (FedBuff's): its own update in,
-# another's out (SyncWorkflow.FIXED_SIZE_RELEASES)
-FIXED_SIZE_SENSITIVITY = 2.0
 
 
 def run_fingerprint(cfg: RunConfig, numel: int, nodes: int | None = None, engine: str | None = None) -> dict[str, Any]:
@@ -117,12 +114,10 @@ def run_fingerprint(cfg: RunConfig, numel: int, nodes: int | None = None, engine
     # settings this configuration does not read are left out: a run started before they were refused
     # (a dp-clip under dp = "none") resumes once its config drops them
     out = {k: v for k, v in cfg.to_mapping().items() if k not in RESUMABLE_CHANGES | cfg.privacy.ignored_keys()}
+    out["server-lr"] = cfg.server.effective_server_lr()  # (0, unset, is fedavg's 1.0, which checkpoints before it name)
     p = cfg.privacy
     if p.dp in ("central", "distributed") and p.dp_noise_multiplier == 0:  # calibrated from the budget
         out["target-epsilon"] = p.target_epsilon
-    if p.dp == "central" and cfg.asynchrony.workflow == "fedbuff":
-        # releases noised for 2 clip norms since this was recorded; a checkpoint without it spent more than it says
-        out["dp-sensitivity"] = FIXED_SIZE_SENSITIVITY
     out.update({"numel": numel, "fingerprint-version": FINGERPRINT_VERSION})
     if nodes is not None:
         out["nodes"] = nodes
@@ -172,7 +167,6 @@ class SyncWorkflow:
     # A release sums a fixed number of updates (FedBuff's buffer-size): one client's update then displaces
     # another's, moving a central-DP release by 2 clip norms (replace-one), and the noise is sized for that.
     # A synchronous round's sum holds whoever replied (add/remove: 1 clip norm).
-    FIXED_SIZE_RELEASES = False
 
     def __init__(
         self,
@@ -197,8 +191,7 @@ class SyncWorkflow:
         self.slow_link = (self._codec_plan(cfg.aggregation.make_codec(cfg.aggregation.slow_link_codec))
                           if cfg.aggregation.slow_link_mbps > 0 else None)
         self._slow_nodes: set[int] = set()
-        dp_args = (cfg.privacy, cfg.dp_sampling_rate(), cfg.server.num_rounds,
-                   FIXED_SIZE_SENSITIVITY if self.FIXED_SIZE_RELEASES else 1.0)
+        dp_args = (cfg.privacy, cfg.dp_sampling_rate(), cfg.server.num_rounds)
         self.poisson = cfg.dp_sampling_rate() < 1.0  # secret Poisson sampling (see select)
         self._online, self._rate = 0, 1.0
         self.dp = (CentralDp(*dp_args) if cfg.privacy.dp == "central"
@@ -206,7 +199,7 @@ class SyncWorkflow:
                    else None)
         # A synchronous central-DP round divides its noised sum by this public count (RunConfig.dp_divisor)
         self.dp_divisor = (cfg.dp_divisor(self._population())
-                           if cfg.privacy.dp == "central" and not self.FIXED_SIZE_RELEASES else 0)
+                           if cfg.privacy.dp == "central" else 0)
         self.status = "completed"
         self.weights = self.task.init_weights(cfg.server.seed).to(self.device)
         self.round, self.version = 0, 0
@@ -310,6 +303,20 @@ class SyncWorkflow:
         self.run_dir.write_metrics(self.history)
 
     # -- rounds ------------------------------------------------------------
+    def _step(self, rnd: int, delta: torch.Tensor, row: dict[str, Any]) -> bool:
+        """Apply the round's aggregate with the server optimizer, and advance the model's version, unless it holds
+        a non-finite value: then the model is kept and the row says so (``non_finite_aggregate``). Every update is
+        checked before it is added, so this is a last guard (a weighted sum past float32's range, an optimizer's
+        arithmetic): a non-finite model would be checkpointed, sent to every client, and refused on resume."""
+        if not bool(torch.isfinite(delta).all()):
+            row["non_finite_aggregate"] = True
+            log(WARNING, "[fedshield] round %d: the aggregate holds a non-finite value; the global model is unchanged",
+                rnd)
+            return False
+        self.weights = self.optimizer.step(self.weights, delta)
+        self.version += 1
+        return True
+
     def _wait_for_nodes(self) -> list[int]:
         s = self.cfg.server
         deadline = self.clock.now() + s.wait_nodes_timeout
@@ -476,17 +483,15 @@ class SyncWorkflow:
         if self.dp is not None:  # noise is added even to an empty sum: the release is private either way
             extra["clip"] = self.dp.clip
             # divided by a public count fixed before the run, never the drawn or online one (which reveals who took part)
-            self.weights = self.optimizer.step(self.weights, self.dp.release(acc, self.dp_divisor, rnd))
-            self.version += 1
+            self._step(rnd, self.dp.release(acc, self.dp_divisor, rnd), extra)
             self.dp.after_round(self._rate, norms, self.dp_divisor)
             extra["epsilon"] = self.dp.epsilon
-        elif acc.count >= acc.min_updates:
-            self.weights = self.optimizer.step(self.weights, acc.result())
-            self.version += 1
-        elif acc.count:  # (Krum's rules: fewer updates than the rule can tell apart, after rejections or dropouts)
-            extra["too_few_updates"] = acc.min_updates
+        elif acc.count >= (need := max(acc.min_updates, self.cfg.aggregation.min_updates())):
+            self._step(rnd, acc.result(), extra)
+        elif acc.count:  # (Krum's rules, the trimmed mean: fewer updates than it needs, after rejections or dropouts)
+            extra["too_few_updates"] = need
             log(WARNING, "[fedshield] round %d: %d valid update(s), fewer than the %d aggregator = %r needs; the "
-                "global model is unchanged", rnd, acc.count, acc.min_updates, self.cfg.aggregation.aggregator)
+                "global model is unchanged", rnd, acc.count, need, self.cfg.aggregation.aggregator)
         else:
             log(WARNING, "[fedshield] round %d: no valid update; the global model is unchanged", rnd)
         if local_eps:
@@ -520,8 +525,7 @@ class SyncWorkflow:
             update, secure_row = self.secure.run(rnd, selected, self.select(nodes, rnd + 1) if pipeline else None)
             row.update(secure_row)
             if update is not None:
-                self.weights = self.optimizer.step(self.weights, update)
-                self.version += 1
+                self._step(rnd, update, row)
             if isinstance(self.dp, DistributedDp) and self.secure.unmasked:
                 # the coordinator saw the noised sum once it was unmasked, even if a check after that
                 # failed the round: account for the noise it had

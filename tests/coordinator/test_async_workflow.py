@@ -89,15 +89,46 @@ def test_stale_update_weighted_by_polynomial_staleness(tmp_path):
     e = slow[0]
     assert e.base_version == 0 and e.staleness == e.version_at_arrival - e.base_version >= 3
     assert e.weight == pytest.approx(10 * (1 + e.staleness) ** -0.5)  # num_examples x 1/sqrt(1+s)
-    # The release holding it moved the model by w_slow / (sum of the buffer's weights), everywhere.
+    # The release holding it moved the model by n s(t) / (sum of the buffer's examples), everywhere: the
+    # staleness factor discounts the step (Nguyen et al.: sum s(t) delta / K), not only the weights between them.
     buf = [x for x in wf.ledger if x.released_in == e.released_in]
     assert len(buf) == 2
-    expected = e.weight / sum(x.weight for x in buf)
+    expected = e.weight / (10 * len(buf))  # every client trains on 10 examples
     step = snaps[e.released_in] - snaps[e.released_in - 1]
     torch.testing.assert_close(step, torch.full_like(step, expected), rtol=1e-5, atol=1e-6)
     # Fresh updates weigh num_examples exactly.
     assert all(x.weight == 10.0 for x in wf.ledger if x.outcome == "accepted" and x.staleness == 0)
     check_accounting(wf, grid)
+
+
+def test_a_release_of_equally_stale_updates_is_discounted_by_their_staleness(tmp_path):
+    """Nguyen et al. 2022 (Alg. 1): a release moves the model by sum s(t_i) delta_i / K. Dividing by the
+    sum of n_i s(t_i) instead (as before) cancelled the factors whenever a release's updates were equally
+    stale: release 2 here (stalenesses [1, 1]) moved by the full 0.01 under any staleness-a (review helper-55)."""
+    def hundredths(msg: Message, ctx) -> Message:
+        n = msg.content.array_records[ARRAYS]["weights"].shape[0]
+        return reply_with(msg, Array(np.full(n, 0.01, np.float32)))
+
+    steps = {}
+    for a in (0.0, 5.0):
+        config = RunConfig.from_mapping({"num-rounds": 2, "min-nodes": 1, "seed": 0, "round-timeout": 60.0,
+                                         "workflow": "fedbuff", "staleness-a": a})
+        wf = BufferedAsyncWorkflow(config, InProcessGrid(hundredths, 4), RunDirectory(tmp_path / f"a{a}"),
+                                   concurrency=4, buffer_size=2, staleness="polynomial", staleness_params={"a": a})
+        before = [wf.weights.clone()]
+        steps[a] = []
+
+        def on_round(row, wf=wf, before=before, out=steps[a]):
+            out.append((wf.weights - before[0]).double())
+            before[0] = wf.weights.clone()
+
+        wf.on_round = on_round
+        wf.run()
+        released = [[e.staleness for e in wf.ledger if e.released_in == r and e.outcome == "accepted"] for r in (1, 2)]
+        assert released == [[0, 0], [1, 1]], released
+    for a, want in ((0.0, 0.01), (5.0, 0.01 * 2.0 ** -5)):
+        assert steps[a][0].sub(0.01).abs().max() < 1e-6  # fresh updates: the full mean
+        assert steps[a][1].sub(want).abs().max() < 1e-6, (a, float(steps[a][1].mean()))
 
 
 def test_too_stale_updates_refused_and_counted(tmp_path):
@@ -283,7 +314,7 @@ def _contributors(wf) -> list[list[int]]:
     return [sorted(v) for _, v in sorted(by_release.items())]
 
 
-@pytest.mark.parametrize("rule, params", [("median", {}), ("trimmed-mean", {"trim-beta": 0.34}),
+@pytest.mark.parametrize("rule, params", [("median", {}), ("trimmed-mean", {"trim-beta": 0.34, "min-nodes": 3}),
                                           ("norm-bounded-mean", {"clip-norm": 1.0})])
 def test_under_a_robust_rule_a_release_takes_one_update_per_node(tmp_path, rule, params):
     """A review: without DP a fast node was sent new work as soon as its reply was in, and filled releases with its

@@ -97,50 +97,6 @@ def test_local_dp_clients_report_their_epsilon(tmp_path):
     assert s["local_epsilon_max"] == pytest.approx(eps[1]) and "DP-SGD" in s["privacy_guarantee"]
 
 
-def test_central_dp_under_fedbuff_accounts_per_release(tmp_path):
-    """FedBuff under central DP: one q=1 Gaussian event per buffer release; the budget stops releases."""
-    from coordinator import BufferedAsyncWorkflow
-
-    def fedbuff(name, **kw):
-        cfg = RunConfig.from_mapping({**BASE, "num-rounds": 4, "dp": "central", "dp-noise-multiplier": 2.0, **kw})
-        wf = BufferedAsyncWorkflow(cfg, InProcessGrid(app, 6), RunDirectory(tmp_path / name), concurrency=4,
-                                   buffer_size=2)
-        return wf, wf.run()
-
-    wf, s = fedbuff("a")
-    ref = RdpAccountant(1e-5)
-    eps = []
-    for _ in range(4):
-        ref.compose(PrivacyEvent(1.0, 2.0))
-        eps.append(ref.epsilon())
-    assert [r["epsilon"] for r in wf.history] == pytest.approx(eps, rel=1e-9)
-    wf, s = fedbuff("b", **{"target-epsilon": (eps[1] + eps[2]) / 2})
-    assert s["status"] == "budget-exhausted" and s["rounds"] == 2 and s["epsilon"] <= eps[1] + 1e-12
-
-
-def test_central_dp_under_fedbuff_takes_one_update_per_node_per_release(tmp_path):
-    """Fast nodes are idle again before the buffer fills: without a hold they added two updates to one
-    release, whose sensitivity was then 2C while it was accounted as C."""
-    import dataclasses
-
-    from coordinator import BufferedAsyncWorkflow
-    from simulations.virtual import DeviceProfile, VirtualClock, VirtualGrid
-
-    fast = DeviceProfile("fast", compute_s_per_example=0.0001, uplink_mbps=100.0, downlink_mbps=100.0, latency_s=0.01)
-    slow = dataclasses.replace(fast, tier="slow", compute_s_per_example=0.01)
-    cfg = RunConfig.from_mapping({**BASE, "num-rounds": 3, "min-nodes": 1, "dp": "central", "dp-noise-multiplier": 2.0})
-    clock = VirtualClock()
-    wf = BufferedAsyncWorkflow(cfg, VirtualGrid(app, 6, clock, [fast, fast, slow, slow, slow, slow], seed=0),
-                               RunDirectory(tmp_path / "hold"), clock, concurrency=6, buffer_size=4)
-    wf.run()
-    per_release = {}
-    for e in wf.ledger:
-        if e.outcome == "accepted":
-            per_release.setdefault(e.released_in, []).append(e.node_id)
-    assert len(per_release) == 3 and all(len(nodes) == len(set(nodes)) == 4 for nodes in per_release.values())
-    assert not [e for e in wf.ledger if e.outcome == "duplicate-contributor"]  # held back, not sent work to waste
-
-
 def test_adaptive_clipping_runs_with_its_default_count_noise(tmp_path):
     """adaptive-clipping = true with clip-count-noise left unset validates and runs: the count's noise defaults
     to sqrt(10)/2 z, so the count takes 1/10 of the round's budget and the sum is noised with z / sqrt(0.9)."""
@@ -258,17 +214,6 @@ def test_adaptive_clipping_outside_central_dp_is_refused():
         RunConfig.from_mapping({"adaptive-clipping": True})
 
 
-def test_central_dp_under_fedbuff_with_fewer_nodes_than_the_buffer_says_so(tmp_path):
-    from coordinator import BufferedAsyncWorkflow, CoordinatorError
-    from simulations.virtual import VirtualClock
-
-    cfg = RunConfig.from_mapping({**BASE, "num-rounds": 2, "min-nodes": 1, "dp": "central", "dp-noise-multiplier": 2.0})
-    wf = BufferedAsyncWorkflow(cfg, InProcessGrid(app, 3), RunDirectory(tmp_path / "few"), VirtualClock(), concurrency=3,
-                               buffer_size=4, stall_timeout=30.0)
-    with pytest.raises(CoordinatorError, match="buffer-size = 4 updates from as many nodes .* Found 3 nodes online"):
-        wf.run()
-
-
 def test_central_dp_rounds_take_a_secret_poisson_sample():
     """Each node in with probability fraction-train, drawn from the OS: sizes vary, the run's seed
     does not predict it, and selection other than uniform is refused under central DP."""
@@ -289,35 +234,18 @@ def test_central_dp_rounds_take_a_secret_poisson_sample():
         RunConfig.from_mapping({**BASE, "dp": "central", "dp-noise-multiplier": 1.0, "selection": "fast-fair"})
 
 
-# -- sensitivity and the divisor (review helper-49) -------------------------------------------------------------
-def test_a_fedbuff_release_is_noised_for_two_clip_norms():
-    """A FedBuff release always sums buffer-size updates: a client joining displaces another's update, so the
-    release moves by up to 2C (replace-one) while it was noised and accounted for C (epsilon 4.73 reported for
-    a true 10.73 in the repro). The noise is now sized for 2C; z and the accounting stay as they were."""
-    from coordinator import BufferedAsyncWorkflow
-    from coordinator.privacy_policy import CentralDp
+def test_central_dp_under_fedbuff_is_refused_with_the_reason_and_what_to_use():
+    """Which clients fill a FedBuff release follows the dispatch schedule, and one client's presence changes it for
+    the rest of the run (review helper-55: with 6 vs 7 nodes, releases it was not in differed in up to 2 buffer-size
+    updates): noise for that would swamp the model, and noise for less under-states epsilon."""
+    from clients import ConfigError
 
-    cfg = RunConfig.from_mapping({**BASE, "dp": "central", "dp-noise-multiplier": 1.5, "dp-clip": 0.5,
-                                  "workflow": "fedbuff", "fraction-train": 1.0, "buffer-size": 2})
-    for sensitivity in (1.0, 2.0):
-        dp = CentralDp(cfg.privacy, 1.0, 3, sensitivity)
-        out = dp.release(dp.make_aggregator(200_000, "cpu", 4), 4, 1)  # an empty sum: noise only, divided by 4
-        assert (out * 4).std().item() == pytest.approx(1.5 * 0.5 * sensitivity, rel=0.02)
-        assert dp.event(1.0).noise_multiplier == 1.5  # accounted at z either way
-    assert "2 clip norms" in CentralDp(cfg.privacy, 1.0, 3, 2.0).describe()
-    assert BufferedAsyncWorkflow.FIXED_SIZE_RELEASES and not SyncWorkflow.FIXED_SIZE_RELEASES
-
-
-def test_the_fedbuff_workflow_noises_its_releases_for_two_clip_norms(tmp_path):
-    from coordinator.server_app import make_workflow
-
-    cfg = RunConfig.from_mapping({**BASE, "dp": "central", "dp-noise-multiplier": 1.0, "workflow": "fedbuff",
-                                  "fraction-train": 1.0, "buffer-size": 2, "min-nodes": 1})
-    wf = make_workflow(cfg, InProcessGrid(app, 3), RunDirectory(tmp_path / "fb"))
-    assert wf.dp.sensitivity == 2.0 and wf.dp_divisor == 0  # (a release divides by buffer-size)
-    sync = make_workflow(RunConfig.from_mapping({**BASE, "dp": "central", "dp-noise-multiplier": 1.0}),
-                         InProcessGrid(app, 3), RunDirectory(tmp_path / "sync"))
-    assert sync.dp.sensitivity == 1.0
+    with pytest.raises(ConfigError, match=r"^run\.workflow must be 'sync' under central DP .*2 x buffer-size x "
+                                          r"dp-clip.*use dp = 'local'.* Found 'fedbuff'"):
+        RunConfig.from_mapping({**BASE, "dp": "central", "dp-noise-multiplier": 1.0, "workflow": "fedbuff",
+                                "fraction-train": 1.0})
+    local = RunConfig.from_mapping({**BASE, "dp": "local", "workflow": "fedbuff", "fraction-train": 1.0})
+    assert local.privacy.dp == "local" and local.asynchrony.workflow == "fedbuff"
 
 
 def test_close_after_replies_is_refused_under_central_dp():
@@ -370,7 +298,7 @@ def test_distributed_dp_clients_clip_below_dp_clip_by_the_rounding_they_may_add(
     from coordinator.config import PrivacySettings
     from coordinator.privacy_policy import DistributedDp
 
-    dp = DistributedDp(PrivacySettings(dp="distributed", dp_clip=0.5, dp_noise_multiplier=0.8), 1.0, 1, 1.0, 0.2)
+    dp = DistributedDp(PrivacySettings(dp="distributed", dp_clip=0.5, dp_noise_multiplier=0.8), 1.0, 1, 0.2)
     clip, mu = dp.client_noise(selected=10, step=0.001, numel=100)
     assert clip == pytest.approx(0.5 - 0.001 * 10)
     assert mu == pytest.approx((0.8 * 0.5 / 0.001) ** 2 / (10 * 0.8) / 2)
@@ -378,18 +306,3 @@ def test_distributed_dp_clients_clip_below_dp_clip_by_the_rounding_they_may_add(
         dp.client_noise(selected=10, step=0.05, numel=100)  # rounding 0.5 >= clip
 
 
-def test_a_fedbuff_dp_checkpoint_from_before_the_2c_noise_is_refused_naming_it(tmp_path):
-    """Its releases were noised for one clip norm: resumed, the run would go on from an epsilon that under-states
-    what was spent. The fingerprint names the sensitivity since."""
-    from coordinator import CoordinatorError
-    from coordinator.workflow import check_fingerprint, run_fingerprint
-
-    cfg = RunConfig.from_mapping({**BASE, "dp": "central", "dp-noise-multiplier": 1.0, "workflow": "fedbuff",
-                                  "fraction-train": 1.0})
-    now = run_fingerprint(cfg, 100)
-    assert now["dp-sensitivity"] == 2.0
-    before = {k: v for k, v in now.items() if k != "dp-sensitivity"}
-    with pytest.raises(CoordinatorError, match=r"Found dp-sensitivity = '\(unset\)' there, 2.0 now"):
-        check_fingerprint({"fingerprint": before}, now, tmp_path)
-    assert "dp-sensitivity" not in run_fingerprint(RunConfig.from_mapping({**BASE, "dp": "central",
-                                                                           "dp-noise-multiplier": 1.0}), 100)

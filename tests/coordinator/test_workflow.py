@@ -111,11 +111,12 @@ def test_the_round_train_loss_is_the_example_weighted_mean_of_the_losses_reporte
     assert wf.history[0]["train_loss"] == pytest.approx((1.0 * 10 + 2.0 * 30) / 40)
 
 
-@pytest.mark.parametrize("rule, extra", [("krum", {}), ("multi-krum", {"krum-m": 4})])
+@pytest.mark.parametrize("rule, extra", [("krum", {}), ("multi-krum", {"krum-m": 4}), ("trimmed-mean", {"trim-beta": 0.2})])
 def test_krum_left_with_too_few_updates_skips_the_round_instead_of_crashing(tmp_path, rule, extra):
     """Five nodes (the fewest krum-f = 1 allows), one of them rejected: four valid updates are too
     few for Krum (n > 2f + 2) and for Multi-Krum with m = 4 (m <= n - f). The round used to end the
-    run with an AggregationError; it must leave the model unchanged, say why, and the run go on."""
+    run with an AggregationError; it must leave the model unchanged, say why, and the run go on. A trimmed
+    mean of 0.2 trims nothing from four (floor(0.8) = 0): it was a plain mean, the outlier in it (review helper-56)."""
     wf = SyncWorkflow(cfg(**{"num-rounds": 2, "min-nodes": 5, "aggregator": rule, "krum-f": 1, **extra}),
                       InProcessGrid(mixed({1001}, stock_flower_bad("nan")), 5), RunDirectory(tmp_path))
     before = wf.weights.clone()
@@ -170,11 +171,13 @@ def test_krum_needs_enough_nodes_or_buffered_updates_by_config():
 
 
 @pytest.mark.parametrize("key, value, rule", [
-    ("server-lr", 1e39, "server-lr must be in (0, 1e6]"),  # overflowed float32 in the first step
+    ("server-lr", 1e39, "server-lr must be in (0, 1e6] (0, the default: 1.0 under fedavg and fedavgm)"),  # overflowed float32 in the first step
     ("seed", 2**64, "seed must be in [0, 2**32)"),  # torch.manual_seed overflowed
     ("max-update-mb", 1e308, "max-update-mb must be in (0, 1e6]"),  # int(inf) when the run started
     # a norm near 1.8e19 was accepted by one path and refused by another (float32 sums of squares)
     ("max-update-norm", 1e30, "max-update-norm must be in (0, 1e18]"),
+    # a client claiming 1e38 examples made the float32 weighted sum, and the model, inf (review helper-56)
+    ("max-examples", 10**13, "max-examples must be in [1, 1e12]"),
     ("device", "cuda:abc", "device must be auto, cpu or cuda[:N]"),
     ("run-dir", "a\0b", "run-dir must not contain a NUL character"),
 ])
@@ -184,7 +187,7 @@ def test_values_that_failed_only_once_the_run_started_are_config_errors(key, val
     with pytest.raises(ConfigError, match=re.escape(rule)):
         cfg(**{key: value})
     with pytest.raises(ConfigError, match=re.escape("server-tau must be finite and > 0")):
-        cfg(**{"server-optimizer": "fedadam", "server-tau": 0.0})  # the optimizer's own rules, before the run
+        cfg(**{"server-optimizer": "fedadam", "server-lr": 0.1, "server-tau": 0.0})  # the optimizer's own rules, before the run
 
 
 def test_a_run_table_that_is_not_a_table_is_one_config_error():
@@ -504,3 +507,49 @@ def test_damaged_engine_and_profile_state_is_refused_or_left_out_not_a_traceback
     with pytest.raises(CoordinatorError, match=rf"engine state must be this engine's. Found it unreadable \(ValueError: "
                                                rf".node {node}'s {name} must be finite"):
         SyncWorkflow(cfg(**{"num-rounds": 2, "codec": "topk"}), InProcessGrid(app, 2), RunDirectory(tmp_path))
+
+
+def test_an_adaptive_server_optimizer_needs_its_learning_rate_given():
+    """It ran at server-lr = 1.0, fedavg's: a FedAdam step moved weights of 0.05 to 0.67 where FedAvg's moved
+    them to 0.07 (review helper-56). Adaptive steps are about lr per coordinate, whatever the update's size."""
+    from clients import ConfigError
+    from coordinator.workflow import run_fingerprint
+
+    for name in ("fedadam", "fedyogi", "fedadagrad"):
+        with pytest.raises(ConfigError, match=rf"^run\.server-lr must be given for server-optimizer = '{name}' .*"
+                                              r"Found 0\.0\."):
+            RunConfig.from_mapping({"server-optimizer": name}, where="run")
+        assert cfg(**{"server-optimizer": name, "server-lr": 0.05}).server.optimizer_params()["lr"] == 0.05
+    for name in ("fedavg", "fedavgm"):  # a full step: 1.0 applies the mean as it is
+        config = cfg(**{"server-optimizer": name})
+        assert config.server.server_lr == 0 and config.server.optimizer_params()["lr"] == 1.0
+        # checkpoints written before (server-lr = 1.0 recorded) still match the default's fingerprint
+        assert run_fingerprint(config, 10)["server-lr"] == 1.0 == run_fingerprint(cfg(**{"server-optimizer": name,
+                                                                                        "server-lr": 1.0}), 10)["server-lr"]
+
+
+@pytest.mark.parametrize("beta, need", [(0.0, 1), (0.1, 10), (0.2, 5), (0.25, 4), (0.3, 4), (0.34, 3), (0.49, 3)])
+def test_a_trimmed_mean_needs_enough_nodes_to_trim_anything(beta, need):
+    from aggregation.robust import trimmed_mean_min_updates
+    from clients import ConfigError
+
+    assert trimmed_mean_min_updates(beta) == need
+    assert need == 1 or int(beta * need) == 1 > int(beta * (need - 1))
+    if need > 1:
+        with pytest.raises(ConfigError, match=rf"min-nodes must be >= {need} to give aggregator = 'trimmed-mean' the "
+                                              rf"{need} updates it needs with trim-beta = {beta} \(with fewer, floor"):
+            cfg(**{"aggregator": "trimmed-mean", "trim-beta": beta, "min-nodes": need - 1})
+        with pytest.raises(ConfigError, match=rf"buffer-size must be >= {need} "):
+            cfg(**{"workflow": "fedbuff", "aggregator": "trimmed-mean", "trim-beta": beta, "buffer-size": need - 1})
+    cfg(**{"aggregator": "trimmed-mean", "trim-beta": beta, "min-nodes": need})
+
+
+def test_a_non_finite_aggregate_leaves_the_model_and_its_version_as_they_were(tmp_path):
+    wf = SyncWorkflow(cfg(), InProcessGrid(run_train_app(), 2), RunDirectory(tmp_path))
+    before, row = wf.weights.clone(), {}
+    bad = torch.zeros_like(wf.weights)
+    bad[7] = float("inf")
+    assert not wf._step(1, bad, row)
+    assert torch.equal(wf.weights, before) and wf.version == 0 and row == {"non_finite_aggregate": True}
+    assert wf._step(1, torch.full_like(wf.weights, 0.5), row) and wf.version == 1
+    torch.testing.assert_close(wf.weights, before + 0.5)

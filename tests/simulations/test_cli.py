@@ -418,7 +418,7 @@ def test_an_empty_path_is_refused_not_read_as_the_current_directory(argv, capsys
     assert info.value.code == 2 and "must be a path" in _one_error_line(capsys)
 
 
-@pytest.mark.parametrize("extra", [["--set", 'run.aggregator="median"'], ["--set", 'run.dp="central"', "--set", "run.dp-noise-multiplier=1.0"]])
+@pytest.mark.parametrize("extra", [["--set", 'run.aggregator="median"'], ["--set", 'run.aggregator="krum"', "--set", "run.krum-f=1"]])
 def test_fedbuff_under_a_rule_taking_one_update_per_node_needs_buffer_size_nodes(capsys, extra):
     """Found only after the stall timeout (420 s by default) before."""
     assert main(["simulate", "--engine", "inprocess", "--set", "simulation.num-supernodes=3", "--set", "run.min-nodes=2",
@@ -449,3 +449,11 @@ def test_a_run_dir_another_run_holds_is_refused_in_one_line(tmp_path, capsys):
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_a_fedbuff_row_counts_its_replies_not_the_messages_sent_in_its_window():
+    """A release takes replies to messages sent in earlier windows: "accepted 2/0" (review helper-55)."""
+    sync = format_row(_row(3), 10)
+    assert " accepted 4/4 " in sync
+    fedbuff = format_row(_row(3) | {"replies": 3, "selected": 0, "accepted": 2, "mean_staleness": 0.5}, 10)
+    assert " accepted 2 of 3 replies (sent 0) " in fedbuff
