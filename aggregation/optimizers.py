@@ -161,13 +161,21 @@ class FedAvgM(_Stateful):
         return weights.add_(m, alpha=self.lr)
 
 
+# The smallest server-tau: tau**2 = 1e-36 is a normal float32 (>= 2**-126 = 1.18e-38; review helper-56, F1).
+TAU_MIN = 1e-18
+
+
 class _Adaptive(_Stateful):
     """Reddi et al. 2021, Algorithm 2, without bias correction: ``m <- b1 m + (1 - b1) delta``;
     ``v`` by the method, starting at ``tau**2``; ``w <- w + lr * m / (sqrt(v) + tau)``.
 
     ``lr`` has no default: adaptive steps are about ``lr`` per coordinate, so the caller chooses it.
-    Flower's FedAdam/FedYogi/FedAdagrad differ: ``v`` starts at 0, ``tau`` defaults to 1e-9 and
-    FedAdam bias-corrects ``lr``; results are not interchangeable with theirs.
+    ``tau`` must be >= ``TAU_MIN`` (1e-18): ``tau**2`` then stays a normal float32 (see there).
+    Flower's FedAdam/FedYogi/FedAdagrad differ: ``v`` starts at 0; FedAdam bias-corrects ``lr``; their
+    FedAdagrad hard-codes ``beta_1 = 0`` (``m = delta``, no momentum) where this one keeps ``beta1``
+    (default 0.9); and ``tau`` defaults to 1e-3 in Flower 1.42's ``flwr.serverapp.strategy`` classes and
+    the legacy ``flwr.server.strategy.FedYogi``, to 1e-9 in the legacy ``flwr.server.strategy`` FedAdam
+    and FedAdagrad. Results are not interchangeable with theirs.
     """
 
     _slots = ("m", "v")
@@ -181,6 +189,11 @@ class _Adaptive(_Stateful):
         self.beta1 = _check_real("beta1", beta1, 0.0, 1.0)
         self.beta2 = _check_real("beta2", beta2, 0.0, 1.0)
         self.tau = _check_real("tau", tau, 0.0, math.inf, lo_open=True)
+        if self.tau < TAU_MIN:
+            raise AggregationError(f"server-tau must be >= {TAU_MIN:g} (tau**2, v's starting value, must stay a "
+                                   "normal float32: below, a delta whose square rounds to 0 moves its weight by up to "
+                                   "lr * delta / tau, and under 1e-45 tau itself is 0, so a coordinate whose delta is "
+                                   f"0 becomes 0/0 = NaN). Found {tau!r}.")
 
     def _init_state(self, weights: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"m": torch.zeros_like(weights), "v": torch.full_like(weights, self.tau**2)}
@@ -199,7 +212,7 @@ class _Adaptive(_Stateful):
 
 @register_server_optimizer("fedadagrad")
 class FedAdagrad(_Adaptive):
-    """``v <- v + delta**2`` (``beta2`` is not used)."""
+    """``v <- v + delta**2`` (``beta2`` is not used; ``beta1`` is, where Flower's FedAdagrad has ``beta_1 = 0``)."""
 
     def _update_v(self, v: torch.Tensor, d2: torch.Tensor) -> None:
         v.add_(d2)

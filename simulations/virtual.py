@@ -20,7 +20,10 @@ it unchanged; only the Grid and the Clock differ from a real deployment.
   runs one message at a time (a second push queues behind the first). With
   probability ``dropout`` the reply never arrives; a message with a TTL whose
   reply would come after ``push + ttl`` (or never) yields an error reply
-  (``ErrorCode.MESSAGE_UNAVAILABLE``) at ``push + ttl``, as the SuperLink does.
+  (``ErrorCode.MESSAGE_UNAVAILABLE``) at ``push + ttl``, as the SuperLink does. Once the clock is past
+  ``push + ttl``, a reply nobody pulled is deleted, as the SuperLink deletes an expired message's reply
+  (a synchronous round that closed early never pulls its late replies); pulling it then gives the
+  SuperLink's ``MESSAGE_UNAVAILABLE`` error instead.
   ``get_node_ids()`` lists the nodes online now: each node is online in each
   window of ``availability_window_s`` seconds with probability ``availability``.
 
@@ -40,13 +43,15 @@ import hashlib
 import heapq
 import math
 import random
+from bisect import bisect_right
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from flwr.app import Error, Message
-from flwr.common.constant import ErrorCode
+from flwr.app import Error, Message, Metadata
+from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
+from flwr.supercore.constant import SYSTEM_MESSAGE_TYPE
 
 from clients.protocol import CONFIG, METRICS, WORK_METRICS, message_nbytes
 
@@ -202,12 +207,23 @@ class MessageRecord:
     expired: bool
     outstanding_at_push: int  # unresolved messages this node already had when this one was pushed
     pulled_at: float | None = None
+    deadline: float = math.inf  # push + ttl: once the clock is past it, a reply not pulled is deleted
 
 
 def _expired(msg: Message) -> Message:
     """The error reply the SuperLink gives a message whose TTL ran out before its reply arrived."""
     return Message(error=Error(code=ErrorCode.MESSAGE_UNAVAILABLE,
                                reason=f"message expired (ttl {msg.metadata.ttl} s) before a reply arrived"), reply_to=msg)
+
+
+def _deleted(message_id: str, run_id: int, now: float) -> Message:
+    """What the SuperLink answers for a message it deleted when its TTL ran out, its reply unpulled
+    (``create_message_error_unavailable_ins_message``), at simulated time ``now``."""
+    meta = Metadata(run_id=run_id, message_id="", src_node_id=SUPERLINK_NODE_ID, dst_node_id=SUPERLINK_NODE_ID,
+                    reply_to_message_id=message_id, group_id="", message_type=SYSTEM_MESSAGE_TYPE,
+                    created_at=now, ttl=0)
+    reason = "message expired (its ttl ran out) before its reply was pulled"
+    return Message(metadata=meta, error=Error(code=ErrorCode.MESSAGE_UNAVAILABLE, reason=reason))
 
 
 class VirtualGrid(InProcessGrid):
@@ -235,7 +251,8 @@ class VirtualGrid(InProcessGrid):
         self.records: dict[str, MessageRecord] = {}
         self._pending: dict[str, Message] = {}  # message id -> reply (or error), not yet pulled
         self._pending_of: Counter[int] = Counter()  # node -> its messages in _pending (_outstanding, in O(1))
-        self._heap: list[tuple[float, str]] = []  # (visible_at, message id), lazily cleaned
+        self._heap: list[tuple[float, str]] = []  # (visible_at, message id) of coming replies, lazily cleaned
+        self._expiry: list[tuple[float, str]] = []  # (deadline, message id) of _pending's entries, lazily cleaned
         self._node_free: dict[int, float] = dict.fromkeys(self.profiles, clock.now())
         self._node_count: dict[int, int] = dict.fromkeys(self.profiles, 0)
         self._counter = 0
@@ -300,14 +317,29 @@ class VirtualGrid(InProcessGrid):
         self._wakeups = sorted(float(w) for w in state.get("wakeups", ()))  # (absent from earlier checkpoints)
 
     # -- events ----------------------------------------------------------------
+    def _delete_expired(self, now: float) -> None:
+        """Delete the replies not pulled by their message's deadline, as the SuperLink deletes an expired
+        message's reply: a round that closed early (or dropped its late replies) never pulls them, and each
+        holds a whole update. Past the deadline, strictly: the error reply of an expired message is due at it."""
+        while self._expiry and self._expiry[0][0] < now:
+            _, mid = heapq.heappop(self._expiry)
+            if self._pending.pop(mid, None) is not None:
+                self._pending_of[self.records[mid].node_id] -= 1
+
     def next_event_after(self, t: float) -> float | None:
-        while self._heap and self._heap[0][1] not in self._pending:
+        now = self.clock.now()
+        self._delete_expired(now)
+        # Entries pulled, deleted or already due (at or before both t and now; the clock never goes back) are no
+        # longer events: popped, so heap[0] is the next one and a poll costs O(log n), not a sort of every reply.
+        while self._heap and (self._heap[0][1] not in self._pending or self._heap[0][0] <= min(t, now)):
             heapq.heappop(self._heap)
-        wake = next((w for w in self._wakeups if w > t), None)  # a resumed run's replies nobody awaits
-        for when, mid in sorted(self._heap):  # few entries are due already; stop at the first in the future
-            if mid in self._pending and when > t:
-                return when if wake is None else min(when, wake)
-        return wake
+        if self._heap and self._heap[0][0] > t:
+            when: float | None = self._heap[0][0]
+        else:  # t ahead of the clock (no caller does this): the entries up to t are still in the heap
+            when = min((w for w, mid in self._heap if w > t and mid in self._pending), default=None)
+        i = bisect_right(self._wakeups, t)  # a resumed run's replies nobody awaits
+        wake = self._wakeups[i] if i < len(self._wakeups) else None
+        return wake if when is None else when if wake is None else min(when, wake)
 
     def _message_id(self) -> str:
         self._counter += 1
@@ -336,11 +368,9 @@ class VirtualGrid(InProcessGrid):
                 # Flower's SuperLink deletes it instead of delivering it, so the node never runs it (no
                 # work, no state change, no bytes) and is free for the next one.
                 self.records[mid] = MessageRecord(mid, node, now, math.inf, math.inf, deadline, 0, 0, False,
-                                                  math.isfinite(deadline), self._outstanding(node))
+                                                  math.isfinite(deadline), self._outstanding(node), deadline=deadline)
                 if math.isfinite(deadline):
-                    self._pending[mid] = _expired(msg)
-                    self._pending_of[node] += 1
-                    heapq.heappush(self._heap, (deadline, mid))
+                    self._hold(mid, node, _expired(msg), deadline, deadline)
                 continue
             reply = call_client(self._client, msg, self.contexts[node])
             down, up = message_nbytes(msg), message_nbytes(reply)
@@ -370,12 +400,19 @@ class VirtualGrid(InProcessGrid):
             else:
                 visible = done
             self.records[mid] = MessageRecord(mid, node, now, start, done, visible, down, up if not dropped else 0,
-                                              dropped, expired and math.isfinite(deadline), outstanding)
+                                              dropped, expired and math.isfinite(deadline), outstanding,
+                                              deadline=deadline)
             if reply is not None:
-                self._pending[mid] = reply
-                self._pending_of[node] += 1
-                heapq.heappush(self._heap, (visible, mid))
+                self._hold(mid, node, reply, visible, deadline)
         return ids
+
+    def _hold(self, mid: str, node: int, reply: Message, visible: float, deadline: float) -> None:
+        """Keep ``reply`` for pull_messages from ``visible`` until the clock is past ``deadline``."""
+        self._pending[mid] = reply
+        self._pending_of[node] += 1
+        heapq.heappush(self._heap, (visible, mid))
+        if math.isfinite(deadline):
+            heapq.heappush(self._expiry, (deadline, mid))
 
     def _outstanding(self, node: int) -> int:
         """The node's messages whose reply is not pulled yet (a scan of every record made each round slower)."""
@@ -383,12 +420,19 @@ class VirtualGrid(InProcessGrid):
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
         now = self.clock.now()
+        self._delete_expired(now)
         out = []
         for mid in list(message_ids):
-            if mid in self._pending and self.records[mid].visible_at <= now:
+            rec = self.records.get(mid)
+            if mid in self._pending and rec.visible_at <= now:
                 out.append(self._pending.pop(mid))
-                self._pending_of[self.records[mid].node_id] -= 1
-                self.records[mid].pulled_at = now
+                self._pending_of[rec.node_id] -= 1
+                rec.pulled_at = now
+            elif rec is not None and rec.pulled_at is None and rec.deadline < now:
+                # deleted unpulled when its TTL ran out: the SuperLink's error instead (once), so a workflow
+                # still waiting for it is not left waiting for ever
+                out.append(_deleted(mid, self.run.run_id, now))
+                rec.pulled_at = now
         return out
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:

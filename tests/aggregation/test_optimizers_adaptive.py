@@ -22,6 +22,7 @@ from aggregation import (
     available_server_optimizers,
     create_server_optimizer,
 )
+from aggregation.optimizers import TAU_MIN
 
 W0 = [0.5, -1.0, 2.0]
 DELTAS = [[0.1, -0.2, 0.0], [0.3, 0.05, -0.4], [-0.2, 0.1, 0.02]]
@@ -100,6 +101,14 @@ def test_yogi_moves_v_toward_delta_squared_by_its_sign():
     opt = create_server_optimizer("fedyogi", lr=0.1, beta2=0.5, tau=1.0)  # v starts at tau^2 = 1
     opt.step(torch.zeros(2), torch.tensor([0.5, 2.0]))  # d^2 = 0.25 < v, 4 > v
     assert opt.state_dict()["v"].tolist() == pytest.approx([1 - 0.5 * 0.25, 1 + 0.5 * 4.0])
+
+
+def test_yogi_leaves_v_unchanged_where_delta_squared_equals_it():
+    """sign(v - d**2) is 0 there: v neither grows nor shrinks (a where(v > d**2, 1, -1) would grow it)."""
+    opt = create_server_optimizer("fedyogi", lr=0.1, beta1=0.0, beta2=0.5, tau=0.5)  # v starts at 0.25
+    w = opt.step(torch.zeros(3), torch.tensor([0.5, -0.5, 0.25]))  # d^2 = 0.25, 0.25, 0.0625
+    assert opt.state_dict()["v"].tolist() == [0.25, 0.25, 0.25 - 0.5 * 0.0625]
+    assert w.tolist() == pytest.approx([0.1 * 0.5 / 1.0, -0.1 * 0.5 / 1.0, 0.1 * 0.25 / (math.sqrt(0.21875) + 0.5)])
 
 
 @pytest.mark.parametrize("name", list(PARAMS))
@@ -191,6 +200,38 @@ def test_adaptive_rejects_bad_settings(name, param, value):
     params = {"lr": 0.1, param: value}
     with pytest.raises(AggregationError, match=rf"server-{param} must .*\. Found"):
         create_server_optimizer(name, **params)
+
+
+@pytest.mark.parametrize("name", list(ADAPTIVE))
+@pytest.mark.parametrize("tau", [1e-46, 1e-40, 1e-30, 1e-19])
+def test_a_tau_whose_square_is_no_normal_float32_is_refused(name, tau):
+    """Review helper-56, F1: any tau > 0 was taken. Under ~1e-45 tau is 0 in float32, and a coordinate whose
+    delta is 0 became 0/0 = NaN; under ~1.1e-19 tau**2 (v's start) is 0 or subnormal, and a delta whose square
+    rounds to 0 moved its weight by up to lr * delta / tau (1e-25 with tau 1e-30: thousands)."""
+    with pytest.raises(AggregationError, match=r"server-tau must be >= 1e-18 \(tau\*\*2, v's starting value, must stay "
+                                               r"a normal float32: .*0/0 = NaN\)\. Found"):
+        create_server_optimizer(name, lr=0.1, tau=tau)
+
+
+def test_the_config_check_refuses_a_tau_the_optimizer_refuses():
+    from clients import ConfigError
+    from coordinator import RunConfig
+
+    with pytest.raises(ConfigError, match=r"server-tau must be >= 1e-18 .*\. Found 1e-30"):
+        RunConfig.from_mapping({"server-optimizer": "fedyogi", "server-lr": 0.1, "server-tau": 1e-30})
+    assert RunConfig.from_mapping({"server-optimizer": "fedyogi", "server-lr": 0.1, "server-tau": TAU_MIN})
+
+
+@pytest.mark.parametrize("name", list(ADAPTIVE))
+def test_at_the_smallest_tau_a_zero_or_tiny_delta_barely_moves_its_weight(name):
+    opt = create_server_optimizer(name, lr=0.1, tau=TAU_MIN)
+    w = torch.zeros(4)
+    for _ in range(3):
+        w = opt.step(w, torch.tensor([0.0, 1e-25, 1e-3, -1.0]))
+    assert float(opt.state_dict()["v"][0]) >= torch.finfo(torch.float32).tiny  # tau**2: a normal float32
+    assert bool(torch.isfinite(w).all()) and w[0] == 0.0
+    assert 0.0 < float(w[1]) < 1e-6  # a 1e-25 delta: not lr * delta / tau-sized
+    assert 0.01 < float(w[2]) < 0.5 and -0.5 < float(w[3]) < -0.01  # ordinary deltas: at most about lr a step
 
 
 @pytest.mark.parametrize("value", [-0.1, 1.0, math.nan, True, None])

@@ -371,3 +371,87 @@ def test_norm_bounded_mean_clips_an_update_whose_factor_is_below_the_smallest_we
     assert not any(isinstance(r, Exception) for r in results) and agg.count == 3
     ref = sum(x.double() * min(1.0, 1e-13 / float(x.double().norm())) for x in xs) / 3
     torch.testing.assert_close(agg.result().double(), ref, rtol=1e-5, atol=0)
+
+
+# ---------------------------------------------------------------- edges that mutations of robust.py got past
+def test_median_averages_middle_values_near_float32_max_in_float64():
+    """Their float32 sum overflows (3.2e38 + 3.3e38 > 3.4e38): the midpoint is taken in float64."""
+    xs = np.array([[-1.0], [3.2e38], [3.3e38], [3.4e38]], np.float32)
+    _, out = _run("median", xs)
+    assert np.isfinite(out).all()
+    assert out[0] == np.float32((np.float64(xs[1, 0]) + np.float64(xs[2, 0])) / 2)
+
+
+@pytest.mark.parametrize(("n", "beta", "dropped"), [(100, 0.29, 28), (100, 0.07, 7), (10, 0.3, 3)])
+def test_trimmed_mean_drops_int_of_the_float_product(n, beta, dropped):
+    """k = int(beta * n) in float, scipy's and Flower's: 0.29 * 100 is 28.999999999999996, so 28, not 29."""
+    xs = np.arange(n, dtype=np.float32)[:, None] ** 3
+    _, out = _run("trimmed-mean", xs, beta=beta)
+    assert int(beta * n) == dropped
+    assert out[0] == pytest.approx(xs[dropped:n - dropped, 0].astype(np.float64).mean(), rel=1e-6)
+
+
+def _tied() -> tuple[np.ndarray, list[float]]:
+    """Rows 2 .. 18 of 20 are 3 e_2 .. 3 e_18: every distance between them is 18, exactly, so with f = 2 each
+    scores 16 * 18; rows 0, 1 and 19 are far outliers on axes of their own. On CPU torch's unstable sort keeps
+    ties in order up to 16 values, not beyond: there its first index of these scores is not the earliest."""
+    xs = np.zeros((20, 20), np.float32)
+    xs[0, 0], xs[1, 1], xs[19, 19] = 100.0, -100.0, 100.0
+    for i in range(2, 19):
+        xs[i, i] = 3.0
+    return xs, [float(1 + i % 7) for i in range(20)]
+
+
+def test_krum_and_multi_krum_break_tied_scores_by_arrival_order():
+    xs, ws = _tied()
+    agg, out = _run("krum", xs, ws, f=2)
+    scores = agg.scores().numpy()
+    assert np.array_equal(scores[2:19], np.full(17, 16 * 18.0)) and min(scores[[0, 1, 19]]) > 16 * 18
+    assert agg.selected == [2] and np.array_equal(out, xs[2])
+    for m in (1, 5, 17):
+        agg, out = _run("multi-krum", xs, ws, f=2, m=m)
+        assert agg.selected == list(range(2, m + 2))
+        ref, _ = _ref_mean(xs[2:m + 2], ws[2:m + 2])
+        np.testing.assert_allclose(out, ref, rtol=4 * EPS, atol=0)
+
+
+def test_krum_scores_called_directly_refuse_too_few_updates():
+    agg = create_aggregator("krum", numel=4, device="cpu", max_clients=9, f=2)
+    for i in range(6):
+        agg.add_dense(torch.full((4,), float(i)), 1.0)
+    with pytest.raises(AggregationError, match=r"krum update count must be > 2f \+ 2 = 6 \(f=2\)\. Found 6"):
+        agg.scores()
+    agg.add_dense(torch.zeros(4), 1.0)
+    assert agg.scores().shape == (7,)
+
+
+@pytest.mark.parametrize("over", [1e-5, 1e-3, 0.5])
+def test_norm_bounded_mean_scales_an_update_just_over_the_clip_to_the_clip(over):
+    """A norm (1 + over) times the clip comes out at the clip, to float32 rounding: the float64 reference."""
+    x = torch.from_numpy(_data(1, 64, 9)[0])
+    norm = float(torch.linalg.vector_norm(x, dtype=torch.float64))
+    clip = norm / (1.0 + over)
+    agg = create_aggregator("norm-bounded-mean", numel=64, device="cpu", max_clients=2, clip=clip)
+    agg.add_dense(x, 2.5)
+    out = agg.result().double()
+    ref = x.double() * (clip / norm)
+    torch.testing.assert_close(out, ref, rtol=4 * EPS, atol=0)
+    assert abs(float(out.norm()) - clip) <= 4 * EPS * clip
+    at_clip = create_aggregator("norm-bounded-mean", numel=64, device="cpu", max_clients=2, clip=norm)
+    at_clip.add_dense(x, 1.0)  # a norm equal to the clip: unchanged
+    assert torch.equal(at_clip.result(), x)
+
+
+def test_krum_distances_that_round_below_zero_count_as_zero():
+    """|a|^2 + |b|^2 - 2 a.b in float64 for rows (4096, 45 * 2**-20) and (4096, 46 * 2**-20): each a sum of
+    two exact products, rounded once, whatever the BLAS, gives -2**-27 for a true 2**-40. Clamped to 0 it ties
+    with the exact 0 between rows 0 and 1, and the tie goes to row 0; a negative distance would win it."""
+    lo = 2.0**-20
+    xs = np.array([[4096.0, 0.0], [4096.0, 0.0], [4096.0, 45 * lo], [4096.0, 46 * lo]], np.float32)
+    sq = xs.astype(np.float64) ** 2
+    assert (sq[2].sum() + sq[3].sum()) - 2 * (4096.0**2 + 45 * 46 * lo * lo) < 0  # what the Gram matrix gives
+    agg, out = _run("krum", xs, f=0)
+    assert (agg.scores().numpy() >= 0).all()
+    assert agg.selected == [0] and np.array_equal(out, xs[0])
+    agg, _ = _run("multi-krum", xs, f=0, m=2)
+    assert agg.selected == [0, 1]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -139,6 +140,49 @@ def test_a_message_whose_ttl_runs_out_in_the_queue_is_never_run():
     (later,) = grid.push_messages([instruction(1001, ttl=1000.0)])
     assert grid.records[later].start == pytest.approx(grid.records[first].done)  # not behind the expired one
     assert calls == [1001, 1001]
+
+
+def test_a_reply_not_pulled_by_its_ttl_is_deleted_as_the_superlink_does():
+    """Review helper-55: a reply nobody pulls (a round closed early) stayed in the grid for ever, whole
+    update and all. The SuperLink deletes an expired message's reply; pulling it then gives an error."""
+    clock = VirtualClock()
+    grid = VirtualGrid(zeros_client, 2, clock, [FLAT, FLAT])
+    a, b = grid.push_messages([instruction(1001, ttl=50.0), instruction(1001, ttl=50.0)])  # b queued behind a
+    (c,) = grid.push_messages([instruction(1002, ttl=500.0)])
+    assert grid.records[a].deadline == grid.records[b].deadline == 50.0 and grid.records[c].deadline == 500.0
+    assert grid.records[b].done < 50.0 and grid.records[b].outstanding_at_push == 1
+    clock.advance_to(50.0)  # at the deadline the replies are still there
+    assert grid.next_event_after(clock.now()) is None
+    assert set(grid._pending) == {a, b, c}
+    clock.advance_to(50.5)
+    assert grid.next_event_after(clock.now()) is None
+    assert set(grid._pending) == {c} and grid._outstanding(1001) == 0 and grid._outstanding(1002) == 1
+    (err,) = grid.pull_messages([a])  # not the reply: the SuperLink's error for a message it deleted
+    assert err.has_error() and err.error.code == ErrorCode.MESSAGE_UNAVAILABLE
+    assert err.metadata.reply_to_message_id == a and grid.records[a].pulled_at == 50.5
+    assert list(grid.pull_messages([a])) == []  # once
+    (rep,) = grid.pull_messages([c])  # within its TTL: delivered
+    assert not rep.has_error() and rep.metadata.reply_to_message_id == c
+    (d,) = grid.push_messages([instruction(1001, ttl=50.0)])
+    assert grid.records[d].outstanding_at_push == 0
+
+
+def test_a_round_closed_early_leaves_no_reply_past_its_ttl(tmp_path):
+    """Review helper-55's run: each round closes after the two fast nodes' replies; the slow nodes' late
+    replies (late-replies = "drop") are never pulled, and must go once their message's TTL (round-timeout
+    + 60 s) has passed."""
+    fast = dataclasses.replace(FLAT, compute_s_per_example=0.3)  # 10 examples x 3 epochs: 9 s
+    slow = dataclasses.replace(FLAT, tier="slow", compute_s_per_example=2.0)  # 60 s
+    cfg = RunConfig.from_mapping({"num-rounds": 12, "min-nodes": 2, "seed": 0, "round-timeout": 20.0,
+                                  "close-after-replies": 2})
+    clock = VirtualClock()
+    grid = VirtualGrid(zeros_client, 4, clock, [fast, fast, slow, slow])
+    SyncWorkflow(cfg, grid, RunDirectory(tmp_path / "r"), clock).run()
+    now = clock.now()
+    assert now > 100.0  # past the TTL (80 s) of the first rounds' messages
+    assert any(r.pulled_at is None and math.isfinite(r.done) and r.deadline < now for r in grid.records.values())
+    assert all(grid.records[m].deadline >= now for m in grid._pending)
+    assert +grid._pending_of == Counter(grid.records[m].node_id for m in grid._pending)  # kept in step
 
 
 def test_a_grid_restored_from_its_state_goes_on_as_the_original():
