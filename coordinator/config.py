@@ -80,7 +80,7 @@ class ServerSettings:
               f"{self.server_optimizer!r} (an adaptive step moves each coordinate by about server-lr, whatever the "
               "update's size: Reddi et al. tune it over [1e-3, 1]; Flower's defaults are 0.1, and 0.01 for FedYogi)",
               self.server_lr)
-        try:  # the optimizer's own rules (momentum and betas in [0, 1), tau > 0), before anything starts
+        try:  # the optimizer's own rules (momentum and betas in [0, 1), tau >= 1e-18), before anything starts
             create_server_optimizer(self.server_optimizer, **self.optimizer_params())
         except AggregationError as exc:
             raise ConfigError(str(exc)) from None
