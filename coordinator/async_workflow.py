@@ -307,7 +307,7 @@ class BufferedAsyncWorkflow(SyncWorkflow):
         now = self.clock.now()
         rejected: Counter[str] = window["rejected"]
         row: dict[str, Any] = {
-            **extra, "round": self.round, "nodes_online": len(nodes), "selected": window["selected"],
+            **extra, "workflow": "fedbuff", "round": self.round, "nodes_online": len(nodes), "selected": window["selected"],
             "bytes_down": window["bytes_down"], "replies": window["replies"], "accepted": acc.count,
             "rejected": sum(rejected.values()), "rejected_by_rule": dict(rejected), "bytes_up": window["bytes_up"],
             "update_bytes_up": window["update_bytes_up"],

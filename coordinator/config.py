@@ -73,7 +73,7 @@ class ServerSettings:
         check(0 < self.poll_interval <= 10, "poll-interval", "be in (0, 10] seconds", self.poll_interval)
         opts = available_server_optimizers()
         check(self.server_optimizer in opts, "server-optimizer", f"be one of {opts}", self.server_optimizer)
-        check(0 <= self.server_lr <= 1e6, "server-lr", "be in (0, 1e6] (0, the default: 1.0 under fedavg and fedavgm)",
+        check(0 <= self.server_lr <= 1e6, "server-lr", "be 0 (the default: 1.0 under fedavg and fedavgm) or in (0, 1e6]",
               self.server_lr)
         # It ran at 1.0 (review helper-56): a FedAdam step moved weights of 0.05 to 0.67 where FedAvg's gave 0.07.
         check(self.effective_server_lr() is not None, "server-lr", f"be given for server-optimizer = "
@@ -444,8 +444,6 @@ class RunConfig:
                 (srv.work_deadline == 0, "work-deadline", "be 0 (every node runs local-epochs)", srv.work_deadline),
                 (srv.selection == "uniform", "selection", "be 'uniform' (FedBuff gives work to idle nodes at random)",
                  srv.selection),
-                (self.privacy.dp_expected_clients == 0, "dp-expected-clients", "be 0 (a FedBuff release divides by "
-                 "buffer-size)", self.privacy.dp_expected_clients),
             ):
                 check(ok, key, f"{rule} under workflow = 'fedbuff'", found)
         if self.aggregation.slow_link_mbps > 0:

@@ -16,7 +16,7 @@ def format_row(row: dict[str, Any], total: int) -> str:
         privacy = f"  client eps <= {row['local_epsilon_max']:.3g}"
     # A FedBuff release takes replies to messages sent in earlier windows: "accepted 2/0" read as more than was asked
     counts = (f"accepted {row['accepted']} of {row['replies']} replies (sent {row['selected']})"
-              if "mean_staleness" in row else f"accepted {row['accepted']}/{row['selected']}")
+              if row.get("workflow") == "fedbuff" else f"accepted {row['accepted']}/{row['selected']}")
     return (
         f"round {row['round']:>3}/{total}  acc {row['test_accuracy']:.4f}  loss {row['test_loss']:.4f}  "
         f"{counts}  rejected {row['rejected']}  "

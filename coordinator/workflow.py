@@ -115,6 +115,8 @@ def run_fingerprint(cfg: RunConfig, numel: int, nodes: int | None = None, engine
     # (a dp-clip under dp = "none") resumes once its config drops them
     out = {k: v for k, v in cfg.to_mapping().items() if k not in RESUMABLE_CHANGES | cfg.privacy.ignored_keys()}
     out["server-lr"] = cfg.server.effective_server_lr()  # (0, unset, is fedavg's 1.0, which checkpoints before it name)
+    if cfg.asynchrony.workflow == "fedbuff":  # releases discounted by staleness (BufferedAsyncWorkflow._release) since
+        out["fedbuff-release"] = "sum n s delta / sum n"  # this was recorded: an older run would mix two rules
     p = cfg.privacy
     if p.dp in ("central", "distributed") and p.dp_noise_multiplier == 0:  # calibrated from the budget
         out["target-epsilon"] = p.target_epsilon
@@ -163,10 +165,6 @@ class SyncWorkflow:
     restored on resume, so that a resumed simulation goes on as the uninterrupted one would instead
     of starting its clock, devices and residuals again.
     """
-
-    # A release sums a fixed number of updates (FedBuff's buffer-size): one client's update then displaces
-    # another's, moving a central-DP release by 2 clip norms (replace-one), and the noise is sized for that.
-    # A synchronous round's sum holds whoever replied (add/remove: 1 clip norm).
 
     def __init__(
         self,
@@ -602,7 +600,8 @@ class SyncWorkflow:
             "rejected_total": sum(self.rejections.values()), "rejected_by_rule": dict(self.rejections),
             "wall_time_s": self._wall_time(), "num_parameters": self.numel,
             "run_dir": str(self.run_dir.path),
-            "rounds_without_updates": sum(1 for r in self.history if r.get("accepted", 1) == 0 or r.get("too_few_updates")),
+            "rounds_without_updates": sum(1 for r in self.history if r.get("accepted", 1) == 0 or r.get("too_few_updates")
+                                          or r.get("non_finite_aggregate")),
         }
         if self.history and summary["rounds_without_updates"] == len(self.history):
             log(WARNING, "[fedshield] no round received an accepted update: the model is the one the run started "

@@ -171,7 +171,7 @@ def test_krum_needs_enough_nodes_or_buffered_updates_by_config():
 
 
 @pytest.mark.parametrize("key, value, rule", [
-    ("server-lr", 1e39, "server-lr must be in (0, 1e6] (0, the default: 1.0 under fedavg and fedavgm)"),  # overflowed float32 in the first step
+    ("server-lr", 1e39, "server-lr must be 0 (the default: 1.0 under fedavg and fedavgm) or in (0, 1e6]"),  # overflowed float32 in the first step
     ("seed", 2**64, "seed must be in [0, 2**32)"),  # torch.manual_seed overflowed
     ("max-update-mb", 1e308, "max-update-mb must be in (0, 1e6]"),  # int(inf) when the run started
     # a norm near 1.8e19 was accepted by one path and refused by another (float32 sums of squares)
@@ -544,7 +544,21 @@ def test_a_trimmed_mean_needs_enough_nodes_to_trim_anything(beta, need):
     cfg(**{"aggregator": "trimmed-mean", "trim-beta": beta, "min-nodes": need})
 
 
-def test_a_non_finite_aggregate_leaves_the_model_and_its_version_as_they_were(tmp_path):
+def test_a_non_finite_aggregate_leaves_the_model_and_its_version_as_they_were(tmp_path, monkeypatch):
+    import csv
+
+    from aggregation import robust
+
+    # an aggregate past float32's range (no honest configuration reaches it since max-examples is capped)
+    monkeypatch.setattr(robust.Mean, "_result", lambda self: torch.full((self.numel,), float("inf")))
+    run = SyncWorkflow(cfg(**{"num-rounds": 2}), InProcessGrid(run_train_app(), 2), RunDirectory(tmp_path / "inf"))
+    before = run.weights.clone()
+    summary = run.run()
+    assert torch.equal(run.weights, before) and summary["version"] == 0
+    with (tmp_path / "inf" / METRICS).open() as f:  # the CSV says so, and the summary counts them (review helper-58)
+        assert [row["non_finite_aggregate"] for row in csv.DictReader(f)] == ["True", "True"]
+    assert summary["rounds_without_updates"] == 2
+    monkeypatch.undo()
     wf = SyncWorkflow(cfg(), InProcessGrid(run_train_app(), 2), RunDirectory(tmp_path))
     before, row = wf.weights.clone(), {}
     bad = torch.zeros_like(wf.weights)
@@ -553,3 +567,26 @@ def test_a_non_finite_aggregate_leaves_the_model_and_its_version_as_they_were(tm
     assert torch.equal(wf.weights, before) and wf.version == 0 and row == {"non_finite_aggregate": True}
     assert wf._step(1, torch.full_like(wf.weights, 0.5), row) and wf.version == 1
     torch.testing.assert_close(wf.weights, before + 0.5)
+
+
+def test_the_default_scenario_does_not_hand_an_adaptive_optimizer_fedavgs_learning_rate():
+    """Its server-lr = 1.0 line made --set run.server-optimizer=fedadam run at 1.0 again (review helper-58)."""
+    from clients import ConfigError
+    from simulations.scenario import load_scenario
+
+    assert load_scenario(None).run.server.effective_server_lr() == 1.0
+    with pytest.raises(ConfigError, match="server-lr must be given for server-optimizer = 'fedadam'"):
+        load_scenario(None, {"run.server-optimizer": "fedadam"})
+
+
+def test_a_fedbuff_checkpoint_from_before_the_staleness_discount_is_refused_naming_it(tmp_path):
+    """Its releases divided by sum n s: resumed, the run would mix two release rules (review helper-58)."""
+    from coordinator import CoordinatorError
+    from coordinator.workflow import check_fingerprint, run_fingerprint
+
+    now = run_fingerprint(cfg(**{"workflow": "fedbuff", "fraction-train": 1.0}), 100)
+    assert now["fedbuff-release"] == "sum n s delta / sum n"
+    before = {k: v for k, v in now.items() if k != "fedbuff-release"}
+    with pytest.raises(CoordinatorError, match=r"Found fedbuff-release = '\(unset\)' there"):
+        check_fingerprint({"fingerprint": before}, now, tmp_path)
+    assert "fedbuff-release" not in run_fingerprint(cfg(), 100)

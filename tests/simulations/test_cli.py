@@ -455,5 +455,7 @@ def test_a_fedbuff_row_counts_its_replies_not_the_messages_sent_in_its_window():
     """A release takes replies to messages sent in earlier windows: "accepted 2/0" (review helper-55)."""
     sync = format_row(_row(3), 10)
     assert " accepted 4/4 " in sync
-    fedbuff = format_row(_row(3) | {"replies": 3, "selected": 0, "accepted": 2, "mean_staleness": 0.5}, 10)
+    fedbuff = format_row(_row(3) | {"replies": 3, "selected": 0, "accepted": 2, "mean_staleness": 0.5, "workflow": "fedbuff"}, 10)
     assert " accepted 2 of 3 replies (sent 0) " in fedbuff
+    carried = format_row(_row(3) | {"replies": 23, "selected": 30, "accepted": 23, "mean_staleness": 0.5}, 10)
+    assert " accepted 23/30 " in carried  # a synchronous round with late replies carried has a staleness too
