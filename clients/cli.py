@@ -66,7 +66,7 @@ def export_partitions(task: str, num_partitions: int, out: str, partitioning: st
         for k, part in enumerate(parts):
             path = out_dir / f"client-{k}.npz"
             paths.append(path)
-            save_npz(path, part)
+            save_npz(path, part, spec)
     except OSError as exc:
         _undo_export(paths, created, out_dir)
         where = f" ({exc.filename})" if exc.filename and str(exc.filename) != str(out_dir) else ""

@@ -54,7 +54,11 @@ def load_npz(path: str | os.PathLike) -> Dataset:
 def _check_declared_size(npz: "np.lib.npyio.NpzFile", name: str, p: Path) -> None:
     """An array's header must not declare more bytes than its member holds: numpy allocates the
     declared shape before reading, so a corrupt or hostile file could ask for petabytes."""
-    info = npz.zip.getinfo(f"{name}.npy")
+    member = f"{name}.npy"
+    if member not in npz.zip.namelist():  # numpy also lists a member stored as plain 'x' (review helper-59)
+        raise ClientError(f"data file must store its arrays as members {name}.npy (as numpy.savez writes them). "
+                          f"Found members {sorted(npz.zip.namelist())[:8]} in {p}.")
+    info = npz.zip.getinfo(member)
     with npz.zip.open(info) as fh:
         version = np.lib.format.read_magic(fh)
         read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
@@ -65,8 +69,28 @@ def _check_declared_size(npz: "np.lib.npyio.NpzFile", name: str, p: Path) -> Non
                           f"{shape} ({declared} bytes) in a member of {info.file_size} bytes.")
 
 
-def save_npz(path: str | os.PathLike, data: Dataset) -> None:
-    np.savez(path, x=data.x, y=data.y)
+# What fixes a task's train/test split (TaskSpec fields): an exported partition records them, and a coordinator
+# whose split differs is refused (its test examples would be trained on: 292 of 360 with data-seed 0 vs 1).
+SPLIT_FIELDS = ("task", "data_seed", "synthetic_alpha", "synthetic_beta")
+
+
+def save_npz(path: str | os.PathLike, data: Dataset, spec: Any = None) -> None:
+    """``x`` and ``y``, and (``spec``: the TaskSpec it was split under) the ``SPLIT_FIELDS`` that fixed its split."""
+    made_by = {f"split_{k}": np.asarray(getattr(spec, k)) for k in SPLIT_FIELDS} if spec is not None else {}
+    np.savez(path, x=data.x, y=data.y, **made_by)
+
+
+def check_split(path: str | os.PathLike, spec: Any) -> None:
+    """ClientError when the .npz at ``path`` records a split (``save_npz``'s ``split_*``) other than ``spec``'s:
+    its examples may be the run's test examples. A file without them (the owner's own data) passes."""
+    with np.load(path, allow_pickle=False) as npz:
+        recorded = {k: npz[f"split_{k}"].item() for k in SPLIT_FIELDS if f"split_{k}" in npz.files}
+    wrong = [f"{k.replace('_', '-')} {v!r} there, {getattr(spec, k)!r} in this run" for k, v in recorded.items()
+             if v != getattr(spec, k)]
+    if wrong:
+        raise ClientError(f"data file {path} was exported from another split of the task ({'; '.join(wrong)}): its "
+                          "examples may be the coordinator's test examples. Export it again with the run's task and "
+                          "data-seed (fedshield data export --task ... --seed ...).")
 
 
 def client_data(task: Task, node_config: Mapping[str, Any]) -> Dataset:
@@ -78,7 +102,10 @@ def client_data(task: Task, node_config: Mapping[str, Any]) -> Dataset:
     if "data-path" in node_config:
         key = (task.spec, "path", str(node_config["data-path"]))
         if key not in _CACHE:
-            _CACHE[key] = task.check_data(load_npz(str(node_config["data-path"])), str(node_config["data-path"]))
+            path = str(node_config["data-path"])
+            data = task.check_data(load_npz(path), path)
+            check_split(path, task.spec)
+            _CACHE[key] = data
         return _CACHE[key]
     try:
         pid, num = int(node_config["partition-id"]), int(node_config["num-partitions"])

@@ -141,6 +141,12 @@ def _setup(rec: ConfigRecord, context: Context, me: int) -> dict[str, ConfigReco
         raise ClientError(f"secagg setup for round {params.round} refused: this node already sent its masked "
                           f"input for round {done}.")
     client, keys = SecAggClient.setup(me, params)  # fresh keys: a round set up again forgets the old ones
+    # An honest run never sets a round up below one it already holds: a coordinator sending setups in descending
+    # order (400, 399, ...) had every one kept (review helper-59). Past this, at most this round and the one
+    # before it remain (the run_secagg_stage cleanup drops older ones), as state_name promises.
+    for name in [k for k in records_of(context.state, ConfigRecord) if k.startswith(STATE + ":")]:
+        if int(name.rsplit(":", 1)[1]) > params.round:
+            context.state.pop(name)
     _save(context, client, plan)
     return {SECAGG_KEYS: ConfigRecord({str(me): keys.to_bytes()})}
 

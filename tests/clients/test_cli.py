@@ -45,7 +45,7 @@ def test_a_failed_write_removes_what_it_made(tmp_path, monkeypatch):
 
     calls = []
 
-    def flaky_save(path, data):
+    def flaky_save(path, data, spec=None):
         calls.append(path)
         if len(calls) == 2:
             raise OSError(28, "No space left on device", str(path))

@@ -176,3 +176,33 @@ def test_an_array_declaring_more_than_its_file_holds_is_refused_before_numpy_all
     save_npz(tmp_path / "ok.npz", _small())  # a real file (compressed or not) passes the same check
     assert len(load_npz(tmp_path / "ok.npz")) == 5
 
+
+
+def test_an_npz_whose_members_lack_the_npy_suffix_is_one_client_error(tmp_path):
+    """numpy lists a member stored as plain 'x' as key 'x'; the size check then raised a bare KeyError, a
+    traceback from `fedshield agent start --data` (review helper-59)."""
+    import io
+    import zipfile
+
+    path = tmp_path / "noext.npz"
+    with zipfile.ZipFile(path, "w") as zf:
+        for name, arr in (("x", _small().x), ("y", _small().y)):
+            buf = io.BytesIO()
+            np.save(buf, arr)
+            zf.writestr(name, buf.getvalue())
+    with pytest.raises(ClientError, match=r"must store its arrays as members x\.npy .* Found members \['x', 'y'\]"):
+        load_npz(path)
+
+
+def test_a_partition_exported_from_another_split_is_refused_by_the_run(tmp_path):
+    """`fedshield data export --seed 1` for a run of data-seed 0: 292 of the run's 360 test examples were in the
+    exported training files, and nothing said so (review helper-59). Exports record the split they came from."""
+    from clients.cli import export_partitions
+
+    (path,) = export_partitions("digits", 1, str(tmp_path / "s1"), seed=1)
+    with pytest.raises(ClientError, match=r"exported from another split of the task \(data-seed 1 there, 0 in this run\)"):
+        client_data(DigitsTask(TaskSpec(data_seed=0)), {"data-path": str(path)})
+    assert len(client_data(DigitsTask(TaskSpec(data_seed=1)), {"data-path": str(path)})) > 0
+    own = tmp_path / "own.npz"  # the owner's own data records no split: taken as it is
+    save_npz(own, Dataset(np.zeros((3, 64), np.float32), np.array([0, 1, 2])))
+    assert len(client_data(DigitsTask(TaskSpec(data_seed=0)), {"data-path": str(own)})) == 3
