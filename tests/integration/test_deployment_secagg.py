@@ -57,7 +57,7 @@ def _expected_weights(tmp_path, survivors: list[int], rounds: int) -> torch.Tens
 def test_secagg_round_survives_a_supernode_killed_after_sharing_keys(tmp_path, procs, fedshield_bin):
     # The victim's masked-input never comes: that stage waits round-timeout for it (the others take seconds).
     port = setup_deployment(tmp_path, fedshield_bin, num_rounds=2, keys=NODES, nodes=NODES, min_nodes=NODES - 1,
-                            round_timeout=40.0, extra="\n".join([
+                            round_timeout=30.0, extra="\n".join([
                                 'secure-aggregation = "secagg+"', "secagg-clip = 10.0", "secagg-stage-timeout = 60.0", ""]))
     start_coordinator(procs, tmp_path, fedshield_bin, "coordinator")
     for i in range(NODES):
