@@ -83,8 +83,12 @@ def save_npz(path: str | os.PathLike, data: Dataset, spec: Any = None) -> None:
 def check_split(path: str | os.PathLike, spec: Any) -> None:
     """ClientError when the .npz at ``path`` records a split (``save_npz``'s ``split_*``) other than ``spec``'s:
     its examples may be the run's test examples. A file without them (the owner's own data) passes."""
-    with np.load(path, allow_pickle=False) as npz:
-        recorded = {k: npz[f"split_{k}"].item() for k in SPLIT_FIELDS if f"split_{k}" in npz.files}
+    try:  # (the owner's file: a record that is not one number or name is refused, not a traceback)
+        with np.load(path, allow_pickle=False) as npz:
+            recorded = {k: npz[f"split_{k}"].item() for k in SPLIT_FIELDS if f"split_{k}" in npz.files}
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+        raise ClientError(f"data file {path} must record its split (split_{'/'.join(SPLIT_FIELDS)}) as single "
+                          f"values, as fedshield data export writes them. Found: {exc}.") from None
     wrong = [f"{k.replace('_', '-')} {v!r} there, {getattr(spec, k)!r} in this run" for k, v in recorded.items()
              if v != getattr(spec, k)]
     if wrong:

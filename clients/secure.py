@@ -13,6 +13,7 @@ the end of the run.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from logging import WARNING
 
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
@@ -40,6 +41,13 @@ MAX_NEIGHBOURS = 10_000  # a complete graph of 10^4 nodes: far past what a round
 def state_name(rnd: int) -> str:
     """Where round ``rnd``'s secrets live in ``Context.state`` (two rounds at most: one pipelined ahead)."""
     return f"{STATE}:{rnd}"
+
+
+def _forget_rounds(context: Context, which: Callable[[int], bool]) -> None:
+    """Drop the saved secrets (``state_name``) of every round ``r`` for which ``which(r)``."""
+    for name in [k for k in records_of(context.state, ConfigRecord) if k.startswith(STATE + ":")]:
+        if which(int(name.rsplit(":", 1)[1])):
+            context.state.pop(name)
 
 
 def _masked_input(msg: Message, context: Context, client: SecAggClient, plan: dict) -> dict:
@@ -144,9 +152,7 @@ def _setup(rec: ConfigRecord, context: Context, me: int) -> dict[str, ConfigReco
     # An honest run never sets a round up below one it already holds: a coordinator sending setups in descending
     # order (400, 399, ...) had every one kept (review helper-59). Past this, at most this round and the one
     # before it remain (the run_secagg_stage cleanup drops older ones), as state_name promises.
-    for name in [k for k in records_of(context.state, ConfigRecord) if k.startswith(STATE + ":")]:
-        if int(name.rsplit(":", 1)[1]) > params.round:
-            context.state.pop(name)
+    _forget_rounds(context, lambda r: r > params.round)
     _save(context, client, plan)
     return {SECAGG_KEYS: ConfigRecord({str(me): keys.to_bytes()})}
 
@@ -199,9 +205,7 @@ def run_secagg_stage(msg: Message, context: Context) -> Message:
     """
     records = records_of(msg.content, ConfigRecord)
     stage, rnd = _header(records.get(SECAGG), SECAGG)
-    for name in [k for k in records_of(context.state, ConfigRecord) if k.startswith(STATE + ":")]:
-        if int(name.rsplit(":", 1)[1]) < rnd:  # a round abandoned before its unmask stage: forget its secrets
-            context.state.pop(name)
+    _forget_rounds(context, lambda r: r < rnd)  # a round abandoned before its unmask stage: forget its secrets
     try:
         out = _answer(msg, context, records[SECAGG], records.get(SECAGG_KEYS))
     except PrivacyError as exc:

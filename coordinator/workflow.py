@@ -304,8 +304,8 @@ class SyncWorkflow:
     def _step(self, rnd: int, delta: torch.Tensor, row: dict[str, Any]) -> bool:
         """Apply the round's aggregate with the server optimizer, and advance the model's version, unless it holds
         a non-finite value: then the model is kept and the row says so (``non_finite_aggregate``). Every update is
-        checked before it is added, so this is a last guard (a weighted sum past float32's range, an optimizer's
-        arithmetic): a non-finite model would be checkpointed, sent to every client, and refused on resume."""
+        checked before it is added, so this is a last guard (a weighted sum past float32's range, say): a
+        non-finite model would be checkpointed, sent to every client, and refused on resume."""
         if not bool(torch.isfinite(delta).all()):
             row["non_finite_aggregate"] = True
             log(WARNING, "[fedshield] round %d: the aggregate holds a non-finite value; the global model is unchanged",
@@ -478,13 +478,14 @@ class SyncWorkflow:
             if s.late_replies == "carry":
                 self._late[mid] = exp_for[mid]
         extra: dict[str, Any] = {}
+        need = self.cfg.aggregation.min_updates()  # (Krum's rules, the trimmed mean; as acc.min_updates or more)
         if self.dp is not None:  # noise is added even to an empty sum: the release is private either way
             extra["clip"] = self.dp.clip
             # divided by a public count fixed before the run, never the drawn or online one (which reveals who took part)
             self._step(rnd, self.dp.release(acc, self.dp_divisor, rnd), extra)
             self.dp.after_round(self._rate, norms, self.dp_divisor)
             extra["epsilon"] = self.dp.epsilon
-        elif acc.count >= (need := max(acc.min_updates, self.cfg.aggregation.min_updates())):
+        elif acc.count >= need:
             self._step(rnd, acc.result(), extra)
         elif acc.count:  # (Krum's rules, the trimmed mean: fewer updates than it needs, after rejections or dropouts)
             extra["too_few_updates"] = need

@@ -49,9 +49,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from flwr.app import Error, Message, Metadata
-from flwr.common.constant import SUPERLINK_NODE_ID, ErrorCode
-from flwr.supercore.constant import SYSTEM_MESSAGE_TYPE
+from flwr.app import Error, Message
+from flwr.common.constant import ErrorCode
 
 from clients.protocol import CONFIG, METRICS, WORK_METRICS, message_nbytes
 
@@ -217,13 +216,14 @@ def _expired(msg: Message) -> Message:
 
 
 def _deleted(message_id: str, run_id: int, now: float) -> Message:
-    """What the SuperLink answers for a message it deleted when its TTL ran out, its reply unpulled
-    (``create_message_error_unavailable_ins_message``), at simulated time ``now``."""
-    meta = Metadata(run_id=run_id, message_id="", src_node_id=SUPERLINK_NODE_ID, dst_node_id=SUPERLINK_NODE_ID,
-                    reply_to_message_id=message_id, group_id="", message_type=SYSTEM_MESSAGE_TYPE,
-                    created_at=now, ttl=0)
-    reason = "message expired (its ttl ran out) before its reply was pulled"
-    return Message(metadata=meta, error=Error(code=ErrorCode.MESSAGE_UNAVAILABLE, reason=reason))
+    """What the SuperLink answers for a message it deleted when its TTL ran out, its reply unpulled: its own
+    ``create_message_error_unavailable_ins_message``, dated at simulated time ``now``."""
+    # imported here: the module brings Flower's link-state stack (~0.8 s at import), needed only on this rare path
+    from flwr.server.superlink.linkstate.utils import create_message_error_unavailable_ins_message
+
+    msg = create_message_error_unavailable_ins_message(message_id, run_id)
+    msg.metadata.created_at = now
+    return msg
 
 
 class VirtualGrid(InProcessGrid):

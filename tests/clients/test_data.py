@@ -200,9 +200,21 @@ def test_a_partition_exported_from_another_split_is_refused_by_the_run(tmp_path)
     from clients.cli import export_partitions
 
     (path,) = export_partitions("digits", 1, str(tmp_path / "s1"), seed=1)
+    test_rows = {row.tobytes() for row in DigitsTask(TaskSpec(data_seed=0)).test_set.x}
+    with np.load(path) as npz:
+        leaked = sum(row.tobytes() in test_rows for row in npz["x"])
+    assert leaked > len(test_rows) / 2, leaked  # most of a data-seed 0 run's test examples (README's figure)
     with pytest.raises(ClientError, match=r"exported from another split of the task \(data-seed 1 there, 0 in this run\)"):
         client_data(DigitsTask(TaskSpec(data_seed=0)), {"data-path": str(path)})
     assert len(client_data(DigitsTask(TaskSpec(data_seed=1)), {"data-path": str(path)})) > 0
     own = tmp_path / "own.npz"  # the owner's own data records no split: taken as it is
     save_npz(own, Dataset(np.zeros((3, 64), np.float32), np.array([0, 1, 2])))
     assert len(client_data(DigitsTask(TaskSpec(data_seed=0)), {"data-path": str(own)})) == 3
+
+
+def test_a_split_record_that_is_not_one_value_is_one_client_error(tmp_path):
+    """The owner's file: a split_ record of several values made .item() raise past the ClientApp's refusals."""
+    path = tmp_path / "odd.npz"
+    np.savez(path, x=np.zeros((3, 64), np.float32), y=np.array([0, 1, 2]), split_data_seed=np.array([0, 1]))
+    with pytest.raises(ClientError, match=r"must record its split .* as single values"):
+        client_data(DigitsTask(TaskSpec()), {"data-path": str(path)})
