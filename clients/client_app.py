@@ -27,8 +27,9 @@ from .profile import measure_profile
 from .config import build_config
 from .protocol import (CLIENT_TIME, CODEC, LOCAL_DP, WEIGHTS, codec_from_record, parse_train_message, record_of,
                        train_reply_content)
-from .tasks import get_task
-from .training import flat_params, load_flat, train_local
+from .config import BUILTIN_TASKS, TaskSpec
+from .tasks import Task, load_task
+from .training import train_local
 
 app = ClientApp()
 
@@ -56,9 +57,29 @@ if _threads:
 
 RESIDUAL = "fedshield.residual"
 DP_LEDGER = "fedshield.local-dp-ledger"
+LOCAL_STATE = "fedshield.local-state"  # what the task keeps on the client (FedBN's statistics, integer buffers)
+NODE_TASK = "task"  # node config: the task an agent trains ("builtin": any built-in one); absent in simulation
 
 
-def train_with_local_dp(model, data, instr, record, context: Context) -> dict[str, float]:
+def node_task(spec: TaskSpec, node_config) -> TaskSpec:
+    """The task this node trains for a message naming ``spec``: an agent's own (``--task``), whose class name
+    the message must name (its path differs between machines), else the message's. A coordinator cannot make
+    an agent import a module the agent's owner did not name."""
+    own = node_config.get(NODE_TASK)
+    if own is None:
+        return spec
+    own = str(own)
+    if own == "builtin":
+        if spec.task not in BUILTIN_TASKS:
+            raise ClientError(f"this node trains built-in tasks only (started without --task). Found the coordinator's "
+                              f"task {shown(spec.task, 200)}: start the agent with --task naming it.")
+        return spec
+    if spec.task.rpartition(":")[2] != own.rpartition(":")[2]:
+        raise ClientError(f"this node trains task {shown(own, 200)}. Found the coordinator's task {shown(spec.task, 200)}.")
+    return dataclasses.replace(spec, task=own)
+
+
+def train_with_local_dp(model, data, instr, record, context: Context, task: Task) -> dict[str, float]:
     """DP-SGD with Opacus; this client's privacy ledger persists in Context.state across rounds.
 
     The sampling and noise generator is seeded from the OS, never from anything the
@@ -85,7 +106,7 @@ def train_with_local_dp(model, data, instr, record, context: Context) -> dict[st
             if after > max_eps:
                 raise ClientError(f"this round would bring this data's local epsilon to {after:.4g}, past its owner's "
                                   f"--max-local-epsilon {max_eps:g}: refused before training.")
-        _, stats, state = train_local_dp(model, data, instr.train, dp, None, state)
+        _, stats, state = train_local_dp(model, data, instr.train, dp, None, state, loss_fn=task.loss)
         if store is not None:
             store.save(state)
     context.state[DP_LEDGER] = ConfigRecord({"state": json.dumps(state)})
@@ -130,39 +151,46 @@ def local_update(msg: Message, context: Context) -> tuple[torch.Tensor, dict[str
     """Train on the node's data from the message's global model; return the delta (new - old) and metrics."""
     start = time.perf_counter()
     instr, arrays = parse_train_message(msg)
-    task = get_task(instr.task)
+    task = load_task(node_task(instr.task, context.node_config))
     data = client_data(task, context.node_config)
     device = get_device()
-    numel = task.num_parameters()  # before the model is built: a huge one asked with a short array is refused
+    local_dp = record_of(msg.content, LOCAL_DP, ConfigRecord)
+    layout = task.layout(private=local_dp is not None)
+    numel = layout.numel  # before the model is built: a huge one asked with a short array is refused
     try:
         weights = array_to_tensor(arrays[WEIGHTS], "float32", numel)
     except AggregationError as exc:  # a refusal, not an exception past the ClientApp
         raise ClientError(f"'weights' must be the task's {numel} float32 parameters: {exc}") from None
     if not bool(torch.isfinite(weights).all()):  # else a whole round of training ends in a NaN update
         raise ClientError("the global model must hold only finite values. Found NaN or infinity in 'weights'.")
-    model = task.build_model().to(device)
-    load_flat(model, weights)
+    model = task.build(private=local_dp is not None).to(device)
+    layout.load(model, weights)
+    kept = record_of(context.state, LOCAL_STATE, ArrayRecord)
+    if layout.local and kept is not None:
+        layout.load_local(model, kept.to_torch_state_dict())
     who = training_identity(context)
     gen = torch.Generator().manual_seed(hash((instr.seed, instr.round, who)) & 0x7FFFFFFF)
-    local_dp = record_of(msg.content, LOCAL_DP, ConfigRecord)
     if local_dp is None:
         check_owner_limits(context.node_config, None)
-        stats = train_local(model, data, instr.train, gen)
+        stats = train_local(model, data, instr.train, gen, task)
     else:
-        stats = train_with_local_dp(model, data, instr, local_dp, context)
-    delta = flat_params(model).cpu().sub_(weights)
+        stats = train_with_local_dp(model, data, instr, local_dp, context, task)
+    if layout.local:
+        context.state[LOCAL_STATE] = ArrayRecord(layout.local_state(model))
+    delta = layout.flatten(model).cpu().sub_(weights)
     if not bool(torch.isfinite(delta).all()):  # refused here, not as an encoder's exception past the ClientApp
         raise ClientError("training diverged: the update holds NaN or infinity (a global model or learning rate "
                           "too large for this data).")
     metrics = {
         "num-examples": len(data),
         "base-version": instr.version,
-        "train-loss": float(stats["train-loss"]),
+        **({"train-loss": float(stats["train-loss"])} if "train-loss" in stats else {}),
         "train-time-s": float(stats["train-time-s"]),
         **({"local-epsilon": float(stats["local-epsilon"])} if "local-epsilon" in stats else {}),
         # the batch training used: the coordinator's batch-size is capped by this node's data (a 65536-row
         # synthetic batch of a wide model took gigabytes where training itself took one batch of 155)
-        **measure_profile(task, device, batch_size=min(instr.train.batch_size, len(data)), node_config=context.node_config),
+        **measure_profile(task, device, batch_size=min(instr.train.batch_size, len(data)), node_config=context.node_config,
+                           data=data),
         CLIENT_TIME: time.perf_counter() - start,
     }
     return delta, metrics, gen

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import types
 import typing
 from collections.abc import Iterable, Mapping
@@ -157,7 +158,9 @@ def to_mapping(obj: Any) -> dict[str, Any]:
     return {kebab(f.name): getattr(obj, f.name) for f in dataclasses.fields(obj)}
 
 
-TASKS = ("digits", "synthetic")
+BUILTIN_TASKS = ("digits", "synthetic")
+# A user's task: "package.module:ClassName" or "path/to/file.py:ClassName"
+_TASK_PATH = re.compile(r"(?:[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*|[^:\0\n]+\.py):[A-Za-z_][A-Za-z0-9_]*")
 PARTITIONINGS = ("iid", "dirichlet")
 
 
@@ -174,7 +177,9 @@ class TaskSpec:
     hidden_units: int = 128  # the digits MLP's hidden width (64-h-10: 75h + 10 parameters)
 
     def __post_init__(self) -> None:
-        check(self.task in TASKS, "task", f"be one of {list(TASKS)}", self.task)
+        check(self.task in BUILTIN_TASKS or (len(self.task) <= 1024 and _TASK_PATH.fullmatch(self.task) is not None),
+              "task", f"be one of {list(BUILTIN_TASKS)}, package.module:ClassName or path/to/file.py:ClassName",
+              self.task)
         check(self.partitioning in PARTITIONINGS, "partitioning", f"be one of {list(PARTITIONINGS)}", self.partitioning)
         check(0 < self.dirichlet_alpha <= 1e6, "dirichlet-alpha", "be in (0, 1e6]", self.dirichlet_alpha)
         check(0 <= self.data_seed < 2**32, "data-seed", "be in [0, 2**32)", self.data_seed)
@@ -192,12 +197,14 @@ class TrainSettings:
     batch_size: int = 16
     lr: float = 0.1
     momentum: float = 0.9
+    proximal_mu: float = 0.0  # FedProx's mu: the local objective adds mu / 2 * ||w - w_global||^2 (0: FedAvg)
 
     def __post_init__(self) -> None:
         check(1 <= self.local_epochs <= 1000, "local-epochs", "be in [1, 1000]", self.local_epochs)
         check(1 <= self.batch_size <= 65536, "batch-size", "be in [1, 65536]", self.batch_size)
         check(0 < self.lr <= 100, "lr", "be in (0, 100]", self.lr)
         check(0 <= self.momentum < 1, "momentum", "be in [0, 1)", self.momentum)
+        check(0 <= self.proximal_mu <= 1e4, "proximal-mu", "be in [0, 10000] (0: plain FedAvg)", self.proximal_mu)
 
 
 def split_mapping(mapping: Mapping[str, Any], *classes: type) -> list[dict[str, Any]]:

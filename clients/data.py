@@ -120,5 +120,5 @@ def client_data(task: Task, node_config: Mapping[str, Any]) -> Dataset:
         ) from None
     key = (task.spec, pid, num)
     if key not in _CACHE:
-        _CACHE[key] = task.partition(pid, num)
+        _CACHE[key] = task.check_data(task.client_data(pid, num), f"task {task.spec.task!r} client {pid}'s data")
     return _CACHE[key]

@@ -42,7 +42,7 @@ import math
 import secrets
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -56,6 +56,7 @@ from .config import MAX_NOISE_MULTIPLIER, MIN_LOCAL_NOISE_MULTIPLIER, TrainSetti
 from .tasks import Dataset
 
 GRAD_SAMPLE_MODES = ("fast", "ghost", "hooks", "functorch")
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # a task's loss: (output, target) -> batch mean
 ACCOUNTANT = "rdp"
 
 # Opacus warnings that are expected here and say nothing to the user: the generator is
@@ -334,12 +335,13 @@ class _Capture:
 
 def clipped_grad_sum(
     model: nn.Module, x: torch.Tensor, y: torch.Tensor, max_grad_norm: float, *, scale: float = 1.0,
-    _capture: _Capture | None = None,
+    _capture: _Capture | None = None, loss_fn: LossFn | None = None,
 ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
     """One forward and one backward pass: the sum over the batch of each example's clipped gradient.
 
     ``model`` must be one :func:`fast_clipping_layers` accepts (else ClientError).
-    Each example's gradient of its cross-entropy loss, over all trainable parameters,
+    Each example's gradient of its loss (``loss_fn``'s batch mean times the batch size; default
+    cross-entropy), over all trainable parameters,
     is scaled by ``min(1, C / (||grad_i|| + 1e-6))`` (Opacus's factor). Returns
     ``(sums, loss, norms)``: the summed clipped gradient of each trainable parameter
     in ``model.parameters()`` order (times ``scale``), the batch's mean loss (detached)
@@ -359,7 +361,8 @@ def clipped_grad_sum(
         if len(records) != len(capture.layers) or len({id(m) for m, _, _ in records}) != len(records):
             raise ClientError(f"each trainable layer must run once per forward for fast per-example clipping. "
                               f"Found {len(records)} calls for {len(capture.layers)} layers.")
-        loss = nn.functional.cross_entropy(logits, y, reduction="sum")
+        loss = (nn.functional.cross_entropy(logits, y, reduction="sum") if loss_fn is None
+                else loss_fn(logits, y) * len(y))
         grads = torch.autograd.grad(loss, [out for _, _, out in records])  # no parameter gradients computed
         parts = [_FAST_LAYERS[type(m)](m, a.detach(), g) for (m, a, _), g in zip(records, grads, strict=True)]
     finally:
@@ -398,8 +401,8 @@ class FastPrivateTrainer:
 
     def __init__(self, model: nn.Module, layers: list[nn.Module], loader: torch.utils.data.DataLoader,
                  settings: TrainSettings, dp: LocalDpSettings, noise_generator: torch.Generator | None,
-                 accountant: Any) -> None:
-        self.model, self.dp, self.loader = model, dp, loader
+                 accountant: Any, loss_fn: LossFn | None = None) -> None:
+        self.model, self.dp, self.loader, self.loss_fn = model, dp, loader, loss_fn
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.SGD(self.params, lr=settings.lr, momentum=settings.momentum)
         self.noise_generator, self.accountant = noise_generator, accountant
@@ -414,7 +417,7 @@ class FastPrivateTrainer:
         sums: list[torch.Tensor | None] = [None] * len(self.params)
         if len(y):
             sums, loss, _ = clipped_grad_sum(self.model, x, y, self.dp.max_grad_norm, scale=scale,
-                                             _capture=self._capture)
+                                             _capture=self._capture, loss_fn=self.loss_fn)
         else:  # Poisson sampling drew no example: the update is noise only
             loss = torch.zeros((), device=self.params[0].device)
         std = self.dp.noise_multiplier * self.dp.max_grad_norm * scale
@@ -466,9 +469,23 @@ class PrivateTrainer:
         return model
 
 
+class _Criterion(nn.Module):
+    """A task's batch-mean loss as the criterion module Opacus takes (cross-entropy when there is none)."""
+
+    def __init__(self, loss_fn: LossFn | None) -> None:
+        super().__init__()
+        self.loss_fn, self.reduction = loss_fn, "mean"
+
+    def forward(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if self.loss_fn is None:
+            return nn.functional.cross_entropy(output, target, reduction=self.reduction)
+        return self.loss_fn(output, target)
+
+
 def make_private_trainer(
     model: nn.Module, loader: torch.utils.data.DataLoader, settings: TrainSettings,
     dp: LocalDpSettings, *, noise_generator: torch.Generator | None, accountant: Any = None,
+    loss_fn: LossFn | None = None,
 ) -> PrivateTrainer | FastPrivateTrainer:
     """A DP-SGD trainer for ``model`` (SGD with ``settings``' lr and momentum).
 
@@ -476,7 +493,8 @@ def make_private_trainer(
     :class:`FastPrivateTrainer` over Opacus's Poisson-sampling DPDataLoader (or
     ``loader`` itself without Poisson sampling); otherwise Opacus's PrivacyEngine
     wraps the model. The trainer's ``grad_sample_mode`` says which path runs.
-    ``accountant`` (an opacus RDPAccountant) receives one event per step. Raises
+    ``accountant`` (an opacus RDPAccountant) receives one event per step. ``loss_fn`` (a task's batch-mean
+    loss; default cross-entropy) must sum over examples: DP-SGD clips each example's share. Raises
     :class:`ClientError` if the model cannot be trained with per-example clipping.
     """
     quiet_import_opacus()
@@ -486,19 +504,21 @@ def make_private_trainer(
     from opacus.validators.errors import UnsupportedModuleError
 
     mode = resolve_grad_sample_mode(model, dp.grad_sample_mode)
+    if loss_fn is not None and mode == "ghost":  # ghost clipping needs a criterion with reduction="none"
+        mode = "hooks"
     if mode == "fast":
         layers = fast_clipping_layers(model)
         assert layers is not None
         fast_loader = DPDataLoader.from_data_loader(loader) if dp.poisson_sampling else loader
         return FastPrivateTrainer(model, layers, fast_loader, settings, dp, noise_generator,
-                                  RDPAccountant() if accountant is None else accountant)
+                                  RDPAccountant() if accountant is None else accountant, loss_fn)
     engine = PrivacyEngine(accountant=ACCOUNTANT, secure_mode=False)
     if accountant is not None:
         engine.accountant = accountant
     optimizer = torch.optim.SGD(model.parameters(), lr=settings.lr, momentum=settings.momentum)
     try:
         out = engine.make_private(
-            module=model, optimizer=optimizer, criterion=nn.CrossEntropyLoss(), data_loader=loader,
+            module=model, optimizer=optimizer, criterion=_Criterion(loss_fn), data_loader=loader,
             noise_multiplier=dp.noise_multiplier, max_grad_norm=dp.max_grad_norm,
             poisson_sampling=dp.poisson_sampling, noise_generator=noise_generator,
             grad_sample_mode=mode,
@@ -509,7 +529,7 @@ def make_private_trainer(
             f"shared across examples), or DP-SGD's bound on one example's influence fails. Found: {exc}"
         ) from None
     module, dp_opt, *rest = out
-    criterion = rest[0] if len(rest) == 2 else nn.CrossEntropyLoss()
+    criterion = rest[0] if len(rest) == 2 else _Criterion(loss_fn)
     return PrivateTrainer(module, dp_opt, criterion, rest[-1], mode)
 
 
@@ -564,6 +584,7 @@ def planned_epsilon(accountant_state: Mapping[str, Any] | None, dp: LocalDpSetti
 def train_local_dp(
     model: nn.Module, data: Dataset, settings: TrainSettings, dp: LocalDpSettings,
     generator: torch.Generator | None, accountant_state: Mapping[str, Any] | None = None,
+    loss_fn: LossFn | None = None,
 ) -> tuple[nn.Module, dict[str, float], dict[str, Any]]:
     """DP-SGD for ``settings.local_epochs`` epochs over ``data``; trains ``model`` in place.
 
@@ -600,7 +621,7 @@ def train_local_dp(
         for message in _QUIET:
             warnings.filterwarnings("ignore", message=message)
         trainer = make_private_trainer(model, loader, settings, dp, noise_generator=noise_generator,
-                                       accountant=accountant)
+                                       accountant=accountant, loss_fn=loss_fn)
         try:
             for _ in range(settings.local_epochs):
                 for xb, yb in trainer.loader:

@@ -14,10 +14,10 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
-from torch import nn
 
-from .tasks import Task
+from .tasks import Dataset, Task
 
 PROFILE_CPUS = "profile-cpus"
 PROFILE_MEM_GB = "profile-mem-gb"
@@ -37,15 +37,19 @@ def _memory_gb() -> float:
         return 0.0
 
 
-def _step_ms(task: Task, device: torch.device, batch_size: int) -> float:
-    """Median milliseconds of one forward+backward+SGD step on a synthetic batch."""
+def _step_ms(task: Task, device: torch.device, batch_size: int, data: Dataset | None) -> float:
+    """Median milliseconds of one forward+backward+SGD step of the task's model and loss on a batch of
+    ``data`` (the training set's first examples when None), repeated up to ``batch_size`` rows."""
+    xs, ys = task.sample_batch(data if data is not None else task.train_set, batch_size)
+    reps = -(-batch_size // max(len(ys), 1))
     with torch.random.fork_rng(devices=[]):  # leave the caller's random state alone
         torch.manual_seed(0)
-        model = task.build_model().to(device)
-        x = torch.randn(batch_size, task.input_dim, device=device)
-        y = torch.randint(0, task.num_classes, (batch_size,), device=device)
+        model = task.build().to(device)
+    x = torch.from_numpy(np.ascontiguousarray(np.concatenate([xs] * reps)[:batch_size])).to(device)
+    y = torch.from_numpy(np.ascontiguousarray(np.concatenate([ys] * reps)[:batch_size])).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    loss_fn = nn.CrossEntropyLoss()
+    loss_fn = task.loss
+    model.train()
     times = []
     for i in range(_STEPS + 1):
         if device.type == "cuda":
@@ -62,7 +66,7 @@ def _step_ms(task: Task, device: torch.device, batch_size: int) -> float:
 
 
 def measure_profile(task: Task, device: torch.device, *, batch_size: int = 16,
-                    node_config: Mapping[str, Any] | None = None) -> dict[str, int | float]:
+                    node_config: Mapping[str, Any] | None = None, data: Dataset | None = None) -> dict[str, int | float]:
     """This process's device profile, measured once per (task, device, batch size).
 
     Returns ``profile-cpus``, ``profile-mem-gb`` (physical memory, GiB),
@@ -78,7 +82,7 @@ def measure_profile(task: Task, device: torch.device, *, batch_size: int = 16,
             PROFILE_CPUS: int(os.cpu_count() or 1),
             PROFILE_MEM_GB: round(_memory_gb(), 3),
             PROFILE_CUDA: int(device.type == "cuda"),
-            PROFILE_STEP_MS: _step_ms(task, device, max(1, int(batch_size))),
+            PROFILE_STEP_MS: _step_ms(task, device, max(1, int(batch_size)), data),
         }
     profile = dict(_cache[key])
     link = (node_config or {}).get("link-mbps")

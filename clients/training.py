@@ -1,70 +1,36 @@
-"""Local training and evaluation of a task's torch model on in-memory data."""
+"""Local training and evaluation of a task's torch model, and the flat-vector view of its state."""
 
 from __future__ import annotations
 
-import time
-
-import numpy as np
 import torch
 from torch import nn
-from torch.nn.utils import parameters_to_vector
 
-from .config import TrainSettings
-from .tasks import Dataset
+from .config import TaskSpec, TrainSettings
+from .tasks import Dataset, DigitsTask, ModelLayout, Task, timed_train
+
+_CLASSIFICATION = DigitsTask(TaskSpec())  # the default loss, metrics and loop, for a bare model (tests, tools)
 
 
-@torch.no_grad()
-def load_flat(model: nn.Module, flat: torch.Tensor) -> None:
-    """Copy flat weights into the model's parameters.
+def load_flat(model: nn.Module, flat: torch.Tensor, layout: ModelLayout | None = None) -> None:
+    """Copy flat weights into the model's federated entries (``layout``; default: derived from ``model``).
 
     Copies (never aliases): ``flat`` may be backed by a received message's bytes.
     """
-    params = list(model.parameters())
-    total = sum(p.numel() for p in params)
-    if flat.numel() != total:
-        raise ValueError(f"flat weights must have {total} elements. Found {flat.numel()}.")
-    for p, chunk in zip(params, flat.split([p.numel() for p in params]), strict=True):
-        p.copy_(chunk.view_as(p))
+    (layout or ModelLayout.of(model)).load(model, flat)
 
 
-def flat_params(model: nn.Module) -> torch.Tensor:
-    return parameters_to_vector(model.parameters()).detach()
+def flat_params(model: nn.Module, layout: ModelLayout | None = None) -> torch.Tensor:
+    """The model's federated entries as one flat float32 tensor."""
+    return (layout or ModelLayout.of(model)).flatten(model)
 
 
-def train_local(
-    model: nn.Module, data: Dataset, settings: TrainSettings, generator: torch.Generator
-) -> dict[str, float]:
-    """Mini-batch SGD for ``settings.local_epochs`` epochs; returns loss and timing."""
-    device = next(model.parameters()).device
-    x = torch.from_numpy(np.ascontiguousarray(data.x)).to(device)
-    y = torch.from_numpy(np.ascontiguousarray(data.y)).to(device)
-    opt = torch.optim.SGD(model.parameters(), lr=settings.lr, momentum=settings.momentum)
-    loss_fn = nn.CrossEntropyLoss()
-    model.train()
-    start = time.perf_counter()
-    total, seen = 0.0, 0
-    for _ in range(settings.local_epochs):
-        perm = torch.randperm(len(y), generator=generator).to(device)
-        for batch in perm.split(settings.batch_size):
-            opt.zero_grad(set_to_none=True)
-            loss = loss_fn(model(x[batch]), y[batch])
-            loss.backward()
-            opt.step()
-            total += loss.item() * len(batch)
-            seen += len(batch)
-    return {"train-loss": total / max(seen, 1), "train-time-s": time.perf_counter() - start}
+def train_local(model: nn.Module, data: Dataset, settings: TrainSettings, generator: torch.Generator,
+                task: Task | None = None) -> dict[str, float]:
+    """The task's training (default: mini-batch SGD with cross-entropy); returns its metrics and timing."""
+    return timed_train(task or _CLASSIFICATION, model, data, settings, generator)
 
 
-@torch.no_grad()
-def evaluate(model: nn.Module, data: Dataset, batch_size: int = 1024) -> tuple[float, float]:
-    """(accuracy, mean cross-entropy loss) on ``data``."""
-    device = next(model.parameters()).device
-    model.eval()
-    x = torch.from_numpy(np.ascontiguousarray(data.x)).to(device)
-    y = torch.from_numpy(np.ascontiguousarray(data.y)).to(device)
-    correct, loss = 0, 0.0
-    for xb, yb in zip(x.split(batch_size), y.split(batch_size), strict=True):
-        out = model(xb)
-        loss += nn.functional.cross_entropy(out, yb, reduction="sum").item()
-        correct += (out.argmax(1) == yb).sum().item()
-    return correct / len(y), loss / len(y)
+def evaluate(model: nn.Module, data: Dataset, batch_size: int = 1024, task: Task | None = None) -> tuple[float, float]:
+    """(accuracy, mean loss) on ``data`` (accuracy nan for a task that reports none)."""
+    out = (task or _CLASSIFICATION).evaluate(model, data, batch_size)
+    return float(out.get("accuracy", float("nan"))), float(out.get("loss", float("nan")))

@@ -37,7 +37,6 @@ from aggregation import tensor_to_array
 from aggregation.staleness import StalenessFunction, create_staleness
 from clients.protocol import (ARRAYS, CODEC, CONFIG, LOCAL_DP, MESSAGE_TYPE_TRAIN, WEIGHTS, TrainInstruction,
                               message_nbytes, update_nbytes)
-from clients.training import evaluate, load_flat
 
 from ._errors import CoordinatorError
 from .config import RunConfig
@@ -302,8 +301,7 @@ class BufferedAsyncWorkflow(SyncWorkflow):
         extra: dict[str, Any] = {}
         self._step(self.round + 1, acc.result().mul(acc.total_weight / window["examples"]), extra)
         self.round += 1
-        load_flat(self.model, self.weights)
-        test_acc, test_loss = evaluate(self.model, self.task.test_set)
+        test_acc, test_loss = self.evaluate()
         now = self.clock.now()
         rejected: Counter[str] = window["rejected"]
         row: dict[str, Any] = {

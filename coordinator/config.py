@@ -558,6 +558,11 @@ class RunConfig:
                               "number of clients. Found 0.")
         return max(1, round(self.dp_sampling_rate() * population))
 
+    @property
+    def private_model(self) -> bool:
+        """Whether clients train the task's model by DP-SGD (local DP), which may change it (Opacus's fix)."""
+        return self.privacy.dp == "local"
+
     def dp_sampling_rate(self) -> float:
         """The sampling rate central / distributed DP is calibrated and accounted at: ``fraction-train``
         for synchronous central DP, whose rounds then take a secret Poisson sample (each node with

@@ -263,7 +263,7 @@ class Coordinator:
         at 1 KiB a node included)."""
         from clients.tasks import get_task
 
-        numel = get_task(self.cfg.run.task).num_parameters()
+        numel = get_task(self.cfg.run.task).num_parameters(self.cfg.run.private_model)
         update = min(int(self.cfg.run.server.max_update_mb * 2**20), 4 * numel + 1024)
         return update + (16 << 20)
 

@@ -27,8 +27,7 @@ from aggregation._errors import shown
 from aggregation.staleness import create_staleness
 from clients.protocol import (ARRAYS, CLIENT_TIME, CODEC, CONFIG, LOCAL_DP, MESSAGE_TYPE_TRAIN, METRICS, WEIGHTS, TrainInstruction,
                               message_nbytes, update_nbytes)
-from clients.tasks import get_task
-from clients.training import evaluate, load_flat
+from clients.tasks import get_task, load_task
 
 from ._errors import CoordinatorError
 from privacy import BudgetExhausted, PrivacyError
@@ -137,7 +136,7 @@ def engine_of(grid: Any) -> str:
 def check_resumable(cfg: RunConfig, ckpt: dict[str, Any], run_dir: Any, nodes: int | None, engine: str) -> None:
     """Before a run starts (``fedshield simulate``, ``coordinator start``): CoordinatorError naming each setting in
     which ``run_dir``'s checkpoint differs from this run (as the workflow checks again when it resumes)."""
-    check_fingerprint(ckpt, run_fingerprint(cfg, get_task(cfg.task).num_parameters(), nodes, engine), run_dir)
+    check_fingerprint(ckpt, run_fingerprint(cfg, get_task(cfg.task).num_parameters(cfg.private_model), nodes, engine), run_dir)
 
 
 def check_fingerprint(ckpt: dict[str, Any], want: dict[str, Any], path: Any) -> None:
@@ -180,9 +179,11 @@ class SyncWorkflow:
         self.clock = clock or WallClock()
         self.on_round = on_round
         self.device = get_device(cfg.server.device)
-        self.task = get_task(cfg.task)
-        self.model = self.task.build_model().to(self.device)
-        self.numel = sum(p.numel() for p in self.model.parameters())
+        self.task = load_task(cfg.task)
+        # the global model: built as clients build it (local DP: as Opacus fixed it), seen through its layout
+        self.layout = self.task.layout(cfg.private_model)
+        self.model = self.task.build(cfg.private_model).to(self.device)
+        self.numel = self.layout.numel
         self.optimizer = create_server_optimizer(cfg.server.server_optimizer, **cfg.server.optimizer_params())
         self.codec, self.codec_header, self.max_update_bytes = self._codec_plan(cfg.aggregation.make_codec())
         # slow-link-mbps: nodes reporting a slower uplink are asked for slow-link-codec instead
@@ -199,7 +200,7 @@ class SyncWorkflow:
         self.dp_divisor = (cfg.dp_divisor(self._population())
                            if cfg.privacy.dp == "central" else 0)
         self.status = "completed"
-        self.weights = self.task.init_weights(cfg.server.seed).to(self.device)
+        self.weights = self.task.init_weights(cfg.server.seed, cfg.private_model).to(self.device)
         self.round, self.version = 0, 0
         self.history: list[dict[str, Any]] = []
         self.rejections: Counter[str] = Counter()
@@ -534,12 +535,17 @@ class SyncWorkflow:
         else:
             sent, row["bytes_down"] = self._send(rnd, selected)
             row.update(self._collect(rnd, sent))
-        load_flat(self.model, self.weights)
-        row["test_accuracy"], row["test_loss"] = evaluate(self.model, self.task.test_set)
+        row["test_accuracy"], row["test_loss"] = self.evaluate()
         row["version"] = self.version
         row["round_time_s"] = self.clock.now() - start
         row.update(self._run_times(row["round_time_s"]))
         return row
+
+    def evaluate(self) -> tuple[float, float]:
+        """(accuracy, loss) of the global model on the task's test data (accuracy nan if the task has none)."""
+        self.layout.load(self.model, self.weights)
+        out = self.task.evaluate(self.model, self.task.test_set)
+        return float(out.get("accuracy", float("nan"))), float(out.get("loss", float("nan")))
 
     def _spent(self, key: str) -> float:
         """The last row's ``key`` (``wall_time_s``, ``sim_time_s``): seconds the run had spent by then, 0 before
@@ -583,7 +589,7 @@ class SyncWorkflow:
         # metrics.csv again: a run stopped between its last checkpoint and this file's write had nothing left
         # to train when resumed, and its last row stayed missing
         self.run_dir.write_metrics(self.history)
-        load_flat(self.model, self.weights)
+        self.layout.load(self.model, self.weights)
         self.run_dir.save_model({k: v.detach().cpu() for k, v in self.model.state_dict().items()})
         if self.history:
             self.run_dir.plot(self.history, f"{self.cfg.task.task}: accuracy and loss per round")

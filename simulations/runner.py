@@ -421,10 +421,10 @@ def check_partitions(scn: Scenario) -> None:
     ``simulation.num-supernodes`` otherwise (the split itself speaks of num-partitions)."""
     from clients import ConfigError
     from clients.config import renamed_key
-    from clients.tasks import get_task
+    from clients.tasks import load_task
 
     try:
-        get_task(scn.run.task).partition(0, scn.sim.num_supernodes)
+        load_task(scn.run.task).client_data(0, scn.sim.num_supernodes)
     except ConfigError as exc:
         raise ConfigError(renamed_key(str(exc), {"num-partitions": "simulation.num-supernodes"})
                           + f" Each simulated client gets one partition of task {scn.run.task.task!r}'s data.") from None

@@ -1,27 +1,99 @@
-"""Tasks: a model plus data with a fixed held-out split and seeded partitions."""
+"""Tasks: the user's model and data behind one interface (:class:`Task`), chosen by name or import path.
+
+``task`` is a built-in name (``digits``, ``synthetic``), ``package.module:ClassName`` (importable), or
+``path/to/file.py:ClassName`` (a file, resolved against the working directory).
+"""
 
 from __future__ import annotations
 
+import hashlib
+import importlib
+import importlib.util
+import sys
 from functools import lru_cache
+from pathlib import Path
 
-from .._errors import ClientError
-from ..config import TaskSpec
-from .base import Dataset, Task
+from .._errors import ClientError, ConfigError
+from ..config import BUILTIN_TASKS, TaskSpec
+from .base import Dataset, Task, timed_train
 from .digits import DigitsTask
+from .layout import Entry, ModelLayout
 from .synthetic import SyntheticTask
 
 _TASKS: dict[str, type[Task]] = {"digits": DigitsTask, "synthetic": SyntheticTask}
+assert set(_TASKS) == set(BUILTIN_TASKS)
+
+
+def _import_module(where: str, name: str):
+    if where.endswith(".py"):
+        path = Path(where).expanduser().resolve()
+        if not path.is_file():
+            raise ConfigError(f"task {name!r} must name an existing Python file. Found no file {str(path)!r}.")
+        mod_name = "fedshield_task_" + hashlib.sha256(str(path).encode()).hexdigest()[:16]
+        if mod_name in sys.modules:
+            return sys.modules[mod_name]
+        spec = importlib.util.spec_from_file_location(mod_name, path)
+        module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+        sys.modules[mod_name] = module
+        try:
+            spec.loader.exec_module(module)  # type: ignore[union-attr]
+        except BaseException:
+            sys.modules.pop(mod_name, None)
+            raise
+        return module
+    return importlib.import_module(where)
+
+
+@lru_cache(maxsize=32)
+def task_class(name: str) -> type[Task]:
+    """The Task subclass ``name`` names; ConfigError (one line) when it does not import or is no Task."""
+    if name in _TASKS:
+        return _TASKS[name]
+    where, _, attr = name.rpartition(":")
+    try:
+        module = _import_module(where, name)
+    except ConfigError:
+        raise
+    except Exception as exc:  # the user's module: any error it raises while importing is one line
+        raise ConfigError(f"task {name!r} must import. Found {type(exc).__name__}: {str(exc)[:300]}") from None
+    cls = getattr(module, attr, None)
+    if not (isinstance(cls, type) and issubclass(cls, Task)):
+        found = "nothing" if cls is None else type(cls).__name__
+        raise ConfigError(f"task {name!r} must name a subclass of clients.Task in {where}. Found {found} "
+                          f"under {attr!r}.")
+    return cls
 
 
 @lru_cache(maxsize=8)
 def get_task(spec: TaskSpec) -> Task:
     """The task for ``spec`` (cached per process: data is loaded once)."""
-    return _TASKS[spec.task](spec)
+    cls = task_class(spec.task)
+    try:
+        return cls(spec)
+    except ClientError:
+        raise
+    except Exception as exc:  # the user's constructor
+        raise ConfigError(f"task {spec.task!r} must build. Found {type(exc).__name__}: {str(exc)[:300]}") from None
+
+
+def load_task(spec: TaskSpec) -> Task:
+    """``get_task(spec)`` with its data loaded and model layout derived: every error a user's task can make
+    before training (import, data, model) comes here as one ConfigError line."""
+    task = get_task(spec)
+    try:
+        task.train_set  # noqa: B018 (loads and checks the data)
+        task.layout()
+    except ClientError:
+        raise
+    except Exception as exc:
+        raise ConfigError(f"task {spec.task!r} must load its data and build its model. Found "
+                          f"{type(exc).__name__}: {str(exc)[:300]}") from None
+    return task
 
 
 def check_any_task(data: Dataset, source: str) -> None:
-    """That ``data`` fits at least one task (the agent does not know which one the coordinator runs);
-    else one ClientError naming what each task needs."""
+    """That ``data`` fits at least one built-in task (an agent started without --task does not know which one
+    the coordinator runs); else one ClientError naming what each task needs."""
     errors = []
     for cls in _TASKS.values():
         try:
@@ -33,9 +105,10 @@ def check_any_task(data: Dataset, source: str) -> None:
 
 
 def max_partitions() -> int:
-    """The most partitions any task's training data splits into (one example each; the agent does not
-    know which task, nor which partitioning, the coordinator will run)."""
+    """The most partitions any built-in task's training data splits into (one example each; the agent does
+    not know which task, nor which partitioning, the coordinator will run)."""
     return max(len(get_task(TaskSpec(task=name)).train_set) for name in _TASKS)
 
 
-__all__ = ["Dataset", "DigitsTask", "SyntheticTask", "Task", "check_any_task", "get_task", "max_partitions"]
+__all__ = ["Dataset", "DigitsTask", "Entry", "ModelLayout", "SyntheticTask", "Task", "check_any_task", "get_task",
+           "load_task", "max_partitions", "task_class", "timed_train"]

@@ -1,56 +1,146 @@
-"""The task interface: a model and a data set with a fixed held-out split."""
+"""The task interface: the user's model, data, loss and (optionally) training loop.
+
+A task is a subclass of :class:`Task` that gives ``build_model()`` and ``load_data()``; everything else has
+a default for classification. fedshield never sees the module itself on the hot path: a :class:`ModelLayout`
+derived once from it says which tensors travel as the flat float32 update. See docs/tasks.md.
+"""
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from functools import cached_property
+from logging import INFO
+from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
-from .._errors import ClientError
-from ..config import TaskSpec
+from .._errors import ClientError, ConfigError
+from ..config import TaskSpec, TrainSettings
 from ..partition import dirichlet_partition, iid_partition
+from .layout import ModelLayout
+
+_DTYPES = {"float32": np.float32, "int64": np.int64}
 
 
 @dataclass(frozen=True)
 class Dataset:
-    x: np.ndarray  # float32, (n, input_dim)
-    y: np.ndarray  # int64, (n,)
+    """Examples as arrays: ``x`` of shape (n, ...) (features, images (n, C, H, W), token ids) and ``y`` of
+    shape (n, ...) (class labels, multi-label or regression targets, next tokens)."""
+
+    x: np.ndarray
+    y: np.ndarray
 
     def __len__(self) -> int:
         return len(self.y)
 
+    @classmethod
+    def from_torch(cls, data: "torch.utils.data.Dataset") -> "Dataset":
+        """A torch map-style dataset of ``(x, y)`` pairs stacked into arrays (it is read once)."""
+        xs, ys = zip(*(data[i] for i in range(len(data))), strict=True)  # type: ignore[arg-type]
+        return cls(np.stack([np.asarray(x) for x in xs]), np.stack([np.asarray(y) for y in ys]))
+
 
 class Task(ABC):
-    """A learning task. Subclasses give the data and the model."""
+    """A learning task: subclass it, give ``build_model`` and ``load_data``, override what differs.
 
-    name: str
-    input_dim: int
-    num_classes: int
+    Class attributes a subclass may set:
 
-    def __init__(self, spec: TaskSpec) -> None:
-        self.spec = spec
+    - ``num_classes``: labels are checked to lie in ``[0, num_classes)`` (None: not checked);
+    - ``x_dtype`` / ``y_dtype``: what ``x`` and ``y`` are cast to (``"float32"``, ``"int64"``, or None to keep);
+    - ``input_shape`` / ``target_shape``: ``x``'s and ``y``'s shapes past the example axis, checked when set;
+    - ``federate_buffers``: False keeps every buffer (BatchNorm's running statistics) on its client (FedBN);
+    - ``keep_local``: state-dict name globs kept on each client (e.g. ``("*.bn*",)`` for FedBN with its
+      affine parameters too).
+    """
 
-    @abstractmethod
-    def _load(self) -> tuple[Dataset, Dataset]:
-        """(train, test); the test split is fixed by ``spec.data_seed``."""
+    name: str = ""
+    num_classes: int | None = None
+    x_dtype: str | None = "float32"
+    y_dtype: str | None = "int64"
+    federate_buffers: bool = True
+    keep_local: tuple[str, ...] = ()
+    input_shape: tuple[int, ...] | None = None  # x's shape past the example axis, checked when set
+    target_shape: tuple[int, ...] | None = None  # y's likewise (() for one label per example)
+
+    def __init__(self, spec: TaskSpec | None = None) -> None:
+        self.spec = spec if spec is not None else TaskSpec()
+
+    # --- what the user gives -------------------------------------------------------------------------
 
     @abstractmethod
     def build_model(self) -> nn.Module:
-        """A freshly initialised model (parameters only; no buffers)."""
+        """A freshly initialised model (random state seeded by the caller)."""
 
-    def num_parameters(self) -> int:
-        """The model's parameter count, from a model built on torch's meta device (allocating nothing: a
-        message or config asking for a huge model is measured before anything of that size exists)."""
-        with torch.device("meta"):
-            return sum(p.numel() for p in self.build_model().parameters())
+    @abstractmethod
+    def load_data(self) -> tuple[Dataset, Dataset]:
+        """(train, test) for the whole task: clients split ``train`` (``client_data``), the coordinator
+        evaluates on ``test``. Keep the split fixed for a given ``self.spec.data_seed``."""
+
+    def loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
+        """The mean loss of a batch (default: cross-entropy over the last axis of ``output``)."""
+        if output.ndim > 2:  # (n, ..., classes) against (n, ...): sequences of tokens
+            return nn.functional.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
+        return nn.functional.cross_entropy(output, target)
+
+    def metrics(self, output: Any, target: torch.Tensor) -> dict[str, float]:
+        """A batch's metrics as means (default: ``accuracy`` when ``target`` holds class labels)."""
+        if not target.dtype.is_floating_point and output.shape[:-1] == target.shape:
+            return {"accuracy": (output.argmax(-1) == target).float().mean().item()}
+        return {}
+
+    def train(self, model: nn.Module, data: Dataset, settings: TrainSettings,
+              generator: torch.Generator) -> dict[str, float]:
+        """Train ``model`` in place on ``data``; return metrics (``train-loss`` if known).
+
+        The default: SGD with momentum over shuffled mini-batches for ``settings.local_epochs`` epochs,
+        plus FedProx's proximal term ``mu / 2 * ||w - w_global||^2`` when ``settings.proximal_mu > 0``.
+        """
+        device = _device_of(model)
+        x, y = _tensors(data, device)
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.SGD(params, lr=settings.lr, momentum=settings.momentum)
+        mu = settings.proximal_mu
+        anchor = [p.detach().clone() for p in params] if mu > 0 else []
+        model.train()
+        total, seen = 0.0, 0
+        for _ in range(settings.local_epochs):
+            perm = torch.randperm(len(y), generator=generator).to(device)
+            for batch in perm.split(settings.batch_size):
+                opt.zero_grad(set_to_none=True)
+                loss = self.loss(model(x[batch]), y[batch])
+                objective = loss
+                if mu > 0:
+                    objective = loss + 0.5 * mu * sum((p - a).pow(2).sum() for p, a in zip(params, anchor, strict=True))
+                objective.backward()
+                opt.step()
+                total += loss.item() * len(batch)
+                seen += len(batch)
+        return {"train-loss": total / max(seen, 1)}
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, data: Dataset, batch_size: int = 1024) -> dict[str, float]:
+        """``loss`` and the task's metrics on ``data``, example-weighted means over batches."""
+        device = _device_of(model)
+        model.eval()
+        x, y = _tensors(data, device)
+        sums: dict[str, float] = {}
+        for xb, yb in zip(x.split(batch_size), y.split(batch_size), strict=True):
+            out = model(xb)
+            for key, value in {"loss": self.loss(out, yb).item(), **self.metrics(out, yb)}.items():
+                sums[key] = sums.get(key, 0.0) + float(value) * len(yb)
+        return {k: v / max(len(y), 1) for k, v in sums.items()}
+
+    # --- what fedshield derives ----------------------------------------------------------------------
 
     @cached_property
     def _data(self) -> tuple[Dataset, Dataset]:
-        return self._load()
+        train, test = self.load_data()
+        where = self.spec.task
+        return self.check_data(train, f"{where} training data"), self.check_data(test, f"{where} test data")
 
     @property
     def train_set(self) -> Dataset:
@@ -59,6 +149,11 @@ class Task(ABC):
     @property
     def test_set(self) -> Dataset:
         return self._data[1]
+
+    def client_data(self, partition_id: int, num_partitions: int) -> Dataset:
+        """Client ``partition_id``'s training data (default: its share of ``train_set``, split by the
+        spec's partitioning)."""
+        return self.partition(partition_id, num_partitions)
 
     def partition(self, partition_id: int, num_partitions: int) -> Dataset:
         """Client ``partition_id``'s share of the training set (deterministic)."""
@@ -70,39 +165,135 @@ class Task(ABC):
     def _partition_indices(self, num_partitions: int) -> list[np.ndarray]:
         cache = self.__dict__.setdefault("_parts", {})
         if num_partitions not in cache:
-            seed = self.spec.data_seed + 1
+            seed, y = self.spec.data_seed + 1, self.train_set.y
             if self.spec.partitioning == "iid":
-                cache[num_partitions] = iid_partition(len(self.train_set), num_partitions, seed)
+                cache[num_partitions] = iid_partition(len(y), num_partitions, seed)
+            elif y.ndim != 1 or not np.issubdtype(y.dtype, np.integer):
+                raise ConfigError(f"partitioning 'dirichlet' splits by class label and needs y of shape (n,) with "
+                                  f"integer labels. Found y {y.dtype} {y.shape} in task {self.spec.task!r}: set "
+                                  "partitioning = \"iid\".")
             else:
-                cache[num_partitions] = dirichlet_partition(
-                    self.train_set.y, num_partitions, self.spec.dirichlet_alpha, seed
-                )
+                cache[num_partitions] = dirichlet_partition(y, num_partitions, self.spec.dirichlet_alpha, seed)
         return cache[num_partitions]
 
     @classmethod
     def check_data(cls, data: Dataset, source: str) -> Dataset:
-        """Validate a client's own data against the task's input and label space (a classmethod:
-        the agent checks a data file against every task before it starts)."""
-        x, y = data.x, data.y
-        if not (np.issubdtype(x.dtype, np.floating) or np.issubdtype(x.dtype, np.integer)):
-            raise ClientError(f"{source}: x must be numeric. Found dtype {x.dtype}.")
-        if not np.issubdtype(y.dtype, np.integer):
+        """``data`` checked against the task (shapes, dtypes, label range, finite values) and cast to the
+        task's dtypes; ClientError naming ``source`` and the rule otherwise."""
+        x, y = np.asarray(data.x), np.asarray(data.y)
+        for what, a in (("x", x), ("y", y)):
+            if not (np.issubdtype(a.dtype, np.floating) or np.issubdtype(a.dtype, np.integer)):
+                raise ClientError(f"{source}: {what} must be numeric. Found dtype {a.dtype}.")
+            if a.ndim == 0:
+                raise ClientError(f"{source}: {what} must have a leading example axis. Found a scalar.")
+        if cls.input_shape is not None and x.shape[1:] != cls.input_shape:
+            shape = ", ".join(map(str, ("n", *cls.input_shape)))
+            raise ClientError(f"{source}: x must have shape ({shape}) for task {cls.name or cls.__name__}. Found {x.shape}.")
+        if len(x) != len(y) or (cls.target_shape is not None and y.shape[1:] != cls.target_shape):
+            want = (len(x), *(y.shape[1:] if cls.target_shape is None else cls.target_shape))
+            raise ClientError(f"{source}: y must have shape {want} (one target per example of x). Found {y.shape}.")
+        if len(y) == 0:
+            raise ClientError(f"{source}: x and y must hold n > 0 examples. Found x{x.shape} y{y.shape}.")
+        if cls.y_dtype == "int64" and not np.issubdtype(y.dtype, np.integer):
             raise ClientError(f"{source}: y must hold integer labels. Found dtype {y.dtype}.")
-        if x.ndim != 2 or x.shape[1] != cls.input_dim:
-            raise ClientError(f"{source}: x must have shape (n, {cls.input_dim}) for task {cls.name}. Found {x.shape}.")
-        if y.shape != (x.shape[0],) or len(y) == 0:
-            raise ClientError(f"{source}: y must have shape ({x.shape[0]},) and n > 0. Found {y.shape}.")
-        if y.min() < 0 or y.max() >= cls.num_classes:  # (integer dtype: checked above)
-            raise ClientError(f"{source}: y must hold integer labels in [0, {cls.num_classes}). Found {y.dtype} {y.min()}..{y.max()}.")
-        with np.errstate(over="ignore"):  # the overflow is the finding, refused next with its reason
-            x32 = x.astype(np.float32, copy=False)  # what training sees: 1e39 in float64 is inf here
-        if not np.isfinite(x32).all():
-            raise ClientError(f"{source}: x must be finite as float32. Found NaN, inf or |x| > 3.4e38.")
-        return Dataset(x32, y.astype(np.int64, copy=False))
+        if cls.num_classes is not None and (y.min() < 0 or y.max() >= cls.num_classes):
+            raise ClientError(f"{source}: y must hold integer labels in [0, {cls.num_classes}). Found {y.dtype} "
+                              f"{y.min()}..{y.max()}.")
+        x, y = _cast(x, cls.x_dtype), _cast(y, cls.y_dtype)
+        for what, a in (("x", x), ("y", y)):
+            if a.dtype.kind == "f" and not np.isfinite(a).all():
+                raise ClientError(f"{source}: {what} must be finite as float32. Found NaN, inf or |{what}| > 3.4e38.")
+        return Dataset(x, y)
 
-    def init_weights(self, seed: int) -> torch.Tensor:
+    def build(self, private: bool = False) -> nn.Module:
+        """The task's model; ``private``: made trainable by DP-SGD (Opacus's ModuleValidator.fix, e.g.
+        BatchNorm -> GroupNorm), said in one log line when it changed anything."""
+        model = self.build_model()
+        if not isinstance(model, nn.Module):
+            raise ClientError(f"task {self.spec.task!r}: build_model must return a torch.nn.Module. Found "
+                              f"{type(model).__name__}.")
+        return _private_model(model, self.spec.task) if private else model
+
+    def layout(self, private: bool = False) -> ModelLayout:
+        """The model's layout, derived once (from a model on the meta device where it builds there)."""
+        cache = self.__dict__.setdefault("_layouts", {})
+        if private not in cache:
+            try:
+                with torch.device("meta"):
+                    model = self.build(private)
+            except (RuntimeError, NotImplementedError, TypeError):  # a model that needs real tensors to build
+                model = self.build(private)
+            cache[private] = ModelLayout.of(model, self.federate_buffers, tuple(self.keep_local))
+        return cache[private]
+
+    def num_parameters(self, private: bool = False) -> int:
+        """Elements of the flat update (parameters plus federated buffers), from the layout: a message or
+        config asking for a huge model is measured before anything of that size exists."""
+        return self.layout(private).numel
+
+    def init_weights(self, seed: int, private: bool = False) -> torch.Tensor:
         """The initial global model as one flat float32 tensor (seeded)."""
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model = self.build_model()
-        return torch.nn.utils.parameters_to_vector(model.parameters()).detach().float()
+            model = self.build(private)
+        return self.layout(private).flatten(model)
+
+    def sample_batch(self, data: Dataset, size: int) -> tuple[np.ndarray, np.ndarray]:
+        """The first ``size`` examples of ``data`` (the device profile times a training step on them)."""
+        return data.x[:size], data.y[:size]
+
+
+def _cast(a: np.ndarray, dtype: str | None) -> np.ndarray:
+    if dtype is None:
+        return a
+    with np.errstate(over="ignore", invalid="ignore"):  # an overflow is refused next, with its reason
+        return a.astype(_DTYPES[dtype], copy=False)
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    ref = next(model.parameters(), None)
+    if ref is None:
+        ref = next(model.buffers(), None)
+    return ref.device if ref is not None else torch.device("cpu")
+
+
+def _tensors(data: Dataset, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.from_numpy(np.ascontiguousarray(data.x)).to(device)
+    y = torch.from_numpy(np.ascontiguousarray(data.y)).to(device)
+    return x, y
+
+
+def _private_model(model: nn.Module, name: str) -> nn.Module:
+    from privacy import quiet_import_opacus
+
+    quiet_import_opacus()
+    from opacus.validators import ModuleValidator
+
+    if ModuleValidator.is_valid(model):
+        return model
+    before = {type(m).__name__ for m in model.modules()}
+    fixed = ModuleValidator.fix(model)
+    after = {type(m).__name__ for m in fixed.modules()}
+    if not ModuleValidator.is_valid(fixed):
+        errors = "; ".join(str(e) for e in ModuleValidator.validate(fixed, strict=False))[:300]
+        raise ClientError(f"task {name!r}: the model must be trainable by DP-SGD for local DP. Found: {errors}.")
+    from flwr.common.logger import log
+
+    log(INFO, "[fedshield] local DP: task %s's model changed for DP-SGD by Opacus (%s -> %s)", name,
+        ", ".join(sorted(before - after)) or "-", ", ".join(sorted(after - before)) or "-")
+    return fixed
+
+
+def timed_train(task: Task, model: nn.Module, data: Dataset, settings: TrainSettings,
+                generator: torch.Generator) -> dict[str, float]:
+    """``task.train`` with its wall time as ``train-time-s``; a user's train that returns None is fine."""
+    start = time.perf_counter()
+    stats = task.train(model, data, settings, generator) or {}
+    if not isinstance(stats, dict):
+        raise ClientError(f"task {task.spec.task!r}: train must return a dict of metrics or None. Found "
+                          f"{type(stats).__name__}.")
+    return {**{k: float(v) for k, v in stats.items() if isinstance(v, int | float)},
+            "train-time-s": time.perf_counter() - start}
+
+
+__all__ = ["Dataset", "Task", "timed_train"]

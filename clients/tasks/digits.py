@@ -21,9 +21,11 @@ def stratified_split(x: np.ndarray, y: np.ndarray, seed: int) -> tuple[Dataset, 
 class DigitsTask(Task):
     name = "digits"
     input_dim = 64
+    input_shape = (64,)
+    target_shape = ()
     num_classes = 10
 
-    def _load(self) -> tuple[Dataset, Dataset]:
+    def load_data(self) -> tuple[Dataset, Dataset]:
         from sklearn.datasets import load_digits
 
         raw = load_digits()

@@ -32,9 +32,11 @@ def synthetic(alpha: float, beta: float, seed: int) -> tuple[np.ndarray, np.ndar
 class SyntheticTask(Task):
     name = "synthetic"
     input_dim = DIM
+    input_shape = (DIM,)
+    target_shape = ()
     num_classes = CLASSES
 
-    def _load(self) -> tuple[Dataset, Dataset]:
+    def load_data(self) -> tuple[Dataset, Dataset]:
         x, y = synthetic(self.spec.synthetic_alpha, self.spec.synthetic_beta, self.spec.data_seed)
         # stratify needs >= 2 samples per class: fall back to the label-agnostic split if not.
         counts = np.bincount(y, minlength=CLASSES)

@@ -1,0 +1,105 @@
+"""A model's layout: which of its state travels as the one flat float32 update, and in what order.
+
+Derived once from the model (on torch's meta device where it can be), so the wire and the aggregation
+core see one flat tensor whatever the module: parameters, and floating-point buffers such as BatchNorm's
+running statistics unless the task keeps them local (FedBN). Integer buffers (``num_batches_tracked``)
+and the entries a task keeps local never leave the client; the client keeps them between rounds.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One state-dict tensor in the flat vector: its name, shape, dtype and place."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    offset: int
+    numel: int
+    buffer: bool
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """The federated entries (in state-dict order) and the names each client keeps for itself."""
+
+    entries: tuple[Entry, ...]
+    local: tuple[str, ...]  # kept on the client: integer buffers, and what the task keeps local
+
+    @property
+    def numel(self) -> int:
+        return self.entries[-1].offset + self.entries[-1].numel if self.entries else 0
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(e.name for e in self.entries)
+
+    @classmethod
+    def of(cls, model: nn.Module, federate_buffers: bool = True, keep_local: tuple[str, ...] = ()) -> "ModelLayout":
+        """The layout of ``model``: every parameter and (``federate_buffers``) floating buffer, less the
+        state-dict names matching a ``keep_local`` glob; a tensor tied under two names counts once."""
+        params = {id(p) for p in model.parameters()}
+        entries: list[Entry] = []
+        local: list[str] = []
+        seen: set[int] = set()
+        offset = 0
+        for name, t in model.state_dict(keep_vars=True).items():
+            if id(t) in seen:
+                continue
+            seen.add(id(t))
+            buffer = id(t) not in params
+            if (not t.is_floating_point() or (buffer and not federate_buffers)
+                    or any(fnmatch.fnmatchcase(name, pat) for pat in keep_local)):
+                local.append(name)
+                continue
+            entries.append(Entry(name, tuple(t.shape), t.dtype, offset, t.numel(), buffer))
+            offset += t.numel()
+        return cls(tuple(entries), tuple(local))
+
+    def _tensors(self, model: nn.Module) -> list[torch.Tensor]:
+        state = model.state_dict(keep_vars=True)
+        try:
+            return [state[e.name] for e in self.entries]
+        except KeyError as exc:
+            raise ValueError(f"model must have the layout's entry {exc.args[0]!r}. Found another model.") from None
+
+    def flatten(self, model: nn.Module) -> torch.Tensor:
+        """The federated entries as one new flat float32 tensor (on the model's device)."""
+        tensors = self._tensors(model)
+        if not tensors:
+            return torch.zeros(0)
+        return torch.cat([t.detach().reshape(-1).float() for t in tensors])
+
+    @torch.no_grad()
+    def load(self, model: nn.Module, flat: torch.Tensor) -> None:
+        """Copy ``flat`` into the model's federated entries (cast to each entry's dtype). Copies, never
+        aliases: ``flat`` may be backed by a received message's bytes."""
+        if flat.numel() != self.numel:
+            raise ValueError(f"flat weights must have {self.numel} elements. Found {flat.numel()}.")
+        for t, e in zip(self._tensors(model), self.entries, strict=True):
+            t.copy_(flat[e.offset:e.offset + e.numel].view(e.shape))
+
+    def local_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The entries each client keeps (copies, on CPU)."""
+        state = model.state_dict()
+        return {name: state[name].detach().cpu().clone() for name in self.local}
+
+    @torch.no_grad()
+    def load_local(self, model: nn.Module, saved: dict[str, torch.Tensor]) -> None:
+        """Restore a client's kept entries (those of the right shape and dtype; others stay as built)."""
+        state = model.state_dict(keep_vars=True)
+        for name in self.local:
+            t, v = state.get(name), saved.get(name)
+            if t is not None and v is not None and v.shape == t.shape and v.dtype == t.dtype:
+                t.copy_(v)
+
+
+__all__ = ["Entry", "ModelLayout"]
