@@ -24,7 +24,7 @@ from pathlib import Path
 from ._errors import ClientError
 from .config import TaskSpec, build_config, renamed_key, resolve_path
 from .data import load_npz, save_npz
-from .tasks import get_task
+from .tasks import load_task
 
 # Flower exit codes (flwr.supercore.exit.ExitCode) a device owner may meet, in words.
 _EXIT_REASONS = {
@@ -55,8 +55,8 @@ def export_partitions(task: str, num_partitions: int, out: str, partitioning: st
              "num-partitions": "--num-partitions"}
     try:
         spec = build_config(TaskSpec, {"task": task, "partitioning": partitioning, "dirichlet-alpha": alpha, "data-seed": seed})
-        t = get_task(spec)
-        parts = [t.partition(k, num_partitions) for k in range(num_partitions)]  # raises on a bad split, nothing made yet
+        t = load_task(spec)
+        parts = [t.client_data(k, num_partitions) for k in range(num_partitions)]  # raises on a bad split, nothing made yet
     except ClientError as exc:  # named as the command's flags, not as the scenario keys they fill
         raise ClientError(renamed_key(str(exc), flags)) from None
     created = missing_ancestor(out_dir)
@@ -138,28 +138,53 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _own_task(args: argparse.Namespace):
+    """The task ``--task`` names, loaded (import, data, model: one line if any fails), and its node-config
+    value; (None, 'builtin') without --task: the node then trains only the built-in tasks."""
+    name = getattr(args, "task", None)
+    if not name:
+        return None, "builtin"
+    from .config import BUILTIN_TASKS
+
+    if name not in BUILTIN_TASKS and ".py:" in name:  # a file: its absolute path, so the ClientApp finds it
+        where, _, attr = name.rpartition(":")
+        name = f"{resolve_path(where, '--task')}:{attr}"
+    try:
+        task = load_task(build_config(TaskSpec, {"task": name}, ""))
+    except ClientError as exc:
+        raise ClientError(renamed_key(str(exc), {"task": "--task"})) from None
+    return task, name
+
+
 def _data_config(args: argparse.Namespace) -> str:
     if bool(args.data) == bool(args.partition):
         raise ClientError("exactly one of --data PATH.npz or --partition ID/N must be given. Found "
                           + ("both." if args.data else "neither."))
+    task, task_name = _own_task(args)
+    own = f" task={_literal_path(task_name, '--task')}"
     if args.data:
         data = load_npz(args.data)
-        if data.x.ndim != 2 or data.y.ndim != 1 or len(data.x) != len(data.y) or len(data.y) == 0:
-            raise ClientError(f"--data must hold x (n, features) and y (n,) with n > 0. Found x{data.x.shape} y{data.y.shape}.")
-        from .tasks import check_any_task
+        if task is not None:
+            task.check_data(data, f"--data {args.data}")
+        else:
+            if data.x.ndim != 2 or data.y.ndim != 1 or len(data.x) != len(data.y) or len(data.y) == 0:
+                raise ClientError(f"--data must hold x (n, features) and y (n,) with n > 0. Found x{data.x.shape} "
+                                  f"y{data.y.shape}.")
+            from .tasks import check_any_task
 
-        check_any_task(data, f"--data {args.data}")  # else the ClientApp would fail only once training starts
-        return f"data-path={_literal_path(Path(args.data).resolve(), '--data')}"
+            check_any_task(data, f"--data {args.data}")  # else the ClientApp would fail only once training starts
+        return f"data-path={_literal_path(Path(args.data).resolve(), '--data')}" + own
     pid, sep, num = args.partition.partition("/")
     if not (sep and _DIGITS.fullmatch(pid) and _DIGITS.fullmatch(num) and 0 <= int(pid) < int(num) <= 1_000_000):
         raise ClientError(f"--partition must be ID/N with 0 <= ID < N <= 1000000. Found {args.partition!r}.")
     from .tasks import max_partitions
 
-    most = max_partitions()
+    most = len(task.train_set) if task is not None else max_partitions()
     if int(num) > most:
-        raise ClientError(f"--partition N must be <= {most}, the most partitions any task's training data can be split "
+        raise ClientError(f"--partition N must be <= {most}, the most partitions "
+                          f"{'the task' if task is not None else 'any task'}'s training data can be split "
                           f"into (one example each at least). Found {args.partition!r}.")
-    return f"partition-id={int(pid)} num-partitions={int(num)}"
+    return f"partition-id={int(pid)} num-partitions={int(num)}" + own
 
 
 def _ledger_config(args: argparse.Namespace) -> str:
@@ -183,7 +208,7 @@ def _ledger_config(args: argparse.Namespace) -> str:
     return out + f" {STATE_DIR}={value}"
 
 
-def _literal_path(path: Path, flag: str) -> str:
+def _literal_path(path: Path | str, flag: str) -> str:
     """``path`` as a TOML literal string for Flower's node config, which reads values as TOML: a basic
     string ("...") would end at a '"' in the path and turn "\\b" into a backspace; a literal one has no
     escapes, and cannot hold a "'" or a line break (refused)."""

@@ -164,6 +164,15 @@ _TASK_PATH = re.compile(r"(?:[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*
 PARTITIONINGS = ("iid", "dirichlet")
 
 
+def resolve_task(value: Any, base: Path | None = None) -> Any:
+    """A ``path/to/file.py:Class`` task with its file made absolute against ``base`` (default: the working
+    directory), so every process (Ray's actors, a ClientApp) finds it; any other value unchanged."""
+    if not isinstance(value, str) or ".py:" not in value or _TASK_PATH.fullmatch(value) is None:
+        return value
+    where, _, attr = value.rpartition(":")
+    return f"{resolve_path(where, 'task', base)}:{attr}"
+
+
 @dataclasses.dataclass(frozen=True)
 class TaskSpec:
     """Which task (model + data) a run trains, and how its data is split."""

@@ -28,7 +28,7 @@ import tomli_w
 from aggregation import get_device, kernels
 from aggregation._errors import shown_key
 from clients.cli import bind_probe, die_with_parent, host_port
-from clients.config import ConfigError, build_config, check, parse_toml, resolve_path
+from clients.config import ConfigError, build_config, check, parse_toml, resolve_path, resolve_task
 from privacy import CertificatePaths, check_public_key, make_dir
 
 from ._errors import CoordinatorError
@@ -96,6 +96,8 @@ def load_coordinator_config(path: str | os.PathLike, run_dir: str | None = None)
         raise ConfigError(f"[run] must be a table. Found {type(run_map).__name__}.")
     run_map = dict(run_map)
     base = p.parent.resolve()
+    if "task" in run_map:  # a task file: relative to the config's own directory
+        run_map["task"] = resolve_task(run_map["task"], base)
     if run_dir:  # the --run-dir flag: relative to where the command runs, like simulate's (the CLI refuses '')
         run_map["run-dir"] = str(resolve_path(run_dir, "--run-dir"))
     given = run_map.get("run-dir", "")

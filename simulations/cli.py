@@ -228,7 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     data = sub.add_parser("data", help="client data files").add_subparsers(dest="action", required=True, parser_class=_Parser)
     de = data.add_parser("export", help="write a task's partitions as client-K.npz files (for agents' --data)")
-    de.add_argument("--task", default="digits", help="digits or synthetic (default: %(default)s)")
+    de.add_argument("--task", default="digits", help="digits, synthetic, package.module:Class or file.py:Class "
+                    "(default: %(default)s)")
     de.add_argument("--num-partitions", type=int, required=True)
     de.add_argument("--out", required=True, type=_path, help="directory for client-K.npz (made if missing)")
     de.add_argument("--partitioning", default="dirichlet", help="dirichlet (label skew) or iid (default: %(default)s)")
@@ -249,6 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
     ast.add_argument("--coordinator", required=True, metavar="HOST:PORT")
     ast.add_argument("--root-cert", type=_path, help="the coordinator's CA certificate (ca.crt)")
     ast.add_argument("--key", type=_path, help="this node's private key (from `fedshield keys new`)")
+    ast.add_argument("--task", help="the task this node trains: package.module:Class or file.py:Class (its model, "
+                     "loss and training loop run here; default: the built-in tasks only)")
     ast.add_argument("--data", type=_path, help="this node's data (.npz with x and y)")
     ast.add_argument("--partition", metavar="ID/N", help="use partition ID of N of the task's built-in data instead of --data")
     ast.add_argument("--port", type=int, default=0, help="local ClientAppIO port (default: a free one)")

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from aggregation._errors import shown, shown_key
-from clients.config import ConfigError, build_config, check, parse_toml
+from clients.config import ConfigError, build_config, check, parse_toml, resolve_task
 from coordinator.config import RunConfig
 
 from .virtual import PROFILE_RULES, DeviceProfile, rule_holds
@@ -129,7 +129,12 @@ def load_scenario(path: str | Path | None = None, overrides: Mapping[str, Any] |
         except OSError as exc:
             raise ConfigError(f"scenario {str(p)!r} must be readable. Found: {exc.strerror or exc}.") from None
     data = parse_toml(text, source)
+    run = data.get("run")
+    if isinstance(run, dict) and "task" in run:  # a task file: relative to the scenario's own directory
+        run["task"] = resolve_task(run["task"], Path(path).resolve().parent if path is not None else None)
     for dotted, value in (overrides or {}).items():
+        if dotted == "run.task":
+            value = resolve_task(value)
         table, _, key = dotted.partition(".")
         if table not in ("simulation", "run") or not key:
             raise ConfigError(f"--set key must look like run.KEY or simulation.KEY. Found {dotted!r}.")

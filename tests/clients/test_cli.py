@@ -265,7 +265,7 @@ def test_agent_passes_its_ledger_dir_and_owner_limits_to_its_clientapps(tmp_path
                                       "--max-local-epsilon", "8"])
     cmd = cli.supernode_command(args)
     node = parse_config_args([cmd[cmd.index("--node-config") + 1]])
-    assert node == {"partition-id": 0, "num-partitions": 2, "min-local-noise": 1.5, "max-local-epsilon": 8.0,
+    assert node == {"partition-id": 0, "num-partitions": 2, "task": "builtin", "min-local-noise": 1.5, "max-local-epsilon": 8.0,
                     "state-dir": str((tmp_path / "s").resolve())}
     assert (tmp_path / "s").is_dir()
     assert main([*base, "--min-local-noise", "-1"]) == 2

@@ -1,0 +1,106 @@
+"""A user's own task (examples/tasks: a CNN with BatchNorm, a ResNet, a next-token model with its own loop)
+through every round feature on the in-process engine: the flat update carries parameters and BatchNorm
+statistics, and each feature aggregates it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from clients.client_app import app
+from clients.tasks import get_task
+from coordinator import RunConfig, RunDirectory
+from coordinator.server_app import make_workflow
+from simulations import load_scenario, run_scenario
+from simulations.inprocess import InProcessGrid
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+CNN = f"{EXAMPLES / 'tasks' / 'cnn_digits.py'}:CnnDigits"
+N = 6
+
+
+def run(tmp_path, name="r", clients=N, task=CNN, **kw):
+    cfg = RunConfig.from_mapping({"task": task, "num-rounds": 2, "min-nodes": clients, "local-epochs": 1,
+                                  "lr": 0.05, "seed": 0, **kw})
+    wf = make_workflow(cfg, InProcessGrid(app, clients), RunDirectory(tmp_path / name))
+    return wf, wf.run()
+
+
+def bn_means(wf) -> torch.Tensor:
+    names = [e for e in wf.layout.entries if e.name.endswith("running_mean")]
+    return torch.cat([wf.weights[e.offset:e.offset + e.numel] for e in names])
+
+
+def test_the_cnn_learns_and_its_batchnorm_statistics_are_averaged(tmp_path):
+    """Learning band (both bounds) for 4 rounds; the global running means move from their initial zeros."""
+    wf, s = run(tmp_path, **{"num-rounds": 4})
+    assert s["status"] == "completed" and s["rounds"] == 4
+    assert 0.70 <= s["final_test_accuracy"] <= 0.995
+    assert any(e.buffer for e in wf.layout.entries)
+    assert "0.num_batches_tracked" not in wf.layout.names and "1.num_batches_tracked" in wf.layout.local
+    assert bn_means(wf).abs().max() > 1e-3
+
+
+def test_fedbn_keeps_batchnorm_statistics_on_the_clients(tmp_path):
+    wf, s = run(tmp_path, task=f"{EXAMPLES / 'tasks' / 'cnn_digits.py'}:CnnDigitsFedBN")
+    assert s["rounds"] == 2 and not any(e.buffer for e in wf.layout.entries)
+    assert "1.running_mean" in wf.layout.local
+    full = get_task(RunConfig.from_mapping({"task": CNN}).task).num_parameters()
+    assert full - wf.numel == 2 * (16 + 32)  # the two BatchNorms' running means and variances
+
+
+FEATURES = {
+    "topk": {"codec": "topk", "topk-ratio": 0.1},
+    "qsgd": {"codec": "qsgd"},
+    "sign": {"codec": "sign"},
+    "median": {"aggregator": "median"},
+    "trimmed-mean": {"aggregator": "trimmed-mean", "trim-beta": 0.2, "min-nodes": 5},
+    "krum": {"aggregator": "krum", "krum-f": 1},
+    "fedadam": {"server-optimizer": "fedadam", "server-lr": 0.01},
+    "fedprox": {"proximal-mu": 0.5},
+    "fedbuff": {"workflow": "fedbuff", "buffer-size": 3, "concurrency": 6},
+    "central-dp": {"dp": "central", "dp-noise-multiplier": 0.5, "dp-clip": 1.0},
+    "secagg+": {"secure-aggregation": "secagg+", "secagg-clip": 10.0},
+    "distributed-dp": {"secure-aggregation": "secagg+", "dp": "distributed", "dp-clip": 0.5,
+                       "dp-noise-multiplier": 0.8, "secagg-weighting": "uniform", "secagg-clip": 2.0},
+}
+
+
+@pytest.mark.parametrize("feature", list(FEATURES))
+def test_every_round_feature_aggregates_the_cnn(tmp_path, feature):
+    wf, s = run(tmp_path, **FEATURES[feature])
+    first = get_task(wf.cfg.task).init_weights(0)
+    assert s["rounds"] == 2 and s["version"] >= 2, s
+    assert all(r["accepted"] >= 1 and not r["rejected"] for r in wf.history), wf.history
+    assert bool(torch.isfinite(wf.weights).all()) and not torch.equal(wf.weights.cpu(), first)
+    if feature.endswith("-dp"):  # noise for a 10k-parameter model over 6 clients swamps two rounds: charged, not learnt
+        assert s["epsilon"] > 0
+    elif feature != "fedbuff":  # (two releases of three updates, the second stale)
+        assert s["final_test_accuracy"] > 0.15  # above chance (0.1) after two rounds
+
+
+def test_local_dp_trains_the_opacus_fixed_cnn_on_both_sides(tmp_path):
+    """BatchNorm cannot be trained by DP-SGD: the model becomes Opacus's GroupNorm fix on the clients and the
+    coordinator alike (no running statistics left in the layout)."""
+    wf, s = run(tmp_path, **{"dp": "local", "local-noise-multiplier": 0.5})
+    assert s["rounds"] == 2 and s["local_epsilon_max"] > 0
+    assert any(isinstance(m, torch.nn.GroupNorm) for m in wf.model.modules())
+    assert not any(e.buffer for e in wf.layout.entries)
+    assert wf.numel == get_task(wf.cfg.task).num_parameters(private=True)
+
+
+def test_a_resumed_cnn_run_continues_from_its_checkpoint(tmp_path):
+    wf, _ = run(tmp_path, "resume", **{"num-rounds": 1})
+    wf2, s = run(tmp_path, "resume", **{"num-rounds": 2})
+    assert s["rounds"] == 2 and len(wf2.history) == 2 and wf2.history[0] == wf.history[0]
+
+
+@pytest.mark.parametrize("scenario, band", [("cnn-digits", (0.5, 0.99)), ("cifar-resnet", (0.15, 1.0)),
+                                            ("next-token", (0.08, 0.7))])
+def test_each_example_scenario_runs_as_it_is(tmp_path, scenario, band):
+    """The examples README points at, shortened to two rounds: each trains its own model above chance."""
+    scn = load_scenario(EXAMPLES / "scenarios" / f"{scenario}.toml", {"run.num-rounds": 2})
+    s = run_scenario(scn, tmp_path / scenario, show_progress=False)
+    assert s["rounds"] == 2 and band[0] <= s["final_test_accuracy"] <= band[1]
