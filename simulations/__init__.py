@@ -20,6 +20,7 @@ _EXPORTS = {
     "ensure_task_identity": ".inprocess",
     "load_scenario": ".scenario",
     "run_scenario": ".runner",
+    "simulate": ".api",
     "tiered_profiles": ".virtual",
 }
 

@@ -21,7 +21,20 @@ from .layout import Entry, ModelLayout
 from .synthetic import SyntheticTask
 
 _TASKS: dict[str, type[Task]] = {"digits": DigitsTask, "synthetic": SyntheticTask}
-assert set(_TASKS) == set(BUILTIN_TASKS)
+_REGISTERED: dict[str, type[Task]] = {}  # classes handed over in this process (a notebook's), by their path
+
+
+def task_name(cls: type[Task]) -> str:
+    """``module:QualName`` for a Task subclass, registered in this process so that ``get_task`` finds it
+    even where its module cannot be imported by name (``__main__``, a notebook): the in-process and virtual
+    engines run there; Flower's engine and agents import by path, so they need an importable class."""
+    if not (isinstance(cls, type) and issubclass(cls, Task)):
+        raise ConfigError(f"task must be a subclass of clients.Task or its import path. Found {type(cls).__name__}.")
+    attr = cls.__qualname__ if cls.__qualname__.isidentifier() else f"{cls.__name__}_{id(cls):x}"  # (a nested class)
+    name = f"{cls.__module__}:{attr}"
+    _REGISTERED[name] = cls
+    task_class.cache_clear()
+    return name
 
 
 def _import_module(where: str, name: str):
@@ -47,8 +60,8 @@ def _import_module(where: str, name: str):
 @lru_cache(maxsize=32)
 def task_class(name: str) -> type[Task]:
     """The Task subclass ``name`` names; ConfigError (one line) when it does not import or is no Task."""
-    if name in _TASKS:
-        return _TASKS[name]
+    if name in _TASKS or name in _REGISTERED:
+        return _TASKS.get(name) or _REGISTERED[name]
     where, _, attr = name.rpartition(":")
     try:
         module = _import_module(where, name)
@@ -111,4 +124,4 @@ def max_partitions() -> int:
 
 
 __all__ = ["Dataset", "DigitsTask", "Entry", "ModelLayout", "SyntheticTask", "Task", "check_any_task", "get_task",
-           "load_task", "max_partitions", "task_class", "timed_train"]
+           "load_task", "max_partitions", "task_class", "task_name", "timed_train"]

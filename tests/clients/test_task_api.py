@@ -1,0 +1,147 @@
+"""The public Task API: selection by name, import path or class; one-line errors for a task that does not
+import or build; the layout of models with buffers; data of any shape; a node's own task; a regression
+task with its own loss run from Python (simulations.simulate)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from clients import ClientError, ConfigError, Dataset, Task, TaskSpec
+from clients.client_app import node_task
+from clients.tasks import ModelLayout, load_task, task_class, task_name
+from simulations import simulate
+
+
+class Regression(Task):
+    """y = x @ w + noise, float targets, MSE: no accuracy, a loss of its own."""
+
+    y_dtype = "float32"
+
+    def build_model(self) -> nn.Module:
+        return nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 1), nn.Flatten(0))
+
+    def load_data(self):
+        rng = np.random.default_rng(self.spec.data_seed)
+        x = rng.normal(size=(600, 5)).astype(np.float32)
+        y = x @ np.array([1.0, -2.0, 0.5, 0.0, 3.0], np.float32) + rng.normal(0, 0.1, 600).astype(np.float32)
+        return Dataset(x[:500], y[:500]), Dataset(x[500:], y[500:])
+
+    def loss(self, output, target):
+        return nn.functional.mse_loss(output, target)
+
+
+def test_a_regression_task_defined_here_runs_from_python(tmp_path):
+    s = simulate(Regression, run_dir=tmp_path / "reg", num_supernodes=4, num_rounds=5, partitioning="iid",
+                 local_epochs=2, lr=0.05)
+    assert s["rounds"] == 5 and math.isnan(s["final_test_accuracy"])
+    assert 0.0 < s["final_test_loss"] < 1.0  # the target's variance is ~14: it learnt (noise floor 0.01)
+
+
+@pytest.mark.parametrize("name, rule", [
+    ("no_such_module_xyz:Task", "must import. Found ModuleNotFoundError: No module named 'no_such_module_xyz'"),
+    ("json:dumps", "must name a subclass of clients.Task in json. Found function under 'dumps'"),
+    ("json:Nothing", "Found nothing under 'Nothing'"),
+    ("/no/such/file.py:T", "must name an existing Python file. Found no file '/no/such/file.py'"),
+])
+def test_a_task_that_does_not_import_is_one_line(name, rule):
+    task_class.cache_clear()
+    with pytest.raises(ConfigError, match=rule.replace("(", r"\(").replace(")", r"\)")) as info:
+        load_task(TaskSpec(task=name))
+    assert "\n" not in str(info.value)
+
+
+def test_a_task_file_that_raises_or_builds_nothing_is_one_line(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("raise RuntimeError('no GPU here')\n")
+    with pytest.raises(ConfigError, match=r"must import. Found RuntimeError: no GPU here"):
+        load_task(TaskSpec(task=f"{bad}:T"))
+    odd = tmp_path / "odd.py"
+    odd.write_text("from clients import Task, Dataset\nimport numpy as np\n"
+                   "class T(Task):\n    def build_model(self): return 3\n"
+                   "    def load_data(self):\n        d = Dataset(np.zeros((4, 2)), np.zeros(4, int))\n        return d, d\n")
+    with pytest.raises(ClientError, match="build_model must return a torch.nn.Module. Found int"):
+        load_task(TaskSpec(task=f"{odd}:T"))
+
+
+class BnNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.bn = nn.BatchNorm1d(4)
+        self.out = nn.Linear(4, 3)
+        self.out2 = self.out  # tied: counted once
+
+    def forward(self, x):
+        return self.out(self.bn(self.emb(x)))
+
+
+def test_the_layout_takes_parameters_and_float_buffers_once_and_leaves_integers_local():
+    model = BnNet()
+    lay = ModelLayout.of(model)
+    assert lay.names == ("emb.weight", "bn.weight", "bn.bias", "bn.running_mean", "bn.running_var",
+                         "out.weight", "out.bias")
+    assert lay.local == ("bn.num_batches_tracked",) and lay.numel == 40 + 4 * 4 + 12 + 3
+    flat = torch.arange(lay.numel, dtype=torch.float32)
+    other = BnNet()
+    lay.load(other, flat)
+    assert torch.equal(lay.flatten(other), flat) and torch.equal(other.bn.running_var, flat[52:56])
+    fedbn = ModelLayout.of(model, federate_buffers=False, keep_local=("bn.*",))
+    assert fedbn.names == ("emb.weight", "out.weight", "out.bias") and "bn.running_mean" in fedbn.local
+    model.bn.num_batches_tracked += 7
+    fresh = BnNet()
+    fedbn.load_local(fresh, fedbn.local_state(model))
+    assert int(fresh.bn.num_batches_tracked) == 7 and torch.equal(fresh.bn.weight, model.bn.weight)
+
+
+def test_half_precision_entries_travel_as_float32_and_come_back_in_their_dtype():
+    model = nn.Linear(3, 2).to(torch.bfloat16)
+    lay = ModelLayout.of(model)
+    flat = lay.flatten(model)
+    assert flat.dtype == torch.float32 and flat.numel() == 8
+    lay.load(model, flat + 1)
+    assert model.weight.dtype == torch.bfloat16
+
+
+def test_data_of_any_shape_is_checked_against_the_task():
+    class Images(Task):
+        input_shape, num_classes = (1, 8, 8), 10
+
+        def build_model(self): return nn.Flatten()
+
+        def load_data(self): raise NotImplementedError
+
+    ok = Images.check_data(Dataset(np.zeros((3, 1, 8, 8), np.float64), np.array([0, 9, 3])), "f.npz")
+    assert ok.x.dtype == np.float32 and ok.x.shape == (3, 1, 8, 8)
+    with pytest.raises(ClientError, match=r"f.npz: x must have shape \(n, 1, 8, 8\)"):
+        Images.check_data(Dataset(np.zeros((3, 64)), np.array([0, 1, 2])), "f.npz")
+    with pytest.raises(ClientError, match=r"integer labels in \[0, 10\)"):
+        Images.check_data(Dataset(np.zeros((1, 1, 8, 8)), np.array([10])), "f.npz")
+
+
+def test_a_node_trains_only_the_task_its_owner_named():
+    spec = TaskSpec(task="/coordinator/side/cnn.py:CnnDigits")
+    assert node_task(spec, {}) == spec  # a simulated node: the run's task
+    own = node_task(spec, {"task": "/device/side/cnn.py:CnnDigits"})
+    assert own.task == "/device/side/cnn.py:CnnDigits"  # the owner's file, the coordinator's other settings
+    with pytest.raises(ClientError, match="this node trains task 'mine.tasks:Other'"):
+        node_task(spec, {"task": "mine.tasks:Other"})
+    with pytest.raises(ClientError, match="built-in tasks only"):
+        node_task(spec, {"task": "builtin"})
+    assert node_task(TaskSpec(task="digits"), {"task": "builtin"}).task == "digits"
+
+
+def test_a_class_is_named_by_its_module_and_a_nested_one_still_resolves():
+    assert task_name(Regression) == f"{__name__}:Regression"
+
+    class Inner(Regression):
+        pass
+
+    name = task_name(Inner)
+    assert name.startswith(f"{__name__}:Inner_") and task_class(name) is Inner
+    with pytest.raises(ConfigError, match="subclass of clients.Task"):
+        task_name(int)
