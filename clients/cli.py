@@ -156,6 +156,16 @@ def _own_task(args: argparse.Namespace):
     return task, name
 
 
+def _check_builtin(data, source: str) -> None:
+    """``data`` fits a built-in task (an agent without --task); else the ClientApp would fail once training starts."""
+    if data.x.ndim != 2 or data.y.ndim != 1 or len(data.x) != len(data.y) or len(data.y) == 0:
+        raise ClientError(f"{source.split(' ')[0]} must hold x (n, features) and y (n,) with n > 0. Found "
+                          f"x{data.x.shape} y{data.y.shape}.")
+    from .tasks import check_any_task
+
+    check_any_task(data, source)
+
+
 def _data_config(args: argparse.Namespace) -> str:
     if bool(args.data) == bool(args.partition):
         raise ClientError("exactly one of --data PATH.npz or --partition ID/N must be given. Found "
@@ -167,13 +177,17 @@ def _data_config(args: argparse.Namespace) -> str:
         if task is not None:
             task.check_data(data, f"--data {args.data}")
         else:
-            if data.x.ndim != 2 or data.y.ndim != 1 or len(data.x) != len(data.y) or len(data.y) == 0:
-                raise ClientError(f"--data must hold x (n, features) and y (n,) with n > 0. Found x{data.x.shape} "
-                                  f"y{data.y.shape}.")
-            from .tasks import check_any_task
-
-            check_any_task(data, f"--data {args.data}")  # else the ClientApp would fail only once training starts
-        return f"data-path={_literal_path(Path(args.data).resolve(), '--data')}" + own
+            _check_builtin(data, f"--data {args.data}")
+        out = f"data-path={_literal_path(Path(args.data).resolve(), '--data')}" + own
+        eval_path = getattr(args, "eval_data", None)
+        if eval_path:
+            held = load_npz(eval_path)
+            (task.check_data if task is not None else _check_builtin)(held, f"--eval-data {eval_path}")
+            out += f" eval-data-path={_literal_path(Path(eval_path).resolve(), '--eval-data')}"
+        return out
+    if getattr(args, "eval_data", None):
+        raise ClientError("--eval-data goes with --data (a --partition node evaluates on its share of the task's "
+                          "test set). Found --eval-data with --partition.")
     pid, sep, num = args.partition.partition("/")
     if not (sep and _DIGITS.fullmatch(pid) and _DIGITS.fullmatch(num) and 0 <= int(pid) < int(num) <= 1_000_000):
         raise ClientError(f"--partition must be ID/N with 0 <= ID < N <= 1000000. Found {args.partition!r}.")

@@ -12,7 +12,7 @@ import zlib
 from logging import WARNING
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message
+from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 from flwr.common.logger import log
@@ -21,11 +21,11 @@ from aggregation import AggregationError, array_to_tensor, get_device, tensor_to
 from aggregation._errors import shown
 
 from ._errors import ClientError
-from .data import client_data
+from .data import client_data, client_eval_data
 from .ledger import OWNER_DELTA, STATE_DIR, LedgerFile, check_owner_limits, ledger_key, owner_limits
 from .profile import measure_profile
 from .config import build_config
-from .protocol import (CLIENT_TIME, CODEC, LOCAL_DP, WEIGHTS, codec_from_record, parse_train_message, record_of,
+from .protocol import (CLIENT_TIME, CODEC, EVAL_PREFIX, LOCAL_DP, METRICS, WEIGHTS, codec_from_record, parse_train_message, record_of,
                        train_reply_content)
 from .config import BUILTIN_TASKS, TaskSpec
 from .tasks import Task, load_task
@@ -147,15 +147,12 @@ def training_identity(context: Context) -> int:
     return int(context.node_id)
 
 
-def local_update(msg: Message, context: Context) -> tuple[torch.Tensor, dict[str, int | float], torch.Generator]:
-    """Train on the node's data from the message's global model; return the delta (new - old) and metrics."""
-    start = time.perf_counter()
+def global_model(msg: Message, context: Context, private: bool):
+    """The message's instruction, this node's task, and its model loaded with the message's global weights and
+    the node's own kept entries (FedBN's statistics): ``(instr, task, layout, weights, model)``."""
     instr, arrays = parse_train_message(msg)
     task = load_task(node_task(instr.task, context.node_config))
-    data = client_data(task, context.node_config)
-    device = get_device()
-    local_dp = record_of(msg.content, LOCAL_DP, ConfigRecord)
-    layout = task.layout(private=local_dp is not None)
+    layout = task.layout(private)
     numel = layout.numel  # before the model is built: a huge one asked with a short array is refused
     try:
         weights = array_to_tensor(arrays[WEIGHTS], "float32", numel)
@@ -163,11 +160,21 @@ def local_update(msg: Message, context: Context) -> tuple[torch.Tensor, dict[str
         raise ClientError(f"'weights' must be the task's {numel} float32 parameters: {exc}") from None
     if not bool(torch.isfinite(weights).all()):  # else a whole round of training ends in a NaN update
         raise ClientError("the global model must hold only finite values. Found NaN or infinity in 'weights'.")
-    model = task.build(private=local_dp is not None).to(device)
+    model = task.build(private).to(get_device())
     layout.load(model, weights)
     kept = record_of(context.state, LOCAL_STATE, ArrayRecord)
     if layout.local and kept is not None:
         layout.load_local(model, kept.to_torch_state_dict())
+    return instr, task, layout, weights, model
+
+
+def local_update(msg: Message, context: Context) -> tuple[torch.Tensor, dict[str, int | float], torch.Generator]:
+    """Train on the node's data from the message's global model; return the delta (new - old) and metrics."""
+    start = time.perf_counter()
+    local_dp = record_of(msg.content, LOCAL_DP, ConfigRecord)
+    instr, task, layout, weights, model = global_model(msg, context, private=local_dp is not None)
+    data = client_data(task, context.node_config)
+    device = get_device()
     who = training_identity(context)
     gen = torch.Generator().manual_seed(hash((instr.seed, instr.round, who)) & 0x7FFFFFFF)
     if local_dp is None:
@@ -221,6 +228,28 @@ def _refusal(msg: Message, exc: ClientError) -> Message:
 def train(msg: Message, context: Context) -> Message:
     try:
         return run_train(msg, context)
+    except ClientError as exc:
+        return _refusal(msg, exc)
+
+
+def run_evaluate(msg: Message, context: Context) -> Message:
+    """Handle one evaluate message: the task's evaluate of the global model on this node's held-out data."""
+    _, task, _, _, model = global_model(msg, context, private=False)
+    data = client_eval_data(task, context.node_config)
+    out = task.evaluate(model, data)
+    if not isinstance(out, dict):
+        raise ClientError(f"task {task.spec.task!r}: evaluate must return a dict of metrics. Found {type(out).__name__}.")
+    metrics: dict[str, int | float] = {"num-examples": len(data)}
+    for key, value in list(out.items())[:32]:
+        if isinstance(key, str) and isinstance(value, int | float) and not isinstance(value, bool):
+            metrics[f"{EVAL_PREFIX}{key[:64]}"] = float(value)
+    return Message(RecordDict({METRICS: MetricRecord(metrics)}), reply_to=msg)
+
+
+@app.evaluate()
+def evaluate(msg: Message, context: Context) -> Message:
+    try:
+        return run_evaluate(msg, context)
     except ClientError as exc:
         return _refusal(msg, exc)
 

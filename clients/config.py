@@ -185,6 +185,11 @@ class TaskSpec:
     synthetic_beta: float = 1.0
     hidden_units: int = 128  # the digits MLP's hidden width (64-h-10: 75h + 10 parameters)
 
+    @property
+    def label(self) -> str:
+        """The task as a title shows it: a built-in name, or a user task's class name."""
+        return self.task.rpartition(":")[2]
+
     def __post_init__(self) -> None:
         check(self.task in BUILTIN_TASKS or (len(self.task) <= 1024 and _TASK_PATH.fullmatch(self.task) is not None),
               "task", f"be one of {list(BUILTIN_TASKS)}, package.module:ClassName or path/to/file.py:ClassName",

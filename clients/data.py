@@ -122,3 +122,27 @@ def client_data(task: Task, node_config: Mapping[str, Any]) -> Dataset:
     if key not in _CACHE:
         _CACHE[key] = task.check_data(task.client_data(pid, num), f"task {task.spec.task!r} client {pid}'s data")
     return _CACHE[key]
+
+
+def client_eval_data(task: Task, node_config: Mapping[str, Any]) -> Dataset:
+    """This node's held-out data for federated evaluation: ``eval-data-path`` (an .npz file), else for a
+    ``partition-id`` node its share of the task's test set (``Task.client_eval_data``). A node with its own
+    training file and no evaluation file has none: ClientError (its agent takes ``--eval-data``)."""
+    if "eval-data-path" in node_config:
+        path = str(node_config["eval-data-path"])
+        key = (task.spec, "eval-path", path)
+        if key not in _CACHE:
+            _CACHE[key] = task.check_data(load_npz(path), path)
+        return _CACHE[key]
+    if "data-path" in node_config:
+        raise ClientError("this node holds no evaluation data: start its agent with --eval-data FILE.npz.")
+    try:
+        pid, num = int(node_config["partition-id"]), int(node_config["num-partitions"])
+    except (KeyError, TypeError, ValueError):
+        raise ClientError("node config must give eval-data-path, or partition-id and num-partitions. "
+                          f"Found keys {sorted(node_config)}.") from None
+    key = (task.spec, "eval", pid, num)
+    if key not in _CACHE:
+        _CACHE[key] = task.check_data(task.client_eval_data(pid, num), f"task {task.spec.task!r} client {pid}'s "
+                                      "evaluation data")
+    return _CACHE[key]

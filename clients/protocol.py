@@ -16,6 +16,10 @@ Reply (client -> coordinator)::
                                      (client-time-s: the node's whole local work for the round, in
                                      seconds; work-deadline reads it)
 
+Evaluate message (federated evaluation): the train message's "arrays" and "config"; its reply carries only
+content["metrics"] MetricRecord {num-examples, eval-loss, eval-<metric>...}: the task's evaluate on the
+node's held-out data.
+
 SecAgg+ rounds use message type "train.secagg"; each stage's message and reply
 carry content["secagg"] ConfigRecord {stage, round, ...}, plus per stage:
 "secagg-keys" {node: public keys} (share-keys), "secagg-shares" {node: ciphertext}
@@ -53,6 +57,8 @@ WEIGHTS, DELTA = "weights", "delta"
 CLIENT_TIME = "client-time-s"  # a reply's local work, seconds (work-deadline's measure, bounded by the round trip)
 WORK_METRICS = ("train-time-s", CLIENT_TIME)  # the reported times a simulated device replaces with its own
 MESSAGE_TYPE_TRAIN = "train"
+MESSAGE_TYPE_EVALUATE = "evaluate"  # the train message's arrays and config; the reply: metrics only
+EVAL_PREFIX = "eval-"  # an evaluate reply's metrics: num-examples and eval-NAME (eval-loss, eval-accuracy, ...)
 MESSAGE_TYPE_SECAGG = "train.secagg"
 SECAGG, SECAGG_KEYS, SECAGG_SHARES, MASKED = "secagg", "secagg-keys", "secagg-shares", "masked"
 SECAGG_UNOPENED = "secagg-unopened"  # masked-input reply: {node: b""} for shares it could not open

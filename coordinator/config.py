@@ -47,6 +47,7 @@ class ServerSettings:
     device: str = "auto"
     selection: str = "uniform"
     fairness: float = 2.0
+    federated_eval_every: int = 0  # rounds between federated evaluations (and after the last round); 0: none
 
     def effective_server_lr(self) -> float | None:
         """``server-lr``, else (0, unset) 1.0 under fedavg and fedavgm, and None (no default) under the adaptive
@@ -95,6 +96,8 @@ class ServerSettings:
         # roundings of it (one per block, per 8K step, per update) could accept and refuse the same update.
         check(0 < self.max_update_norm <= 1e18, "max-update-norm", "be in (0, 1e18]", self.max_update_norm)
         check(self.selection in SELECTION_POLICIES, "selection", f"be one of {list(SELECTION_POLICIES)}", self.selection)
+        check(0 <= self.federated_eval_every <= 1_000_000, "federated-eval-every",
+              "be in [0, 1000000] (rounds between federated evaluations; 0: none)", self.federated_eval_every)
         check(math.isfinite(self.fairness) and self.fairness >= 1, "fairness",
               "be a finite number >= 1 (every client's participation stays >= fair share / fairness)", self.fairness)
         check(self.device in ("auto", "cpu") or re.fullmatch(r"cuda(:[0-9]{1,3})?", self.device) is not None, "device",
@@ -446,6 +449,12 @@ class RunConfig:
                  srv.selection),
             ):
                 check(ok, key, f"{rule} under workflow = 'fedbuff'", found)
+        if self.server.federated_eval_every:
+            check(self.asynchrony.workflow == "sync", "federated-eval-every", "be 0 under workflow = 'fedbuff' "
+                  "(federated evaluation runs between synchronous rounds)", self.server.federated_eval_every)
+            check(self.privacy.dp not in ("local", "distributed"), "federated-eval-every", "be 0 under local or "
+                  "distributed DP (each client's evaluation reaches the coordinator un-noised, outside the guarantee "
+                  "that protects the clients from it)", self.server.federated_eval_every)
         if self.aggregation.slow_link_mbps > 0:
             check(self.asynchrony.workflow == "sync", "slow-link-mbps", "be 0 under workflow = 'fedbuff' (per-link "
                   "codecs are for synchronous rounds)", self.aggregation.slow_link_mbps)

@@ -536,6 +536,11 @@ class SyncWorkflow:
             sent, row["bytes_down"] = self._send(rnd, selected)
             row.update(self._collect(rnd, sent))
         row["test_accuracy"], row["test_loss"] = self.evaluate()
+        every = self.cfg.server.federated_eval_every
+        if every and (rnd % every == 0 or rnd == self.cfg.server.num_rounds):
+            from .evaluation import federated_evaluate
+
+            row.update(federated_evaluate(self, rnd, selected if selected else nodes))
         row["version"] = self.version
         row["round_time_s"] = self.clock.now() - start
         row.update(self._run_times(row["round_time_s"]))
@@ -546,6 +551,14 @@ class SyncWorkflow:
         self.layout.load(self.model, self.weights)
         out = self.task.evaluate(self.model, self.task.test_set)
         return float(out.get("accuracy", float("nan"))), float(out.get("loss", float("nan")))
+
+    def _last_federated_eval(self) -> dict[str, Any]:
+        """The summary's federated evaluation: the last row that has one (none when the run had none)."""
+        rows = [r for r in self.history if r.get("fed_eval_nodes")]
+        if not rows:
+            return {}
+        return {"final_fed_eval_accuracy": rows[-1].get("fed_eval_accuracy"),
+                "final_fed_eval_loss": rows[-1].get("fed_eval_loss"), "fed_eval_round": rows[-1]["round"]}
 
     def _spent(self, key: str) -> float:
         """The last row's ``key`` (``wall_time_s``, ``sim_time_s``): seconds the run had spent by then, 0 before
@@ -592,14 +605,15 @@ class SyncWorkflow:
         self.layout.load(self.model, self.weights)
         self.run_dir.save_model({k: v.detach().cpu() for k, v in self.model.state_dict().items()})
         if self.history:
-            self.run_dir.plot(self.history, f"{self.cfg.task.task}: accuracy and loss per round")
-            self.run_dir.plot_accuracy_vs_time({self.run_dir.path.name: self.history}, f"{self.cfg.task.task}: accuracy over time")
+            self.run_dir.plot(self.history, f"{self.cfg.task.label}: accuracy and loss per round")
+            self.run_dir.plot_accuracy_vs_time({self.run_dir.path.name: self.history}, f"{self.cfg.task.label}: accuracy over time")
             if self.cfg.privacy.dp != "none":
-                self.run_dir.plot_epsilon(self.history, f"{self.cfg.task.task}: privacy spent ({self.cfg.privacy.dp} DP)")
+                self.run_dir.plot_epsilon(self.history, f"{self.cfg.task.label}: privacy spent ({self.cfg.privacy.dp} DP)")
         last = self.history[-1] if self.history else {}
         summary = {
             "status": self.status, "rounds": self.round, "version": self.version, "task": self.cfg.task.task,
             "final_test_accuracy": last.get("test_accuracy"), "final_test_loss": last.get("test_loss"),
+            **self._last_federated_eval(),
             "total_bytes_down": sum(r["bytes_down"] for r in self.history),
             "total_bytes_up": sum(r["bytes_up"] for r in self.history),
             # a row from before update bytes were counted apart: its bytes_up (all it counted then was the updates)

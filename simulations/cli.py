@@ -253,6 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
     ast.add_argument("--task", help="the task this node trains: package.module:Class or file.py:Class (its model, "
                      "loss and training loop run here; default: the built-in tasks only)")
     ast.add_argument("--data", type=_path, help="this node's data (.npz with x and y)")
+    ast.add_argument("--eval-data", type=_path, help="this node's held-out data for federated evaluation (.npz "
+                     "with x and y; with --data)")
     ast.add_argument("--partition", metavar="ID/N", help="use partition ID of N of the task's built-in data instead of --data")
     ast.add_argument("--port", type=int, default=0, help="local ClientAppIO port (default: a free one)")
     ast.add_argument("--link-mbps", type=float, default=0.0,

@@ -1,6 +1,6 @@
 """An in-process Grid: calls a ClientApp directly, one node after another.
 
-The seed of fedshield's fast engine (see DESIGN.md, "One round logic, three
+The seed of fedshield's fast engine (see docs/architecture.md, "One round logic, three
 backends"). The round logic runs on it unchanged; replies travel as Flower
 ``Message`` objects with the same records as over the network.
 """

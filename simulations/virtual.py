@@ -1,6 +1,6 @@
 """fedshield's virtual-time engine: a Grid whose replies arrive at simulated times.
 
-See DESIGN.md, "One round logic, three backends" and "Heterogeneous clients and
+See docs/architecture.md, "One round logic, three backends" and "Heterogeneous clients and
 stragglers". The round logic (``SyncWorkflow``, ``BufferedAsyncWorkflow``) runs on
 it unchanged; only the Grid and the Clock differ from a real deployment.
 

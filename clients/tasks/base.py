@@ -155,6 +155,21 @@ class Task(ABC):
         spec's partitioning)."""
         return self.partition(partition_id, num_partitions)
 
+    def client_eval_data(self, partition_id: int, num_partitions: int) -> Dataset:
+        """Client ``partition_id``'s held-out data for federated evaluation (default: its share of ``test_set``,
+        an iid split; with more clients than test examples, client k gets example k mod n)."""
+        if not 0 <= partition_id < num_partitions:
+            raise ClientError(f"partition-id must be in [0, {num_partitions}). Found {partition_id}.")
+        test = self.test_set
+        if num_partitions > len(test):
+            idx = np.array([partition_id % len(test)])
+        else:
+            cache = self.__dict__.setdefault("_eval_parts", {})
+            if num_partitions not in cache:
+                cache[num_partitions] = iid_partition(len(test), num_partitions, self.spec.data_seed + 2)
+            idx = cache[num_partitions][partition_id]
+        return Dataset(test.x[idx], test.y[idx])
+
     def partition(self, partition_id: int, num_partitions: int) -> Dataset:
         """Client ``partition_id``'s share of the training set (deterministic)."""
         if not 0 <= partition_id < num_partitions:

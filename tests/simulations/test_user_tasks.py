@@ -104,3 +104,51 @@ def test_each_example_scenario_runs_as_it_is(tmp_path, scenario, band):
     scn = load_scenario(EXAMPLES / "scenarios" / f"{scenario}.toml", {"run.num-rounds": 2})
     s = run_scenario(scn, tmp_path / scenario, show_progress=False)
     assert s["rounds"] == 2 and band[0] <= s["final_test_accuracy"] <= band[1]
+
+
+def test_federated_evaluation_runs_the_task_evaluate_on_each_clients_held_out_data(tmp_path):
+    """Each client evaluates the global model on its share of the test set; the coordinator's weighted mean
+    over all of them covers every test example once. FedBN's clients evaluate with their own statistics."""
+    wf, s = run(tmp_path, **{"num-rounds": 3, "federated-eval-every": 2})
+    rows = {r["round"]: r for r in wf.history}
+    assert "fed_eval_nodes" not in rows[1] and rows[2]["fed_eval_nodes"] == N == rows[3]["fed_eval_nodes"]
+    test_n = len(get_task(wf.cfg.task).test_set)
+    assert rows[3]["fed_eval_examples"] == test_n and not rows[3]["fed_eval_rejected"]
+    # the same model on the same examples: the clients' weighted mean is the coordinator's own figure
+    assert rows[3]["fed_eval_accuracy"] == pytest.approx(rows[3]["test_accuracy"], abs=1e-6)
+    assert rows[3]["fed_eval_loss"] == pytest.approx(rows[3]["test_loss"], rel=1e-4)
+    assert s["final_fed_eval_accuracy"] == rows[3]["fed_eval_accuracy"] and s["fed_eval_round"] == 3
+    fedbn, s2 = run(tmp_path, "fedbn", task=f"{EXAMPLES / 'tasks' / 'cnn_digits.py'}:CnnDigitsFedBN",
+                    **{"num-rounds": 2, "federated-eval-every": 1})
+    assert fedbn.history[-1]["fed_eval_nodes"] == N and 0.1 < s2["final_fed_eval_accuracy"] <= 1.0
+
+
+def test_a_hostile_evaluation_reply_is_refused_and_the_rest_still_count(tmp_path, monkeypatch):
+    import clients.client_app as ca
+
+    real = ca.run_evaluate
+
+    def lying(msg, context):
+        reply = real(msg, context)
+        if context.node_config["partition-id"] == 0:
+            reply.content["metrics"]["eval-loss"] = float("nan")
+        if context.node_config["partition-id"] == 1:
+            reply.content["metrics"]["num-examples"] = 10**15
+        return reply
+
+    monkeypatch.setattr(ca, "run_evaluate", lying)
+    wf, s = run(tmp_path, **{"num-rounds": 1, "federated-eval-every": 1})
+    row = wf.history[-1]
+    assert row["fed_eval_rejected"] == {"non-finite": 1, "bad-num-examples": 1} and row["fed_eval_nodes"] == N - 2
+    assert 0 < row["fed_eval_loss"] < 10 and s["status"] == "completed"
+
+
+def test_the_virtual_engine_runs_a_user_task_on_simulated_time(tmp_path):
+    scn = load_scenario(EXAMPLES / "scenarios" / "cnn-digits.toml",
+                        {"simulation.engine": "virtual", "run.num-rounds": 2, "run.min-nodes": 4})
+    s = run_scenario(scn, tmp_path / "virtual", show_progress=False)
+    assert s["rounds"] == 2 and 0.3 <= s["final_test_accuracy"] <= 0.99
+    import csv
+
+    rows = list(csv.DictReader(open(tmp_path / "virtual" / "metrics.csv")))
+    assert 0 < float(rows[0]["sim_time_s"]) < float(rows[1]["sim_time_s"])  # the simulated devices' clock

@@ -1,0 +1,101 @@
+"""Federated evaluation: the global model evaluated by the clients, each with the task's own evaluate on
+its held-out data; the coordinator takes the example-weighted mean of each metric.
+
+Every reply is validated before use (one metrics record of finite numbers within bounds, from the node
+asked, within 64 KiB); a refused reply is counted and logged with its reason, and the others still count.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from logging import WARNING
+from typing import Any
+
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
+from flwr.common.logger import log
+
+from aggregation import tensor_to_array
+from clients.protocol import (ARRAYS, CONFIG, EVAL_PREFIX, MESSAGE_TYPE_EVALUATE, METRICS, WEIGHTS, TrainInstruction,
+                              message_nbytes, record_of)
+
+from .validation import MAX_SIDE_BYTES, pushed
+
+MAX_EVAL_METRICS = 32  # a reply's metrics besides num-examples
+MAX_METRIC = 1e30  # |value| past this is no loss or accuracy: refused
+
+
+class _Refused(Exception):
+    def __init__(self, rule: str, detail: str) -> None:
+        super().__init__(detail)
+        self.rule = rule
+
+
+def _check_reply(reply: Message, node: int, max_examples: int) -> tuple[int, dict[str, float]]:
+    """(num-examples, {metric: value}) of a valid evaluate reply from ``node``; _Refused otherwise."""
+    if reply.has_error():
+        raise _Refused("client-error", str(reply.error.reason)[:200])
+    if reply.metadata.src_node_id != node:
+        raise _Refused("wrong-node", f"a reply from node {reply.metadata.src_node_id} to node {node}'s message")
+    if message_nbytes(reply) > MAX_SIDE_BYTES:
+        raise _Refused("too-large", f"an evaluate reply must be at most {MAX_SIDE_BYTES} bytes")
+    metrics = record_of(reply.content, METRICS, MetricRecord)
+    if metrics is None or set(reply.content.keys()) != {METRICS}:
+        raise _Refused("malformed", f"an evaluate reply must carry one '{METRICS}' metric record")
+    n = metrics.get("num-examples")
+    if not (isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= max_examples):
+        raise _Refused("bad-num-examples", f"num-examples must be an integer in [1, {max_examples}]")
+    values = {k[len(EVAL_PREFIX):]: v for k, v in metrics.items() if k.startswith(EVAL_PREFIX)}
+    if len(values) > MAX_EVAL_METRICS or len(values) != len(metrics) - 1:
+        raise _Refused("malformed", f"at most {MAX_EVAL_METRICS} metrics, each named {EVAL_PREFIX}NAME")
+    for key, v in values.items():
+        if not (isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and abs(v) <= MAX_METRIC):
+            raise _Refused("non-finite", f"metric {key[:40]!r} must be a finite number with |value| <= {MAX_METRIC:g}")
+    return n, {k: float(v) for k, v in values.items()}
+
+
+def federated_evaluate(wf: Any, rnd: int, nodes: list[int]) -> dict[str, Any]:
+    """Ask ``nodes`` to evaluate the workflow's global model; the row's ``fed_eval_*`` fields."""
+    instr = TrainInstruction(round=rnd, version=wf.version, seed=wf.cfg.server.seed, task=wf.cfg.task,
+                             train=wf.cfg.train).to_record()
+    content = RecordDict({ARRAYS: ArrayRecord({WEIGHTS: tensor_to_array(wf.weights)}), CONFIG: ConfigRecord(dict(instr))})
+    s = wf.cfg.server
+    msgs = [Message(content, dst_node_id=n, message_type=MESSAGE_TYPE_EVALUATE, group_id=f"eval-{rnd}",
+                    ttl=s.round_timeout + 60.0) for n in nodes]
+    sent = {mid: m.metadata.dst_node_id for mid, m in pushed(wf.grid, msgs)}
+    sums: dict[str, float] = {}
+    examples, accepted, rejected = 0, 0, Counter()
+    replies = _receive(wf, sent)
+    for reply in replies:
+        node = sent.get(reply.metadata.reply_to_message_id, -1)
+        try:
+            n, values = _check_reply(reply, node, s.max_examples)
+        except _Refused as exc:
+            rejected[exc.rule] += 1
+            log(WARNING, "[fedshield] round %d: evaluation from node %d refused (%s): %s", rnd, node, exc.rule, exc)
+            continue
+        examples, accepted = examples + n, accepted + 1
+        for key, v in values.items():
+            sums[key] = sums.get(key, 0.0) + n * v
+    means = {k: v / examples for k, v in sums.items()} if examples else {}
+    return {"fed_eval_nodes": accepted, "fed_eval_missing": len(sent) - len(replies), "fed_eval_examples": examples,
+            "fed_eval_loss": means.get("loss"), "fed_eval_accuracy": means.get("accuracy"),
+            "fed_eval_rejected": dict(rejected)}
+
+
+def _receive(wf: Any, sent: dict[str, int]) -> list[Message]:
+    """The replies to ``sent`` that arrive within the round timeout (polled on the workflow's clock)."""
+    pending, out = dict(sent), []
+    s = wf.cfg.server
+    deadline = wf.clock.now() + s.round_timeout
+    while pending:
+        for reply in wf.grid.pull_messages(list(pending)):
+            if pending.pop(reply.metadata.reply_to_message_id, None) is not None:
+                out.append(reply)
+        if not pending or wf.clock.now() >= deadline:
+            break
+        wf.clock.sleep(min(s.poll_interval, max(0.0, deadline - wf.clock.now())))
+    return out
+
+
+__all__ = ["federated_evaluate"]
