@@ -37,6 +37,7 @@ from aggregation import tensor_to_array
 from clients.protocol import (
     ARRAYS,
     CONFIG,
+    LOCAL_DP,
     MASKED,
     CONTENT_ERRORS,
     MESSAGE_TYPE_SECAGG,
@@ -365,6 +366,8 @@ class SecureRound:
             instr = TrainInstruction(round=rnd, version=wf.version, seed=wf.cfg.server.seed, task=wf.cfg.task,
                                      train=wf.cfg.train)
             train = {ARRAYS: ArrayRecord({WEIGHTS: tensor_to_array(wf.weights)}), CONFIG: instr.to_record()}
+            if wf.cfg.privacy.dp == "local":  # the clients train by DP-SGD inside the masked-input stage too
+                train[LOCAL_DP] = ConfigRecord(wf.cfg.privacy.local_record())
             max_bytes = params.dim * ring_dtype(params.bits).itemsize + 1024
 
             def on_masked(node: int, reply: Message, ask: _Ask) -> None:

@@ -152,3 +152,19 @@ def test_the_virtual_engine_runs_a_user_task_on_simulated_time(tmp_path):
 
     rows = list(csv.DictReader(open(tmp_path / "virtual" / "metrics.csv")))
     assert 0 < float(rows[0]["sim_time_s"]) < float(rows[1]["sim_time_s"])  # the simulated devices' clock
+
+
+def test_secagg_with_local_dp_trains_by_dp_sgd_on_every_client(tmp_path):
+    """The masked-input stage carries the local-DP record: each client trains the GroupNorm-fixed CNN by DP-SGD
+    (its ledger grows) and masks that update. (It once carried none: clients trained without DP, and the
+    coordinator's private layout refused their non-private one.)"""
+    from clients.client_app import DP_LEDGER
+
+    cfg = RunConfig.from_mapping({"task": CNN, "num-rounds": 2, "min-nodes": 3, "local-epochs": 1, "seed": 0,
+                                  "secure-aggregation": "secagg+", "secagg-clip": 10.0, "dp": "local",
+                                  "local-noise-multiplier": 0.8})
+    grid = InProcessGrid(app, 3)
+    wf = make_workflow(cfg, grid, RunDirectory(tmp_path / "sa"))
+    s = wf.run()
+    assert s["rounds"] == 2 and all(r["accepted"] == 3 and not r.get("secagg_failure") for r in wf.history)
+    assert all(DP_LEDGER in ctx.state for ctx in grid.contexts.values())
