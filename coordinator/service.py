@@ -435,6 +435,8 @@ def start_coordinator(config: str, insecure: bool = False, run_dir: str | None =
         summary = run_path / SUMMARY
         if "completed" in status and summary.is_file() and summary.stat().st_mtime >= started:
             result = json.loads(summary.read_text())
+            if result.get("failure"):
+                raise CoordinatorError(f"the run must train. Found: {result['failure']}; results in {run_path}")
             print(f"fedshield coordinator: run completed: accuracy {accuracy_text(result['final_test_accuracy'])} after "
                   f"{result['rounds']} rounds; results in {run_path}")
             return 0

@@ -127,6 +127,17 @@ def run_fingerprint(cfg: RunConfig, numel: int, nodes: int | None = None, engine
     return out
 
 
+NO_UPDATES = "no-updates"  # a run status: no round aggregated an update
+
+
+def no_updates_reason(rejected: dict[str, int]) -> str:
+    """Why a run learned nothing, in one line: the refusals by rule, or that no reply came."""
+    why = (", ".join(f"{n} {rule}" for rule, n in sorted(rejected.items(), key=lambda kv: -kv[1])) if rejected
+           else "no reply was refused, none was valid in time")
+    return (f"no round aggregated an update: the model is the one the run started from (refused replies: {why}; "
+            "see the log for each reason)")
+
+
 def engine_of(grid: Any) -> str:
     """The engine a Grid belongs to, as a scenario's ``engine`` names it: fedshield's ``inprocess`` or ``virtual``,
     else ``flower`` (Flower's simulation engine, or a SuperLink's clients)."""
@@ -624,9 +635,11 @@ class SyncWorkflow:
             "rounds_without_updates": sum(1 for r in self.history if r.get("accepted", 1) == 0 or r.get("too_few_updates")
                                           or r.get("non_finite_aggregate")),
         }
-        if self.history and summary["rounds_without_updates"] == len(self.history):
-            log(WARNING, "[fedshield] no round received an accepted update: the model is the one the run started "
-                         "from (do the clients reach the coordinator, and are their replies rejected? see the log above)")
+        if self.history and summary["rounds_without_updates"] == len(self.history) and self.status == "completed":
+            # a run that learned nothing is a failure, with its reasons: not "run complete" and exit 0
+            summary["status"] = self.status = NO_UPDATES
+            summary["failure"] = no_updates_reason(summary["rejected_by_rule"])
+            log(WARNING, "[fedshield] %s", summary["failure"])
         if self.secure is not None:
             summary.update({"secure_aggregation": self.cfg.secure.secure_aggregation,
                             "secagg_failed_rounds": sum(1 for r in self.history if r.get("secagg_failure"))})
@@ -640,6 +653,7 @@ class SyncWorkflow:
                             f"client); the largest epsilon any client reported is {max(eps) if eps else float('nan'):.3g} "
                             f"at delta {self.cfg.privacy.dp_delta:g}. The coordinator sees clients' noised updates."})
         self.run_dir.write_json(SUMMARY, summary)
-        log(INFO, "[fedshield] run complete: accuracy %s after %d rounds; results in %s",
-            accuracy_text(summary["final_test_accuracy"]), self.round, self.run_dir.path)
+        if summary["status"] != NO_UPDATES:
+            log(INFO, "[fedshield] run complete: accuracy %s after %d rounds; results in %s",
+                accuracy_text(summary["final_test_accuracy"]), self.round, self.run_dir.path)
         return summary

@@ -114,6 +114,10 @@ def _simulate(args: argparse.Namespace) -> int:
         summary = run_scenario(scn, run_dir, show_progress=not args.quiet)
         wall = time.monotonic() - start
         results.append((run_dir, summary, wall))
+        if summary.get("failure"):
+            from coordinator import CoordinatorError
+
+            raise CoordinatorError(f"{summary['failure']}; results in {summary['run_dir']}")
         print(f"final test accuracy {_accuracy(summary['final_test_accuracy'])} after {summary['rounds']} rounds; "
               f"wall time {wall:.1f} s; results in {summary['run_dir']}")
     if len(runs) > 1:

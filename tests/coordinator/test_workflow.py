@@ -71,7 +71,8 @@ def test_all_bad_leaves_model_unchanged(tmp_path):
     assert torch.equal(wf.weights, before)
     assert [r["accepted"] for r in wf.history] == [0, 0]
     summary = json.loads((tmp_path / SUMMARY).read_text())
-    assert summary["rounds_without_updates"] == 2  # a run that learned nothing says so
+    assert summary["rounds_without_updates"] == 2  # a run that learned nothing says so, and is no success
+    assert summary["status"] == "no-updates" and "refused replies: 6 non-finite" in summary["failure"]
 
 
 def test_summary_counts_no_idle_round_when_every_round_learns(tmp_path):

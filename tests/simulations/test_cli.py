@@ -459,3 +459,23 @@ def test_a_fedbuff_row_counts_its_replies_not_the_messages_sent_in_its_window():
     assert " accepted 2 of 3 replies (sent 0) " in fedbuff
     carried = format_row(_row(3) | {"replies": 23, "selected": 30, "accepted": 23, "mean_staleness": 0.5}, 10)
     assert " accepted 23/30 " in carried  # a synchronous round with late replies carried has a staleness too
+
+
+def test_a_run_in_which_every_reply_was_refused_fails_with_the_reasons(tmp_path, capsys):
+    """Every client's training diverges (its task makes NaN weights), so every reply is a refusal: the run is no
+    success (exit 2, status no-updates, the refusals counted in the one line), not 'final test accuracy'."""
+    bad = tmp_path / "diverging.py"
+    bad.write_text("import torch\nfrom clients.tasks import DigitsTask\n\nclass Diverging(DigitsTask):\n"
+                   "    def train(self, model, data, settings, generator):\n"
+                   "        with torch.no_grad():\n            for p in model.parameters():\n"
+                   "                p.fill_(float('nan'))\n")
+    code = main(["simulate", str(EXAMPLES / "default.toml"), "--engine", "inprocess", "--rounds", "2", "--quiet",
+                 "--run-dir", str(tmp_path / "run"), "--set", f"run.task={bad}:Diverging", *SMALL])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0].startswith("fedshield simulate: scenario 'default'") and len(err) == 2, err  # its start, then why
+    line = err[1]
+    assert code == 2 and line.startswith("fedshield: error: no round aggregated an update") and "8 error-reply" in line
+    import json
+
+    summary = json.loads((tmp_path / "run" / SUMMARY).read_text())
+    assert summary["status"] == "no-updates" and summary["rounds_without_updates"] == 2
