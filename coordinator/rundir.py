@@ -6,6 +6,7 @@ half-written checkpoint; a restart resumes from the last complete round.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import errno
 import fcntl
@@ -195,7 +196,7 @@ _STALE = re.compile(r"\.(" + "|".join(map(re.escape, (CHECKPOINT, METRICS, SUMMA
 _HELD: dict[Path, int] = {}  # run directory -> the open lock file this process holds (released when it exits)
 
 
-def lock_run_dir(run_dir: str | os.PathLike, flag: str = "--run-dir", wait: float = 0.0) -> None:
+def lock_run_dir(run_dir: str | os.PathLike, flag: str = "--run-dir", wait: float = 0.0) -> bool:
     """Make ``run_dir`` and hold its lock (an flock on LOCK, beside the checkpoint) until this process exits or
     ``unlock_run_dir``; a CoordinatorError naming the holder when another process has it after ``wait`` seconds.
     Two runs in one directory resumed each other's checkpoints, mixed their metrics, spent DP noise twice on the
@@ -204,7 +205,7 @@ def lock_run_dir(run_dir: str | os.PathLike, flag: str = "--run-dir", wait: floa
     outright, it would free the directory while its ServerApp still wrote there)."""
     path = Path(run_dir).expanduser().resolve()
     if path in _HELD:
-        return
+        return False  # this process holds it already (fedshield simulate, for its ServerApp)
     make_dir(path, "run directory", CoordinatorError, hint=f"; pick another {flag}")
     try:
         fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
@@ -215,7 +216,12 @@ def lock_run_dir(run_dir: str | os.PathLike, flag: str = "--run-dir", wait: floa
     while True:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            break
+            if _same_file(fd, path / LOCK):
+                break
+            # its holder removed the file as it let go (a finished run leaves none): lock the one there now
+            os.close(fd)
+            fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+            continue
         except OSError as exc:
             if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):  # no locking there (NFS without lockd, ...)
                 os.close(fd)
@@ -238,13 +244,34 @@ def lock_run_dir(run_dir: str | os.PathLike, flag: str = "--run-dir", wait: floa
                     stale.unlink()
             except OSError:
                 pass
+    return True
 
 
-def unlock_run_dir(run_dir: str | os.PathLike) -> None:
-    """Let go of a lock ``lock_run_dir`` took (nothing if this process holds none there)."""
-    fd = _HELD.pop(Path(run_dir).expanduser().resolve(), None)
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path, follow_symlinks=False))
+    except OSError:
+        return False
+
+
+def unlock_run_dir(run_dir: str | os.PathLike, remove: bool = False) -> None:
+    """Let go of a lock ``lock_run_dir`` took (nothing if this process holds none there); ``remove``: delete the
+    lock file first, while still holding it (a finished run leaves none behind; a process waiting on the removed
+    file notices and locks the new one)."""
+    path = Path(run_dir).expanduser().resolve()
+    fd = _HELD.pop(path, None)
     if fd is not None:
+        if remove:
+            with contextlib.suppress(OSError):
+                (path / LOCK).unlink()
         os.close(fd)
+
+
+def _integer_ticks():
+    """Round numbers on a round axis (matplotlib's default put ticks at 1.5, 2.5 for short runs)."""
+    from matplotlib.ticker import MaxNLocator
+
+    return MaxNLocator(integer=True)
 
 
 class RunDirectory:
@@ -337,6 +364,7 @@ class RunDirectory:
             if pts:
                 ax.plot(*zip(*pts, strict=True), "o-", label=label)
         ax.set_xlabel("round")
+        ax.xaxis.set_major_locator(_integer_ticks())
         ax.set_ylabel("epsilon")
         ax.set_title(title)
         ax.grid(alpha=0.3)
@@ -379,6 +407,7 @@ class RunDirectory:
         fig, ax1 = plt.subplots(figsize=(7, 4), dpi=100)
         ax1.plot(rounds, [r["test_accuracy"] for r in rows], "o-", color="tab:blue", label="test accuracy")
         ax1.set_xlabel("round")
+        ax1.xaxis.set_major_locator(_integer_ticks())
         ax1.set_ylabel("test accuracy", color="tab:blue")
         ax1.set_ylim(0, 1)
         ax2 = ax1.twinx()

@@ -12,7 +12,7 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from .config import RunConfig
-from .rundir import RunDirectory, lock_run_dir
+from .rundir import RunDirectory, lock_run_dir, unlock_run_dir
 from .workflow import Clock, RoundCallback, StoppableClock, SyncWorkflow
 
 
@@ -82,9 +82,11 @@ def make_server_app(
         run_dir = RunDirectory(run_cfg.server.run_dir or default_run_dir(context.run_id))
         # held for the run (under fedshield simulate, this process holds it already); a ServerApp of a coordinator
         # killed a moment ago may still hold it: waited for, a little
-        lock_run_dir(run_dir.path, "run-dir", wait=LOCK_WAIT_S)
+        took = lock_run_dir(run_dir.path, "run-dir", wait=LOCK_WAIT_S)
         clock = StoppableClock(stop) if stop is not None else None
         summary = make_workflow(run_cfg, grid, run_dir, clock=clock, on_round=on_round, sim_nodes=sim_nodes).run()
+        if took:  # a finished run leaves no lock file behind
+            unlock_run_dir(run_dir.path, remove=True)
         if result is not None:
             result.update(summary)
 

@@ -242,3 +242,31 @@ def test_a_file_system_that_cannot_lock_is_said_so_not_blamed_on_a_stale_pid(tmp
     monkeypatch.setattr(fcntl, "flock", no_locks)
     with pytest.raises(CoordinatorError, match=r"must be on a file system that can lock files. Found: No locks available"):
         lock_run_dir(tmp_path / "run")
+
+
+def test_a_finished_run_removes_its_lock_file_and_a_waiting_run_locks_the_new_one(tmp_path):
+    """A finished run left .fedshield.lock behind (a new user's trip). The holder removes it while it still holds
+    it; a process that opened the old file meanwhile and then gets its lock must not run beside a third one that
+    made a new file: it sees the file is gone and locks the one there now."""
+    import subprocess
+    import sys
+
+    from coordinator.rundir import LOCK, lock_run_dir, unlock_run_dir
+
+    run = tmp_path / "run"
+    assert lock_run_dir(run) is True and lock_run_dir(run) is False  # taken now; already held
+    waiter = subprocess.Popen([sys.executable, "-c", "import os, sys; from coordinator.rundir import lock_run_dir; "
+                               f"lock_run_dir({str(run)!r}, wait=30); print(os.stat({str(run / LOCK)!r}).st_ino, "
+                               "flush=True)"], stdout=subprocess.PIPE, text=True)
+    try:
+        import time
+
+        time.sleep(1.0)  # the waiter has opened the old file and polls its lock
+        unlock_run_dir(run, remove=True)
+        assert waiter.stdout.readline().strip().isdigit()  # it locked the file that is there now
+        assert waiter.wait(30) == 0
+    finally:
+        waiter.kill()
+    lock_run_dir(run)
+    unlock_run_dir(run, remove=True)
+    assert not (run / LOCK).exists()
