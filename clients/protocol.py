@@ -34,7 +34,8 @@ with "secagg-next-keys" (setup) or "secagg-next-shares" (share-keys).
 See privacy/secagg/protocol.py and clients/secure.py.
 
 A reply without a "codec" record whose arrays are exactly {"delta": float32} is
-read as dense float32: the plain format any Flower ClientApp can send.
+read as dense float32: the plain format any Flower ClientApp can send, with "num-examples" and
+"base-version" (the config's "version") in its "metrics" record (tests/clients/test_flower_interop.py).
 """
 
 from __future__ import annotations

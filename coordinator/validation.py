@@ -92,6 +92,9 @@ def check_num_examples(node: int, metrics: Any, max_examples: int) -> int:
 def check_base_version(node: int, metrics: Any, version: int) -> None:
     """The reply must have trained from the model version it was sent."""
     base = metrics.get("base-version")
+    if base is None:  # not stale: absent (a plain Flower client that sends only num-examples)
+        raise RejectedReply(node, "missing-base-version", f"metrics must give base-version, the 'version' of the "
+                                                          f"train message's config ({version})")
     if base != version:
         raise RejectedReply(node, "stale-version", f"base-version must be {version}; found {shown(base, 40)}")
 

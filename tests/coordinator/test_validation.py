@@ -192,7 +192,7 @@ def test_stock_numpy_array_accepted():
     ({"num-examples": 1001, "base-version": 7}, "bad-num-examples"),
     ({"num-examples": 2.5, "base-version": 7}, "bad-num-examples"),
     ({"num-examples": 5, "base-version": 6}, "stale-version"),
-    ({"num-examples": 5}, "stale-version"),
+    ({"num-examples": 5}, "missing-base-version"),
 ])
 def test_metric_rules(metrics, rule):
     assert _rule(_reply(_instruction(11, "m1"), metrics=metrics)) == rule
