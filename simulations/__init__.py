@@ -10,6 +10,8 @@ from importlib import import_module
 from typing import Any
 
 _EXPORTS = {
+    "batched_supported": ".batched",
+    "train_batched": ".batched",
     "DEFAULT_TIERS": ".virtual",
     "DeviceProfile": ".virtual",
     "InProcessGrid": ".inprocess",

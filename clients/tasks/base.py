@@ -112,10 +112,12 @@ class Task(ABC):
             for batch in perm.split(settings.batch_size):
                 opt.zero_grad(set_to_none=True)
                 loss = self.loss(model(x[batch]), y[batch])
-                objective = loss
-                if mu > 0:
-                    objective = loss + 0.5 * mu * sum((p - a).pow(2).sum() for p, a in zip(params, anchor, strict=True))
-                objective.backward()
+                loss.backward()
+                if mu > 0:  # the proximal term's gradient, mu (w - w_global), added in one fused pass
+                    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+                    torch._foreach_add_(grads, torch._foreach_sub(params, anchor), alpha=mu)
+                    for p, g in zip(params, grads, strict=True):
+                        p.grad = g
                 opt.step()
                 total += loss.item() * len(batch)
                 seen += len(batch)

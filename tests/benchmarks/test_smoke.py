@@ -28,6 +28,7 @@ CASES = {
     "secagg_primitives": [],
     "dp_overhead": ["--steps", "2", "--warmup", "1"],
     "async_vs_sync": ["--clients", "10", "--rounds", "3", "--engine-rounds", "0"],
+    "batched_training": ["--clients", "10,730", "--repeat", "1"],
 }
 
 

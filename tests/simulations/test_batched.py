@@ -1,0 +1,166 @@
+"""The batched engine core (simulations.batched) against training the clients one by one.
+
+``train_batched`` must give each client the deltas and train loss that ``Task.train`` gives it alone (build the
+model, load the global weights, train with the client's generator), within float tolerance, and leave each
+generator where the loop leaves it (codecs draw from it next).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from clients import Dataset, Task, TaskSpec, TrainSettings
+from clients.tasks import get_task
+from simulations.batched import batched_supported, train_batched
+
+ATOL, RTOL = 1e-5, 1e-4
+NUM_PARTS = 40  # Dirichlet(0.5) shares of digits' 1,437 examples: 2 to ~150 each
+
+
+@pytest.fixture(scope="module")
+def digits() -> Task:
+    return get_task(TaskSpec())  # the built-in MLP 64-128-10
+
+
+def one_by_one(task: Task, flat: torch.Tensor, datasets: list[Dataset], cfg: TrainSettings,
+               seeds: list[int]) -> tuple[torch.Tensor, torch.Tensor, list[torch.Generator]]:
+    """The reference: each client alone, as the ClientApp's local_update trains it."""
+    deltas, losses, gens = [], [], []
+    for data, seed in zip(datasets, seeds, strict=True):
+        model = task.build()
+        task.layout().load(model, flat)
+        gen = torch.Generator().manual_seed(seed)
+        losses.append(task.train(model, data, cfg, gen)["train-loss"])
+        deltas.append(task.layout().flatten(model) - flat)
+        gens.append(gen)
+    return torch.stack(deltas), torch.tensor(losses, dtype=torch.float64), gens
+
+
+def assert_equivalent(task: Task, datasets: list[Dataset], cfg: TrainSettings, chunk: int = 512) -> torch.Tensor:
+    """train_batched equals one_by_one (deltas, losses, generators' end state); returns the deltas."""
+    flat = task.init_weights(0)
+    seeds = [hash((0, 1, k)) & 0x7FFFFFFF for k in range(len(datasets))]  # as local_update seeds them
+    want, want_loss, want_gens = one_by_one(task, flat, datasets, cfg, seeds)
+    gens = [torch.Generator().manual_seed(s) for s in seeds]
+    got, got_loss = train_batched(task, flat, datasets, cfg, gens, chunk=chunk)
+    assert got.shape == (len(datasets), task.layout().numel) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(got_loss, want_loss, atol=ATOL, rtol=RTOL)
+    assert all(torch.equal(g.get_state(), w.get_state()) for g, w in zip(gens, want_gens, strict=True))
+    assert got.abs().max() > 1e-3  # the clients trained
+    return got
+
+
+def parts(task: Task, ids: list[int]) -> list[Dataset]:
+    return [task.partition(k, NUM_PARTS) for k in ids]
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+@pytest.mark.parametrize("mu", [0.0, 0.5])
+def test_digits_momentum_and_fedprox(digits: Task, momentum: float, mu: float) -> None:
+    data = parts(digits, [0, 1, 2, 3, 4])
+    assert len({len(d) for d in data}) > 1  # unequal sizes: padded last batches and early-ending clients
+    assert_equivalent(digits, data, TrainSettings(local_epochs=2, batch_size=16, lr=0.1, momentum=momentum,
+                                                  proximal_mu=mu))
+
+
+@settings(max_examples=12)
+@given(ids=st.lists(st.integers(0, NUM_PARTS - 1), min_size=1, max_size=5, unique=True),
+       epochs=st.integers(1, 3), batch=st.integers(1, 40), momentum=st.sampled_from([0.0, 0.5, 0.9]),
+       mu=st.sampled_from([0.0, 0.01, 1.0]), chunk=st.integers(1, 5))
+def test_digits_any_sizes(digits: Task, ids: list[int], epochs: int, batch: int, momentum: float, mu: float,
+                          chunk: int) -> None:
+    cfg = TrainSettings(local_epochs=epochs, batch_size=batch, lr=0.05, momentum=momentum, proximal_mu=mu)
+    assert_equivalent(digits, parts(digits, ids), cfg, chunk=chunk)
+
+
+def test_chunking_changes_nothing(digits: Task) -> None:
+    data = parts(digits, [5, 6, 7, 8, 9, 10, 11])
+    cfg = TrainSettings(local_epochs=2, batch_size=13, momentum=0.9, proximal_mu=0.1)
+    flat = digits.init_weights(3)
+    runs = [train_batched(digits, flat, data, cfg, [torch.Generator().manual_seed(k) for k in range(7)], chunk=c)
+            for c in (1, 3, 512)]
+    for deltas, losses in runs[:-1]:
+        torch.testing.assert_close(deltas, runs[-1][0], atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(losses, runs[-1][1], atol=ATOL, rtol=RTOL)
+
+
+def test_an_empty_client_takes_no_step(digits: Task) -> None:
+    # (Task.train itself reports a NaN loss for no data: torch.split of an empty permutation gives one empty
+    # batch; check_data refuses such a client before it trains)
+    data, flat, cfg = parts(digits, [0, 1]), digits.init_weights(0), TrainSettings(local_epochs=1, batch_size=8)
+    empty = Dataset(data[0].x[:0], data[0].y[:0])
+    deltas, losses = train_batched(digits, flat, [data[0], empty, data[1]], cfg, [torch.Generator() for _ in range(3)])
+    alone, alone_losses = train_batched(digits, flat, data, cfg, [torch.Generator() for _ in range(2)])
+    assert not deltas[1].any() and losses[1] == 0
+    torch.testing.assert_close(deltas[[0, 2]], alone, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(losses[[0, 2]], alone_losses, atol=ATOL, rtol=RTOL)
+
+
+class Regression(Task):
+    """A user task: its own MSE loss on float targets, a tied weight and a frozen bias."""
+
+    y_dtype = "float32"
+
+    def build_model(self) -> nn.Module:
+        a, b, c = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 2)
+        b.weight = a.weight
+        c.bias.requires_grad_(False)
+        return nn.Sequential(a, nn.Tanh(), b, nn.GELU(), c)
+
+    def load_data(self) -> tuple[Dataset, Dataset]:
+        rng = np.random.default_rng(0)
+        x = rng.normal(size=(90, 6)).astype(np.float32)
+        return Dataset(x, np.stack([x.sum(1), x[:, 0] * x[:, 1]], 1).astype(np.float32)), Dataset(x[:10], x[:10, :2])
+
+    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return (output - target).pow(2).mean()
+
+
+def test_user_loss_tied_and_frozen_parameters() -> None:
+    task = Regression()
+    train = task.train_set
+    data = [Dataset(train.x[s:s + n], train.y[s:s + n]) for s, n in ((0, 23), (23, 5), (28, 40))]
+    deltas = assert_equivalent(task, data, TrainSettings(local_epochs=3, batch_size=6, lr=0.05, momentum=0.9,
+                                                         proximal_mu=0.1))
+    frozen = task.layout().entries[task.layout().names.index("4.bias")]
+    assert not deltas[:, frozen.offset:frozen.offset + frozen.numel].any()
+
+
+class OwnTrain(Regression):
+    def train(self, model, data, settings, generator):
+        return {}
+
+
+class WithBatchNorm(Regression):
+    def build_model(self) -> nn.Module:
+        return nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+
+
+def test_refusals_say_why(digits: Task) -> None:
+    assert batched_supported(digits, digits.build()) is None
+    reason = batched_supported(OwnTrain(), OwnTrain().build())
+    assert reason is not None and "own train" in reason and "one at a time" in reason
+    reason = batched_supported(WithBatchNorm(), WithBatchNorm().build())
+    assert reason is not None and "BatchNorm" in reason and "vmap" in reason and "padding" in reason
+    stateless = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8, track_running_stats=False))
+    assert "batch statistics" in batched_supported(Regression(), stateless)
+    assert "dropout" in batched_supported(Regression(), nn.Sequential(nn.Linear(6, 2), nn.Dropout(0.1)))
+    task, data = WithBatchNorm(), [Regression().train_set]
+    with pytest.raises(ValueError, match="cannot be trained batched: the model has buffers"):
+        train_batched(task, task.init_weights(0), data, TrainSettings(), [torch.Generator()])
+
+
+def test_bad_inputs(digits: Task) -> None:
+    flat, data, g = digits.init_weights(0), parts(digits, [0, 1]), torch.Generator()
+    with pytest.raises(ValueError, match="generators must be distinct"):
+        train_batched(digits, flat, data, TrainSettings(), [g, g])
+    with pytest.raises(ValueError, match="one entry per client"):
+        train_batched(digits, flat, data, TrainSettings(), [g])
+    with pytest.raises(ValueError, match="global_flat must be the task's 9610 float32"):
+        train_batched(digits, flat[:-1], data, TrainSettings(), [g, torch.Generator()])
