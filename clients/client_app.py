@@ -10,6 +10,7 @@ import os
 import time
 import zlib
 from logging import WARNING
+from typing import Any
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
@@ -25,7 +26,7 @@ from .data import client_data, client_eval_data
 from .ledger import OWNER_DELTA, STATE_DIR, LedgerFile, check_owner_limits, ledger_key, owner_limits
 from .profile import measure_profile
 from .config import build_config
-from .protocol import (CLIENT_TIME, CODEC, EVAL_PREFIX, LOCAL_DP, METRICS, WEIGHTS, codec_from_record, parse_train_message, record_of,
+from .protocol import (CLIENT_TIME, CODEC, EVAL_PREFIX, LOCAL_DP, METRICS, WEIGHTS, TrainInstruction, codec_from_record, parse_train_message, record_of,
                        train_reply_content)
 from .config import BUILTIN_TASKS, TaskSpec
 from .tasks import Task, load_task
@@ -147,9 +148,9 @@ def training_identity(context: Context) -> int:
     return int(context.node_id)
 
 
-def global_model(msg: Message, context: Context, private: bool):
-    """The message's instruction, this node's task, and its model loaded with the message's global weights and
-    the node's own kept entries (FedBN's statistics): ``(instr, task, layout, weights, model)``."""
+def global_weights(msg: Message, context: Context, private: bool):
+    """The message's instruction, this node's task and layout, and the global weights, checked:
+    ``(instr, task, layout, weights)``."""
     instr, arrays = parse_train_message(msg)
     task = load_task(node_task(instr.task, context.node_config))
     layout = task.layout(private)
@@ -160,47 +161,92 @@ def global_model(msg: Message, context: Context, private: bool):
         raise ClientError(f"'weights' must be the task's {numel} float32 parameters: {exc}") from None
     if not bool(torch.isfinite(weights).all()):  # else a whole round of training ends in a NaN update
         raise ClientError("the global model must hold only finite values. Found NaN or infinity in 'weights'.")
+    return instr, task, layout, weights
+
+
+def global_model(msg: Message, context: Context, private: bool):
+    """``global_weights`` and this node's model loaded with them and its own kept entries (FedBN's statistics):
+    ``(instr, task, layout, weights, model)``."""
+    instr, task, layout, weights = global_weights(msg, context, private)
+    return instr, task, layout, weights, global_model_from(task, layout, weights, context, private)
+
+
+def global_model_from(task: Task, layout, weights: torch.Tensor, context: Context, private: bool):
+    """The task's model on the training device, loaded with ``weights`` and the node's kept entries."""
     model = task.build(private).to(get_device())
     layout.load(model, weights)
     kept = record_of(context.state, LOCAL_STATE, ArrayRecord)
     if layout.local and kept is not None:
         layout.load_local(model, kept.to_torch_state_dict())
-    return instr, task, layout, weights, model
+    return model
 
 
-def local_update(msg: Message, context: Context) -> tuple[torch.Tensor, dict[str, int | float], torch.Generator]:
-    """Train on the node's data from the message's global model; return the delta (new - old) and metrics."""
+@dataclasses.dataclass
+class UpdateJob:
+    """One node's train message, checked and ready to train: what training needs and what its reply reports."""
+
+    instr: TrainInstruction
+    task: Task
+    data: Any
+    weights: torch.Tensor
+    generator: torch.Generator
+    start: float
+
+
+def start_update(msg: Message, context: Context) -> UpdateJob:
+    """A non-private train message's job: instruction, task, data, weights and the node's training generator
+    (keyed by its data, so a rerun draws the same batches). The batched engine trains many such jobs at once."""
     start = time.perf_counter()
-    local_dp = record_of(msg.content, LOCAL_DP, ConfigRecord)
-    instr, task, layout, weights, model = global_model(msg, context, private=local_dp is not None)
+    instr, task, _, weights = global_weights(msg, context, private=False)
     data = client_data(task, context.node_config)
-    device = get_device()
-    who = training_identity(context)
-    gen = torch.Generator().manual_seed(hash((instr.seed, instr.round, who)) & 0x7FFFFFFF)
-    if local_dp is None:
-        check_owner_limits(context.node_config, None)
-        stats = train_local(model, data, instr.train, gen, task)
-    else:
-        stats = train_with_local_dp(model, data, instr, local_dp, context, task)
-    if layout.local:
-        context.state[LOCAL_STATE] = ArrayRecord(layout.local_state(model))
-    delta = layout.flatten(model).cpu().sub_(weights)
+    check_owner_limits(context.node_config, None)
+    return UpdateJob(instr, task, data, weights, training_generator(instr, context), start)
+
+
+def training_generator(instr: TrainInstruction, context: Context) -> torch.Generator:
+    """The node's generator for a round's batches and codec draws, keyed by run seed, round and its data."""
+    return torch.Generator().manual_seed(hash((instr.seed, instr.round, training_identity(context))) & 0x7FFFFFFF)
+
+
+def update_metrics(job: UpdateJob, delta: torch.Tensor, stats: dict[str, float], context: Context) -> dict[str, int | float]:
+    """The reply's metrics for a trained job; ClientError when training diverged."""
     if not bool(torch.isfinite(delta).all()):  # refused here, not as an encoder's exception past the ClientApp
         raise ClientError("training diverged: the update holds NaN or infinity (a global model or learning rate "
                           "too large for this data).")
-    metrics = {
+    data = job.data
+    return {
         "num-examples": len(data),
-        "base-version": instr.version,
+        "base-version": job.instr.version,
         **({"train-loss": float(stats["train-loss"])} if "train-loss" in stats else {}),
         "train-time-s": float(stats["train-time-s"]),
         **({"local-epsilon": float(stats["local-epsilon"])} if "local-epsilon" in stats else {}),
         # the batch training used: the coordinator's batch-size is capped by this node's data (a 65536-row
         # synthetic batch of a wide model took gigabytes where training itself took one batch of 155)
-        **measure_profile(task, device, batch_size=min(instr.train.batch_size, len(data)), node_config=context.node_config,
-                           data=data),
-        CLIENT_TIME: time.perf_counter() - start,
+        **measure_profile(job.task, get_device(), batch_size=min(job.instr.train.batch_size, len(data)),
+                          node_config=context.node_config, data=data),
+        CLIENT_TIME: time.perf_counter() - job.start,
     }
-    return delta, metrics, gen
+
+
+def local_update(msg: Message, context: Context) -> tuple[torch.Tensor, dict[str, int | float], torch.Generator]:
+    """Train on the node's data from the message's global model; return the delta (new - old) and metrics."""
+    local_dp = record_of(msg.content, LOCAL_DP, ConfigRecord)
+    if local_dp is None:
+        job = start_update(msg, context)
+        instr, task, weights = job.instr, job.task, job.weights
+        layout = task.layout()
+        model = global_model_from(task, layout, weights, context, private=False)
+        stats = train_local(model, job.data, instr.train, job.generator, task)
+    else:
+        start = time.perf_counter()
+        instr, task, layout, weights, model = global_model(msg, context, private=True)
+        data = client_data(task, context.node_config)
+        job = UpdateJob(instr, task, data, weights, training_generator(instr, context), start)
+        stats = train_with_local_dp(model, data, instr, local_dp, context, task)
+    if layout.local:
+        context.state[LOCAL_STATE] = ArrayRecord(layout.local_state(model))
+    delta = layout.flatten(model).cpu().sub_(weights)
+    return delta, update_metrics(job, delta, stats, context), job.generator
 
 
 def run_train(msg: Message, context: Context) -> Message:
@@ -210,12 +256,18 @@ def run_train(msg: Message, context: Context) -> Message:
     # under local DP, charged its steps to the node's budget for a reply never sent)
     codec = codec_from_record(record_of(msg.content, CODEC, ConfigRecord))
     delta, metrics, gen = local_update(msg, context)
+    return train_reply(msg, context, codec, delta, metrics, gen, start)
+
+
+def train_reply(msg: Message, context: Context, codec, delta: torch.Tensor, metrics: dict[str, int | float],
+                gen: torch.Generator, start: float) -> Message:
+    """The reply to a train message: ``delta`` encoded by ``codec`` with the node's error feedback, and metrics."""
     encoded = encode_with_feedback(codec, delta, context, gen)
     metrics[CLIENT_TIME] = time.perf_counter() - start
     return Message(train_reply_content(encoded, metrics), reply_to=msg)
 
 
-def _refusal(msg: Message, exc: ClientError) -> Message:
+def refusal(msg: Message, exc: ClientError) -> Message:
     """A message this node refuses (its owner's limits, a malformed instruction): an error reply with the
     reason, and one line in the node's log. Raised instead, Flower logged a traceback in the node's log
     every round, and the coordinator read ``<class 'clients._errors.ClientError'>`` before the reason."""
@@ -229,7 +281,7 @@ def train(msg: Message, context: Context) -> Message:
     try:
         return run_train(msg, context)
     except ClientError as exc:
-        return _refusal(msg, exc)
+        return refusal(msg, exc)
 
 
 def run_evaluate(msg: Message, context: Context) -> Message:
@@ -251,7 +303,7 @@ def evaluate(msg: Message, context: Context) -> Message:
     try:
         return run_evaluate(msg, context)
     except ClientError as exc:
-        return _refusal(msg, exc)
+        return refusal(msg, exc)
 
 
 @app.train("secagg")
@@ -262,4 +314,4 @@ def train_secagg(msg: Message, context: Context) -> Message:
     try:
         return run_secagg_stage(msg, context)
     except ClientError as exc:
-        return _refusal(msg, exc)
+        return refusal(msg, exc)

@@ -385,10 +385,13 @@ def _cluster_lost(where: str, scn: Scenario) -> CoordinatorError:
 
 
 def run_inprocess_engine(scn: Scenario, on_round: RoundCallback | None) -> dict[str, Any]:
-    """The same workflow on an in-process Grid (clients run one by one, no Ray)."""
+    """The same workflow on an in-process Grid (no Ray): a round's clients trained together where the task allows
+    (``simulation.batched``, the default), else one by one."""
     from clients.client_app import app as client_app
 
-    grid = InProcessGrid(client_app, scn.sim.num_supernodes, _node_config(scn))
+    from .batched_grid import BatchedGrid
+
+    grid = (BatchedGrid if scn.sim.batched else InProcessGrid)(client_app, scn.sim.num_supernodes, _node_config(scn))
     return make_workflow(scn.run, grid, RunDirectory(scn.run.server.run_dir), on_round=on_round).run()
 
 

@@ -30,6 +30,7 @@ class SimulationSettings:
     client_gpus: float = 0.0
     ray_num_cpus: int = 0
     ray_address: str = ""
+    batched: bool = True  # the in-process engine trains a round's clients together where the task allows
 
     def __post_init__(self) -> None:
         check(bool(self.name) and "/" not in self.name, "name", "be a non-empty name without '/'", self.name)

@@ -1,0 +1,111 @@
+"""The in-process Grid, with the round's plain train messages of one model trained together (``train_batched``).
+
+Each node's message is checked, its data and generator found, and its reply encoded by the ClientApp's own
+functions (``start_update``, ``update_metrics``, ``train_reply``): only the training loop differs, and it
+gives the one-by-one loop's result within float tolerance. Messages it cannot batch (SecAgg+ stages, local
+DP, evaluation, a task ``batched_supported`` refuses) go to the ClientApp one by one, as on ``InProcessGrid``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterable
+from logging import INFO, WARNING
+from typing import Any
+
+import torch
+from flwr.app import ConfigRecord, Context, Message
+from flwr.common.logger import log
+
+from aggregation import get_device
+from clients import ClientError
+from clients.protocol import CODEC, LOCAL_DP, MESSAGE_TYPE_TRAIN, codec_from_record, record_of
+
+from .batched import DEFAULT_CHUNK, batched_supported, train_batched
+from .inprocess import InProcessGrid, call_client
+
+
+class BatchedGrid(InProcessGrid):
+    """``InProcessGrid`` whose fedshield train messages sharing a model and settings are trained as one batch."""
+
+    def __init__(self, client: Any, num_nodes: int, node_config: Any = None, run_id: int = 1,
+                 chunk: int = DEFAULT_CHUNK) -> None:
+        super().__init__(client, num_nodes, node_config, run_id)
+        from clients.client_app import app
+
+        self._ours = client is app  # another ClientApp (a test's, a user's) is always called as it is
+        self.chunk = chunk
+        self._support: dict[Any, str | None] = {}
+        self.batched_messages = 0  # how many train messages were trained batched (tests, reports)
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        ids, groups = [], {}
+        for msg in messages:
+            node = msg.metadata.dst_node_id
+            if node not in self.contexts:
+                continue
+            msg.metadata.__dict__["_message_id"] = mid = uuid.uuid4().hex
+            ids.append(mid)
+            job = self._job(msg, self.contexts[node])
+            if job is None:
+                self._replies[mid] = call_client(self._client, msg, self.contexts[node])
+            elif isinstance(job, Message):  # refused before training, as the ClientApp would
+                self._replies[mid] = job
+            else:
+                groups.setdefault((job[1].task.spec, job[1].instr), []).append((mid, msg, *job))
+        for group in groups.values():
+            self._train(group)
+        return ids
+
+    def _job(self, msg: Message, ctx: Context):
+        """(codec, UpdateJob) for a batchable message, a refusal Message, or None (not batchable: one by one)."""
+        from clients.client_app import refusal, start_update
+
+        if not self._ours or msg.metadata.message_type != MESSAGE_TYPE_TRAIN or LOCAL_DP in msg.content:
+            return None
+        try:
+            codec = codec_from_record(record_of(msg.content, CODEC, ConfigRecord))
+            job = start_update(msg, ctx)
+        except ClientError as exc:
+            return refusal(msg, exc)
+        return (codec, job) if self._supported(job.task) else None
+
+    def _supported(self, task: Any) -> bool:
+        if task.spec not in self._support:
+            why = batched_supported(task, task.build())
+            self._support[task.spec] = why
+            if why:
+                log(INFO, "[fedshield] in-process engine: clients train one at a time: %s", why)
+        return self._support[task.spec] is None
+
+    def _train(self, group: list) -> None:
+        """Train one group's jobs together and store each node's reply (one by one if the batch fails)."""
+        from clients.client_app import refusal, train_reply, update_metrics
+
+        jobs = [job for *_, job in group]
+        weights = jobs[0].weights.to(get_device())
+        start = time.perf_counter()
+        try:
+            deltas, losses = train_batched(jobs[0].task, weights, [j.data for j in jobs], jobs[0].instr.train,
+                                           [j.generator for j in jobs], chunk=self.chunk)
+        except Exception as exc:  # noqa: BLE001 - a loss that vmap cannot run: the ClientApp, one by one
+            log(WARNING, "[fedshield] in-process engine: batched training failed (%r); clients train one at a time", exc)
+            self._support[jobs[0].task.spec] = repr(exc)
+            for mid, msg, *_ in group:
+                self._replies[mid] = call_client(self._client, msg, self.contexts[msg.metadata.dst_node_id])
+            return
+        share = (time.perf_counter() - start) / len(jobs)
+        deltas = deltas.cpu()
+        for k, (mid, msg, codec, job) in enumerate(group):
+            ctx = self.contexts[msg.metadata.dst_node_id]
+            job.start = time.perf_counter() - share  # a node's own time: its share of the batch
+            try:
+                metrics = update_metrics(job, deltas[k], {"train-loss": float(losses[k]), "train-time-s": share}, ctx)
+                self._replies[mid] = train_reply(msg, ctx, codec, deltas[k].clone(), metrics, job.generator, job.start)
+            except ClientError as exc:
+                self._replies[mid] = refusal(msg, exc)
+            self.batched_messages += 1
+
+
+__all__ = ["BatchedGrid"]
