@@ -12,6 +12,9 @@ composition can round the loss up by one interval, so a fixed interval (dp-accou
 default 1e-4) over-states small epsilons after many steps (0.047 for 0.016 at q = 1e-4,
 z = 10, 10^5 steps); this one keeps the rounding near 0.1% of epsilon.
 
+Where the PLD would span more than 2e6 intervals (a noise multiplier far below 0.1, whose
+epsilon is in the thousands), the RDP bound answers instead: also an upper bound.
+
 dp-accounting is imported inside the functions that need it, so importing fedshield
 stays fast.
 """
@@ -25,6 +28,7 @@ from .accountant import COARSE_ORDERS, Accountant, Counts, rdp_epsilon, register
 
 _INTERVAL_RANGE = (1e-7, 1e-2)
 _INTERVAL_SHARE = 100.0  # interval = RDP epsilon / (this x sqrt(steps))
+_MAX_POINTS = 2e6  # a PLD wider than this many intervals (z far below 0.1) is answered by RDP instead
 
 
 def discretisation_interval(counts: Counts, delta: float) -> float:
@@ -45,8 +49,11 @@ def pld_epsilon(counts: Counts, delta: float) -> float:
 
     if not counts:
         return 0.0
+    interval, z_min = discretisation_interval(counts, delta), min(z for _, z, _ in counts)
+    if (1 / z_min**2 + 20 / z_min) / interval > _MAX_POINTS:  # the loss's range (to ~10 std) in intervals
+        return rdp_epsilon(counts, delta)  # an upper bound too, where the PLD would not fit in memory
     acc = pld_privacy_accountant.PLDAccountant(dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE,
-                                               value_discretization_interval=discretisation_interval(counts, delta))
+                                               value_discretization_interval=interval)
     for q, z, n in counts:
         gaussian = dp_accounting.GaussianDpEvent(z)
         acc.compose(gaussian if q >= 1 else dp_accounting.PoissonSampledDpEvent(q, gaussian), n)
