@@ -100,8 +100,9 @@ class PrivacyEvent:
                  "event steps", "be an int >= 1", self.steps)
 
 
-def _counts(events: Sequence[PrivacyEvent]) -> Counts:
-    grouped: Counter[tuple[float, float]] = Counter()
+def _counts(events: Sequence[PrivacyEvent], start: Counts = ()) -> Counts:
+    """``start`` with ``events`` added: one (q, z, steps) per distinct (q, z), sorted."""
+    grouped: Counter[tuple[float, float]] = Counter({(q, z): n for q, z, n in start})
     for e in events:
         grouped[(float(e.sampling_rate), float(e.noise_multiplier))] += e.steps
     return tuple(sorted((q, z, n) for (q, z), n in grouped.items()))
@@ -119,6 +120,7 @@ class Accountant:
     def __init__(self, delta: float) -> None:
         self.delta = _check_delta(delta)
         self._events: list[PrivacyEvent] = []
+        self._grouped: Counts = ()  # the ledger grouped by (q, z): what the answers are cached by
         self._cache: dict[tuple[Counts, float], float] = {}
 
     @property
@@ -133,8 +135,8 @@ class Accountant:
     def _epsilon(self, counts: Counts, delta: float) -> float:
         raise NotImplementedError
 
-    def _answer(self, events: Sequence[PrivacyEvent], delta: float | None) -> float:
-        counts, delta = _counts(events), self.delta if delta is None else _check_delta(delta)
+    def _answer(self, counts: Counts, delta: float | None) -> float:
+        delta = self.delta if delta is None else _check_delta(delta)
         if not counts:
             return 0.0
         key = (counts, delta)
@@ -148,15 +150,16 @@ class Accountant:
         """Record ``event`` (``event.steps`` rounds) in the ledger."""
         _require(isinstance(event, PrivacyEvent), "privacy event", "be a PrivacyEvent", type(event).__name__)
         self._events.append(event)
+        self._grouped = _counts([event], self._grouped)
 
     def epsilon(self, delta: float | None = None) -> float:
         """Epsilon spent so far at ``delta`` (the run's delta by default); 0 with no events."""
-        return self._answer(self._events, delta)
+        return self._answer(self._grouped, delta)
 
     def epsilon_if(self, event: PrivacyEvent, delta: float | None = None) -> float:
         """Epsilon after composing ``event`` as well, without recording it."""
         _require(isinstance(event, PrivacyEvent), "privacy event", "be a PrivacyEvent", type(event).__name__)
-        return self._answer([*self._events, event], delta)
+        return self._answer(_counts([event], self._grouped), delta)
 
     def state_dict(self) -> dict[str, Any]:
         """The ledger as plain strings, lists, floats and ints (safe for ``torch.load(weights_only=True)``)."""
@@ -178,6 +181,7 @@ class Accountant:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Replace the ledger with a saved one."""
         self.delta, self._events = self._load(state, set())
+        self._grouped = _counts(self._events)
 
 
 # -- RDP ---------------------------------------------------------------------------------------------------------
@@ -251,6 +255,7 @@ class RdpAccountant(Accountant):
         """Replace the ledger with a saved one, with the orders it was accounted at."""
         delta, events = self._load(state, {"orders"})
         self.delta, self._orders, self._events = delta, self._check_orders(state["orders"]), events
+        self._grouped = _counts(events)
         self._cache.clear()
 
 
