@@ -570,13 +570,12 @@ def planned_epsilon(accountant_state: Mapping[str, Any] | None, dp: LocalDpSetti
     return ledger_epsilon(accountant.history, dp)
 
 
-def ledger_epsilon(history: list[tuple[float, float, int]], dp: LocalDpSettings, accountant: str | None = None) -> float:
-    """Epsilon at ``dp.delta`` of a ledger's ``(noise_multiplier, q, steps)`` events, composed by ``accountant``
-    (``dp.accountant`` by default)."""
+def ledger_epsilon(history: list[tuple[float, float, int]], dp: LocalDpSettings) -> float:
+    """Epsilon at ``dp.delta`` of a ledger's ``(noise_multiplier, q, steps)`` events, composed by ``dp.accountant``."""
     from privacy import PrivacyEvent, epsilon_of
 
     events = [PrivacyEvent(sampling_rate=q, noise_multiplier=z, steps=int(n)) for z, q, n in history]
-    return epsilon_of(events, dp.delta, accountant or dp.accountant)
+    return epsilon_of(events, dp.delta, dp.accountant)
 
 
 def train_local_dp(

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
 
 import dp_accounting
 import pytest
@@ -112,8 +111,8 @@ def test_epsilon_if_then_compose_is_one_composition(monkeypatch):
     for _ in range(3):
         predicted = acc.epsilon_if(event)
         acc.compose(event)
-        assert acc.epsilon() == predicted
-    assert len(calls) == 3
+        assert acc.epsilon() == predicted == acc.epsilon()
+    assert len(calls) == 3  # and a repeated question (a report, the summary) is a lookup
 
 
 @pytest.mark.parametrize("name", ["pld", "rdp"])
@@ -168,13 +167,3 @@ def test_budget_with_pld_stops_before_the_round_that_would_pass_the_target():
         rounds += 1
     assert acc.epsilon() <= 2.0 < acc.epsilon_if(event) and rounds > 1
 
-
-def test_hot_path_is_cached():
-    """A second question about the same ledger state is a dict lookup (no wall-clock bound asserted)."""
-    acc = PldAccountant(1e-5)
-    acc.compose(PrivacyEvent(0.2, 1.0, 30))
-    acc.epsilon()
-    start = time.perf_counter()
-    for _ in range(1000):
-        acc.epsilon()
-    assert time.perf_counter() - start >= 0  # timing is the benchmark's job (benchmarks/dp_utility.py)
