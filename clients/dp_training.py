@@ -7,10 +7,14 @@ are Poisson-sampled: each example joins a batch independently with rate
 ``q = 1 / ceil(n / batch_size)`` (Opacus's convention; the expected batch size
 ``n * q`` is at most ``batch_size``), and an epoch is ``ceil(n / batch_size)`` steps.
 
-The client's RDP accountant is a list of ``(noise_multiplier, q, steps)`` events;
-:func:`train_local_dp` takes it in and hands it back so it can persist across rounds
-(the caller stores it, e.g. in the Flower context's state). Epsilon is for the client's
-own records, at the run's ``delta``.
+The client's ledger is a list of ``(noise_multiplier, q, steps)`` events (recorded by
+an opacus accountant object, whose ``history`` it is; the state's ``mechanism`` stays
+``"rdp"``, opacus's name for that recorder, so ledgers written before and after read the
+same); :func:`train_local_dp` takes it in and hands it back so it can persist across
+rounds (the caller stores it, e.g. in the Flower context's state). Epsilon is for the
+client's own records, at the run's ``delta``, composed by ``LocalDpSettings.accountant``
+(fedshield's PLD accountant by default, or RDP): each step is a Poisson-subsampled
+Gaussian event, grouped by (q, z) with counts.
 
 Paths. ``grad_sample_mode = "fast"`` (the default) runs fedshield's own per-example
 clipping for models built only of ``nn.Linear`` and ``nn.Conv2d`` layers and
@@ -85,6 +89,7 @@ class LocalDpSettings:
     delta: float = 1e-5
     grad_sample_mode: str = "fast"
     poisson_sampling: bool = True
+    accountant: str = "pld"
 
     def __post_init__(self) -> None:
         z, c, d = self.noise_multiplier, self.max_grad_norm, self.delta
@@ -99,6 +104,10 @@ class LocalDpSettings:
               f"be one of {list(GRAD_SAMPLE_MODES)}", self.grad_sample_mode)
         check(isinstance(self.poisson_sampling, bool), "poisson-sampling",
               "be true or false", self.poisson_sampling)
+        from privacy import available_accountants
+
+        check(self.accountant in available_accountants(), "accountant", f"be one of {list(available_accountants())}",
+              self.accountant)
 
 
 def private_generator() -> torch.Generator:
@@ -578,7 +587,15 @@ def planned_epsilon(accountant_state: Mapping[str, Any] | None, dp: LocalDpSetti
         batches = max(1, int(1 / (1 / batches)))  # len(DPDataLoader): its sample rate is 1 / batches
     accountant = accountant_from_state(accountant_state)
     accountant.history.append((dp.noise_multiplier, 1.0 / batches, settings.local_epochs * batches))
-    return float(accountant.get_epsilon(dp.delta))
+    return ledger_epsilon(accountant.history, dp)
+
+
+def ledger_epsilon(history: list[tuple[float, float, int]], dp: LocalDpSettings) -> float:
+    """Epsilon at ``dp.delta`` of a ledger's ``(noise_multiplier, q, steps)`` events, composed by ``dp.accountant``."""
+    from privacy import PrivacyEvent, epsilon_of
+
+    events = [PrivacyEvent(sampling_rate=q, noise_multiplier=z, steps=int(n)) for z, q, n in history]
+    return epsilon_of(events, dp.delta, dp.accountant)
 
 
 def train_local_dp(
@@ -635,7 +652,7 @@ def train_local_dp(
     stats = {
         "train-loss": total / max(seen, 1),
         "train-time-s": time.perf_counter() - start,
-        "epsilon": float(accountant.get_epsilon(dp.delta)),
+        "epsilon": ledger_epsilon(accountant.history, dp),
         "dp-steps": float(steps),
         "dp-sample-rate": 1.0 / len(loader),
         "dp-path": trainer.grad_sample_mode,
@@ -652,6 +669,7 @@ __all__ = [
     "accountant_to_state",
     "clipped_grad_sum",
     "fast_clipping_layers",
+    "ledger_epsilon",
     "make_private_trainer",
     "private_generator",
     "resolve_grad_sample_mode",

@@ -5,7 +5,7 @@ Train message (coordinator -> client)::
     content["arrays"]  ArrayRecord {"weights": flat float32 global model}
     content["config"]  ConfigRecord {round, version, seed, <TaskSpec keys>, <TrainSettings keys>}
     content["codec"]   ConfigRecord {"codec": name, <codec parameters>}   (how to encode the reply)
-    content["local-dp"] ConfigRecord {noise-multiplier, max-grad-norm, delta}  (only when local DP is on)
+    content["local-dp"] ConfigRecord {noise-multiplier, max-grad-norm, delta, accountant}  (only when local DP is on)
 
 Reply (client -> coordinator)::
 

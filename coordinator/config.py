@@ -234,7 +234,7 @@ def _shown(value: Any) -> str:
 # must leave them at their defaults. IGNORABLE_KEYS: every setting some configuration does not read
 # (a resume does not compare them where the current one does not read them).
 _DP_KEY_MODES = {"dp_clip": ("central", "distributed"), "dp_noise_multiplier": ("central", "distributed"),
-                 "dp_delta": ("central", "distributed", "local"),
+                 "dp_delta": ("central", "distributed", "local"), "accountant": ("central", "distributed", "local"),
                  "dp_secure_noise": ("central",), "dp_expected_clients": ("central",), "local_noise_multiplier": ("local",),
                  "local_max_grad_norm": ("local",)}
 MAX_EXPECTED_CLIENTS = 10**9
@@ -251,6 +251,7 @@ class PrivacySettings:
     dp_noise_multiplier: float = 0.0
     target_epsilon: float = 0.0
     dp_delta: float = 1e-5
+    accountant: str = "pld"  # "pld" (privacy loss distributions, the tightest) or "rdp"
     dp_secure_noise: bool = False
     adaptive_clipping: bool = False
     clip_target_quantile: float = 0.5
@@ -274,6 +275,10 @@ class PrivacySettings:
         check(0 <= self.dp_expected_clients <= MAX_EXPECTED_CLIENTS, "dp-expected-clients", "be in "
               f"[0, {MAX_EXPECTED_CLIENTS}] (0: fraction-train x the number of clients of the run)", self.dp_expected_clients)
         check(0 < self.dp_delta < 1, "dp-delta", "be in (0, 1)", self.dp_delta)
+        from privacy import available_accountants
+
+        check(self.accountant in available_accountants(), "accountant", f"be one of {list(available_accountants())} "
+              "(pld: privacy loss distributions, the tightest epsilon; rdp: Renyi DP)", self.accountant)
         check(self.target_epsilon == 0 or self.dp in ("central", "distributed"), "target-epsilon",
               "be 0 unless dp is 'central' or 'distributed' (only the coordinator's noise is accounted and its budget "
               f"enforced; under dp = {self.dp!r} it would be ignored)", self.target_epsilon)
@@ -343,7 +348,7 @@ class PrivacySettings:
 
     def local_record(self) -> dict[str, Any]:
         return {"noise-multiplier": self.local_noise_multiplier, "max-grad-norm": self.local_max_grad_norm,
-                "delta": self.dp_delta}
+                "delta": self.dp_delta, "accountant": self.accountant}
 
 
 SECURE_AGGREGATION = ("none", "secagg+")
@@ -585,12 +590,10 @@ class RunConfig:
     def check_first_round_fits(self, z: float) -> None:
         """A given ``dp-noise-multiplier`` must let at least one round run within ``target-epsilon``
         (at ``dp_sampling_rate()``); otherwise the run would stop before round 1 with nothing learned."""
-        from privacy import PrivacyEvent, RdpAccountant
+        from privacy import PrivacyEvent, epsilon_of
 
         p, q = self.privacy, self.dp_sampling_rate()
-        acc = RdpAccountant(p.dp_delta)
-        acc.compose(PrivacyEvent(sampling_rate=q, noise_multiplier=z))
-        first = acc.epsilon()
+        first = epsilon_of([PrivacyEvent(sampling_rate=q, noise_multiplier=z)], p.dp_delta, p.accountant)
         check(first <= p.target_epsilon, "target-epsilon",
               f"be >= {first:.4g}, the epsilon one round spends with dp-noise-multiplier = {z:g} at sampling rate "
               f"{q:g} and dp-delta = {p.dp_delta:g} (else no round can run: raise it, raise the noise multiplier, or "
@@ -604,7 +607,7 @@ class RunConfig:
 
         p, rounds, q = self.privacy, self.server.num_rounds, self.dp_sampling_rate()
         try:
-            return calibrate_noise_multiplier(p.target_epsilon, p.dp_delta, q, rounds)
+            return calibrate_noise_multiplier(p.target_epsilon, p.dp_delta, q, rounds, accountant=p.accountant)
         except PrivacyError as exc:
             where = f"over num-rounds = {rounds} at sampling rate {q:g} with dp-delta = {p.dp_delta:g}"
             if "reachable" in str(exc):

@@ -154,7 +154,9 @@ def check_fingerprint(ckpt: dict[str, Any], want: dict[str, Any], path: Any) -> 
     """One CoordinatorError naming each setting that differs between the checkpoint and ``want``. A
     checkpoint of an earlier fedshield (no ``fingerprint-version``) recorded fewer settings: those it has
     must agree."""
-    have = ckpt["fingerprint"]
+    have = dict(ckpt["fingerprint"])
+    if "accountant" in want and "dp" in have:  # a DP run from before the choice was kept with the RDP accountant
+        have.setdefault("accountant", "rdp")
     keys = set(have) | set(want) if have.get("fingerprint-version") == FINGERPRINT_VERSION else set(have)
     for key in ("nodes", "engine"):  # a checkpoint from before it recorded its node count (Flower's engine), its engine
         if key not in have:
@@ -645,12 +647,15 @@ class SyncWorkflow:
                             "secagg_failed_rounds": sum(1 for r in self.history if r.get("secagg_failure"))})
         if self.dp is not None:
             summary.update({"epsilon": self.dp.epsilon, "delta": self.cfg.privacy.dp_delta,
+                            "accountant": self.cfg.privacy.accountant,
+                            "epsilon_by_accountant": self.dp.epsilon_by_accountant(),
                             "noise_multiplier": self.dp.z, "privacy_guarantee": self.dp.describe()})
         elif self.cfg.privacy.dp == "local":
             eps = [r["local_epsilon_max"] for r in self.history if "local_epsilon_max" in r]
             summary.update({"local_epsilon_max": max(eps) if eps else None, "delta": self.cfg.privacy.dp_delta,
-                            "privacy_guarantee": "example-level DP-SGD on each client (Opacus, RDP accountant per "
-                            f"client); the largest epsilon any client reported is {max(eps) if eps else float('nan'):.3g} "
+                            "privacy_guarantee": "example-level DP-SGD on each client (Opacus, "
+                            f"{self.cfg.privacy.accountant.upper()} accountant per client); the largest epsilon any "
+                            f"client reported is {max(eps) if eps else float('nan'):.3g} "
                             f"at delta {self.cfg.privacy.dp_delta:g}. The coordinator sees clients' noised updates."})
         self.run_dir.write_json(SUMMARY, summary)
         if summary["status"] != NO_UPDATES:

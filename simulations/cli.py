@@ -200,6 +200,35 @@ def _agent_start(args: argparse.Namespace) -> int:
     return start_agent(args)
 
 
+def _privacy_plan(args: argparse.Namespace) -> int:
+    from privacy import PrivacyEvent, available_accountants, calibrate_noise_multiplier, epsilon_of
+
+    names = available_accountants() if args.accountant == "both" else (args.accountant,)
+    plan = {name: calibrate_noise_multiplier(args.epsilon, args.delta, args.sampling_rate, args.rounds, accountant=name)
+            for name in names}  # (a bad input is one error line before anything is printed)
+    print(f"target epsilon {args.epsilon:g} at delta {args.delta:g}, {args.rounds} rounds at sampling rate "
+          f"{args.sampling_rate:g} (Poisson; 1: every client every round):")
+    for name, z in plan.items():
+        spent = epsilon_of([PrivacyEvent(args.sampling_rate, z, args.rounds)], args.delta, name)
+        print(f"  {name}: noise multiplier {z:.4f} (spends epsilon {spent:.4f})")
+    if len(plan) == 2:
+        print(f"pld needs {1 - plan['pld'] / plan['rdp']:.1%} less noise than rdp for the same guarantee")
+    return 0
+
+
+def _positive(kind):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a {'number' if kind is float else 'whole number'} > 0. "
+                                             f"Found {text!r}") from None
+        if not value > 0 or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"must be > 0 and finite. Found {text!r}")
+        return value
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="fedshield", description="Federated, privacy-preserving learning on Flower.")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -273,6 +302,18 @@ def build_parser() -> argparse.ArgumentParser:
     ast.add_argument("--insecure", action="store_true", help="NO TLS (testing only)")
     ast.add_argument("--max-retries", type=int, default=3, help="connection attempts before giving up")
     ast.set_defaults(func=_agent_start)
+
+    priv = sub.add_parser("privacy", help="differential privacy planning").add_subparsers(dest="action", required=True,
+                                                                                          parser_class=_Parser)
+    pp = priv.add_parser("plan", help="the smallest noise multiplier that keeps a run within (epsilon, delta)")
+    pp.add_argument("--epsilon", type=_positive(float), required=True, help="target epsilon")
+    pp.add_argument("--delta", type=_positive(float), default=1e-5, help="target delta (default 1e-5)")
+    pp.add_argument("--rounds", type=_positive(int), required=True, help="rounds (or steps) the run will take")
+    pp.add_argument("--sampling-rate", type=_positive(float), required=True,
+                    help="each client's probability of taking part in a round (fraction-train; 1 under distributed DP)")
+    pp.add_argument("--accountant", choices=("pld", "rdp", "both"), default="both",
+                    help="which accountant to plan with (default: both, side by side)")
+    pp.set_defaults(func=_privacy_plan)
     return p
 
 

@@ -27,6 +27,8 @@ CASES = {
     "secagg": ["--clients", "4", "--dim", "500", "--skip-flwr-complete", "--skip-learning"],
     "secagg_primitives": [],
     "dp_overhead": ["--steps", "2", "--warmup", "1"],
+    "dp_utility": ["--rounds", "1", "--seeds", "1", "--clients", "10", "--epsilons", "8", "--hot-path-rounds", "3",
+                   "--local-rounds", "1"],
     "async_vs_sync": ["--clients", "10", "--rounds", "3", "--engine-rounds", "0"],
     "batched_training": ["--clients", "10,730", "--repeat", "1"],
 }

@@ -437,7 +437,7 @@ def test_fast_trainer_noise_is_opacus_draws_with_std_z_c_over_the_expected_batch
 
 
 def test_epsilon_grows_across_rounds_when_the_ledger_is_carried(task, data):
-    from opacus.accountants import RDPAccountant
+    from privacy import PrivacyEvent, epsilon_of
 
     dp = LocalDpSettings(noise_multiplier=1.0, delta=1e-5)
     steps, q = _steps_and_rate(len(data), SETTINGS)
@@ -450,21 +450,23 @@ def test_epsilon_grows_across_rounds_when_the_ledger_is_carried(task, data):
     assert s1["dp-steps"] == s2["dp-steps"] == steps
     assert state1 == {"mechanism": "rdp", "history": [[1.0, q, steps]]}
     assert state2 == {"mechanism": "rdp", "history": [[1.0, q, 2 * steps]]}
-    for stats, total in ((s1, steps), (s2, 2 * steps)):
-        direct = RDPAccountant()
-        direct.history = [(1.0, q, total)]
-        assert stats["epsilon"] == pytest.approx(direct.get_epsilon(1e-5), rel=1e-12)
+    for stats, total in ((s1, steps), (s2, 2 * steps)):  # composed by the default (PLD) accountant
+        assert stats["epsilon"] == pytest.approx(epsilon_of([PrivacyEvent(q, 1.0, total)], 1e-5, "pld"), rel=1e-12)
+        assert stats["epsilon"] < epsilon_of([PrivacyEvent(q, 1.0, total)], 1e-5, "rdp")
 
 
 def test_epsilon_agrees_with_dp_accounting(task, data):
     dp_accounting = pytest.importorskip("dp_accounting")
     from dp_accounting import rdp
 
-    from opacus.accountants import RDPAccountant
+    from privacy.accountant import RDP_ORDERS
 
     steps, q = _steps_and_rate(len(data), SETTINGS)
-    _, stats, _ = _dp(task, data, LocalDpSettings(noise_multiplier=1.0, delta=1e-5))
-    ref = rdp.RdpAccountant(orders=RDPAccountant.DEFAULT_ALPHAS)
+    _, stats, state = _dp(task, data, LocalDpSettings(noise_multiplier=1.0, delta=1e-5, accountant="rdp"))
+    _, pld_stats, pld_state = _dp(task, data, LocalDpSettings(noise_multiplier=1.0, delta=1e-5))
+    assert state == pld_state  # one ledger, two ways to compose it
+    assert pld_stats["epsilon"] < stats["epsilon"]
+    ref = rdp.RdpAccountant(orders=list(RDP_ORDERS))
     event = dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(1.0))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

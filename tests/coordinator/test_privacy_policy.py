@@ -11,7 +11,7 @@ import torch
 from clients.client_app import app
 from coordinator import RunConfig, RunDirectory, SyncWorkflow
 from coordinator.rundir import METRICS
-from privacy import PrivacyEvent, RdpAccountant
+from privacy import PldAccountant, PrivacyEvent
 from simulations.inprocess import InProcessGrid
 
 BASE = {"min-nodes": 2, "fraction-train": 0.5, "seed": 0}
@@ -25,7 +25,7 @@ def run(tmp_path, name, clients=10, **kw):
 
 def test_central_dp_records_epsilon_equal_to_the_accountant(tmp_path):
     wf, s = run(tmp_path, "a", **{"num-rounds": 3, "dp": "central", "dp-noise-multiplier": 1.5, "dp-clip": 0.5})
-    ref = RdpAccountant(1e-5)
+    ref = PldAccountant(1e-5)  # the default accountant
     for _ in range(3):
         ref.compose(PrivacyEvent(0.5, 1.5))  # q = fraction-train: a secret Poisson sample
     assert s["epsilon"] == pytest.approx(ref.epsilon(), rel=1e-9)
@@ -54,7 +54,7 @@ def test_noise_is_secret_from_the_run_seed_and_really_added(tmp_path):
 
 def test_budget_stops_before_it_is_exceeded(tmp_path):
     # q=0.5, z=1.0
-    ref = RdpAccountant(1e-5)
+    ref = PldAccountant(1e-5)  # the default accountant
     eps = []
     for _ in range(6):
         ref.compose(PrivacyEvent(0.5, 1.0))
@@ -112,7 +112,7 @@ def test_adaptive_clipping_runs_with_its_default_count_noise(tmp_path):
     wf, s = run(tmp_path, "adaptive", **kw)
     assert s["status"] == "completed" and s["rounds"] == 2
     assert wf.dp.clip != 1.0  # the clip moved toward the quantile
-    ref = RdpAccountant(1e-5)  # the count costs nothing extra in the ledger: it is paid for by z_sum > z
+    ref = PldAccountant(1e-5)  # the count costs nothing extra in the ledger: it is paid for by z_sum > z
     for _ in range(2):
         ref.compose(PrivacyEvent(0.5, 1.0))
     assert s["epsilon"] == pytest.approx(ref.epsilon(), rel=1e-9)
@@ -166,10 +166,10 @@ def test_bad_adaptive_clipping_and_budget_settings_are_refused_up_front(setting,
 
 
 @pytest.mark.parametrize(("setting", "message"), [
-    # z = 0.5 at q = 1 spends ~10.7 in one round: no round could run (the run stopped before round 1 and
+    # z = 0.5 at q = 1 spends ~10.0 in one round (PLD; 10.7 under RDP): no round could run (the run stopped before round 1 and
     # `fedshield simulate` then crashed formatting the accuracy of a run with no round)
     ({"dp": "central", "dp-noise-multiplier": 0.5, "target-epsilon": 0.1},
-     "run.target-epsilon must be >= 10.73, the epsilon one round spends with dp-noise-multiplier = 0.5 at sampling "
+     "run.target-epsilon must be >= 9.997, the epsilon one round spends with dp-noise-multiplier = 0.5 at sampling "
      "rate 1 and dp-delta = 1e-05"),
     ({"dp": "local", "target-epsilon": 0.5}, "run.target-epsilon must be 0 unless dp is 'central' or 'distributed'"),
     ({"target-epsilon": 0.5}, "run.target-epsilon must be 0 unless dp is 'central' or 'distributed'"),
@@ -301,8 +301,53 @@ def test_distributed_dp_clients_clip_below_dp_clip_by_the_rounding_they_may_add(
     dp = DistributedDp(PrivacySettings(dp="distributed", dp_clip=0.5, dp_noise_multiplier=0.8), 1.0, 1, 0.2)
     clip, mu = dp.client_noise(selected=10, step=0.001, numel=100)
     assert clip == pytest.approx(0.5 - 0.001 * 10)
-    assert mu == pytest.approx((0.8 * 0.5 / 0.001) ** 2 / (10 * 0.8) / 2)
+    # the Gaussian's mu, and 7e-6 more for Skellam's discretisation term (skellam_mu_for)
+    assert mu == pytest.approx((0.8 * 0.5 / 0.001) ** 2 / (10 * 0.8) / 2, rel=1e-5)
+    assert mu > (0.8 * 0.5 / 0.001) ** 2 / (10 * 0.8) / 2
     with pytest.raises(CoordinatorError, match="must exceed the quantization grid"):
         dp.client_noise(selected=10, step=0.05, numel=100)  # rounding 0.5 >= clip
 
 
+
+
+def _as_before_the_accountant_key(run_dir, old_orders):
+    """Rewrite a run's checkpoint as fedshield wrote it before `accountant`: no such key in its fingerprint, and
+    its ledger an unnamed RDP state at opacus's orders (to 63)."""
+    path = run_dir / "checkpoint.pt"
+    ckpt = torch.load(path, weights_only=True)
+    del ckpt["fingerprint"]["accountant"]
+    ledger = ckpt["privacy"]["accountant"]
+    del ledger["accountant"]
+    ledger["orders"] = old_orders
+    from privacy import RdpAccountant
+
+    old = RdpAccountant(ledger["delta"], old_orders)
+    for q, z, n in ledger["events"]:
+        old.compose(PrivacyEvent(q, z, n))
+    for row in ckpt["history"]:
+        row["epsilon"] = old.epsilon()  # (one round: what that run recorded)
+    RunDirectory(run_dir).save_checkpoint(ckpt)
+    return old.epsilon()
+
+
+def test_an_old_rdp_run_resumes_only_with_the_accountant_it_was_started_with(tmp_path):
+    """A checkpoint from before `accountant` was kept with RDP: resumed under the PLD default it is refused with
+    one line naming the setting; with accountant = "rdp" it goes on with its own ledger and orders."""
+    from coordinator import CoordinatorError
+
+    kw = {"dp": "central", "dp-noise-multiplier": 1.2, "accountant": "rdp"}
+    run(tmp_path, "old", **{"num-rounds": 1, **kw})
+    old_orders = [1 + x / 10.0 for x in range(1, 100)] + [float(a) for a in range(12, 64)]
+    spent = _as_before_the_accountant_key(tmp_path / "old", old_orders)
+    with pytest.raises(CoordinatorError, match=r"Found accountant = 'rdp' there, 'pld' now"):
+        run(tmp_path, "old", **{"num-rounds": 2, "dp": "central", "dp-noise-multiplier": 1.2})
+    wf, s = run(tmp_path, "old", **{"num-rounds": 2, **kw})
+    assert s["rounds"] == 2 and wf.dp.accountant.orders == tuple(old_orders)
+    assert wf.history[0]["epsilon"] == spent < s["epsilon"]
+
+
+def test_summary_gives_epsilon_under_both_accountants(tmp_path):
+    wf, s = run(tmp_path, "both", **{"num-rounds": 2, "dp": "central", "dp-noise-multiplier": 1.0})
+    both = s["epsilon_by_accountant"]
+    assert s["accountant"] == "pld" and both["pld"] == pytest.approx(s["epsilon"], rel=1e-12)
+    assert both["pld"] < both["rdp"]

@@ -15,7 +15,7 @@ import json
 import pytest
 
 from coordinator.rundir import EPSILON_PLOT, METRICS, PLOT, SUMMARY
-from privacy import PrivacyEvent, RdpAccountant
+from privacy import PrivacyEvent, create_accountant
 
 from .deploy import metrics_rows, setup_deployment, start_agent, start_coordinator
 
@@ -25,8 +25,9 @@ Z, DELTA, NODES = 2.0, 1e-5, 2
 
 
 def _epsilon(rounds: int) -> float:
-    """Central epsilon after ``rounds`` rounds with every node selected (fraction-train 1: q = 1)."""
-    accountant = RdpAccountant(DELTA)
+    """Central epsilon after ``rounds`` rounds with every node selected (fraction-train 1: q = 1), under the
+    run's default accountant (PLD)."""
+    accountant = create_accountant("pld", DELTA)
     accountant.compose(PrivacyEvent(sampling_rate=1.0, noise_multiplier=Z, steps=rounds))
     return accountant.epsilon()
 

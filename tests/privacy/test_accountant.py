@@ -181,7 +181,7 @@ def _plain(x) -> bool:
         return all(isinstance(k, str) and _plain(v) for k, v in x.items())
     if isinstance(x, list):
         return all(_plain(v) for v in x)
-    return type(x) in (float, int)
+    return type(x) in (float, int, str)
 
 
 def test_state_dict_round_trip_through_torch_weights_only(tmp_path):
@@ -259,7 +259,7 @@ def test_budget_stops_a_run_at_the_last_affordable_round():
                          [(1.0, 0.01, 100, 1e-5), (3.0, 0.1, 50, 1e-5), (8.0, 1.0, 10, 1e-6), (0.5, 0.2, 1, 1e-5)])
 def test_calibration_finds_the_smallest_noise_within_tolerance(target, q, rounds, delta):
     tol = 0.01
-    z = calibrate_noise_multiplier(target, delta, q, rounds, tol=tol)
+    z = calibrate_noise_multiplier(target, delta, q, rounds, tol=tol, accountant="rdp")
 
     def eps(zz: float) -> float:
         return RdpAccountant(delta).epsilon_if(PrivacyEvent(q, zz, rounds))

@@ -479,3 +479,28 @@ def test_a_run_in_which_every_reply_was_refused_fails_with_the_reasons(tmp_path,
 
     summary = json.loads((tmp_path / "run" / SUMMARY).read_text())
     assert summary["status"] == "no-updates" and summary["rounds_without_updates"] == 2
+
+
+def test_privacy_plan_prints_the_smallest_noise_under_each_accountant(capsys):
+    assert main(["privacy", "plan", "--epsilon", "3", "--delta", "1e-5", "--rounds", "20", "--sampling-rate", "0.2"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("target epsilon 3 at delta 1e-05, 20 rounds at sampling rate 0.2")
+    z = {line.split(":")[0].strip(): float(line.split("noise multiplier ")[1].split()[0]) for line in out[1:3]}
+    assert set(z) == {"pld", "rdp"} and z["pld"] < z["rdp"] and "less noise than rdp" in out[3]
+
+
+@pytest.mark.parametrize("argv", [
+    ["--epsilon", "-1", "--rounds", "20", "--sampling-rate", "0.2"],
+    ["--epsilon", "1", "--rounds", "0", "--sampling-rate", "0.2"],
+    ["--epsilon", "1", "--rounds", "20", "--sampling-rate", "1.5"],
+    ["--epsilon", "1", "--rounds", "20", "--sampling-rate", "0.2", "--delta", "2"],
+    ["--epsilon", "0.001", "--rounds", "1000", "--sampling-rate", "1", "--accountant", "rdp"],
+])
+def test_privacy_plan_bad_input_is_one_line(argv, capsys):
+    try:
+        code = main(["privacy", "plan", *argv])
+    except SystemExit as exc:  # argparse's own refusals
+        code = exc.code
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert code == 2 and captured.out == "" and len(err) == 1 and err[0].startswith("fedshield: error: "), err
