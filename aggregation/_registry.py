@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 
@@ -43,11 +44,17 @@ class Registry(dict):
             raise AggregationError(f"{self.kind} must be one of {self.names()}. Found {shown(name, 40)}.")
         cls = self[name]
         try:
-            inspect.signature(cls).bind(*args, **params)
+            _signature(cls).bind(*args, **params)
         except TypeError as exc:
             raise AggregationError(f"{self.kind} {name!r} parameters must be known. Found error: "
                                    f"{shown(str(exc), 120)}.") from None
         return cls(*args, **params)
+
+
+@functools.lru_cache(maxsize=256)
+def _signature(cls: type) -> inspect.Signature:
+    """A class's signature, computed once (inspect took ~0.2 ms per call: per client message in a simulation)."""
+    return inspect.signature(cls)
 
 
 def _rebuild(kind: str, items: dict) -> Registry:

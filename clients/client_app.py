@@ -26,6 +26,8 @@ from .data import client_data, client_eval_data
 from .ledger import OWNER_DELTA, STATE_DIR, LedgerFile, check_owner_limits, ledger_key, owner_limits
 from .profile import measure_profile
 from .config import build_config
+from .protocol import ARRAYS as ARRAYS_NAME
+from .protocol import CONFIG as CONFIG_NAME
 from .protocol import (CLIENT_TIME, CODEC, EVAL_PREFIX, LOCAL_DP, METRICS, WEIGHTS, TrainInstruction, codec_from_record, parse_train_message, record_of,
                        train_reply_content)
 from .config import BUILTIN_TASKS, TaskSpec
@@ -148,9 +150,17 @@ def training_identity(context: Context) -> int:
     return int(context.node_id)
 
 
-def global_weights(msg: Message, context: Context, private: bool):
+def global_weights(msg: Message, context: Context, private: bool, memo: dict | None = None):
     """The message's instruction, this node's task and layout, and the global weights, checked:
-    ``(instr, task, layout, weights)``."""
+    ``(instr, task, layout, weights)``. ``memo`` (a batch of messages held in this process, sharing their
+    records): each distinct (config, weights) pair is parsed and checked once, not once per node."""
+    if memo is not None:
+        content = msg.content
+        key = (id(content.get(CONFIG_NAME)), id(content.get(ARRAYS_NAME)), private,
+               str(context.node_config.get(NODE_TASK)))
+        if key not in memo:
+            memo[key] = global_weights(msg, context, private)
+        return memo[key]
     instr, arrays = parse_train_message(msg)
     task = load_task(node_task(instr.task, context.node_config))
     layout = task.layout(private)
@@ -193,11 +203,11 @@ class UpdateJob:
     start: float
 
 
-def start_update(msg: Message, context: Context) -> UpdateJob:
+def start_update(msg: Message, context: Context, memo: dict | None = None) -> UpdateJob:
     """A non-private train message's job: instruction, task, data, weights and the node's training generator
     (keyed by its data, so a rerun draws the same batches). The batched engine trains many such jobs at once."""
     start = time.perf_counter()
-    instr, task, _, weights = global_weights(msg, context, private=False)
+    instr, task, _, weights = global_weights(msg, context, private=False, memo=memo)
     data = client_data(task, context.node_config)
     check_owner_limits(context.node_config, None)
     return UpdateJob(instr, task, data, weights, training_generator(instr, context), start)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import zipfile
+from collections import OrderedDict
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,19 @@ import numpy as np
 from ._errors import ClientError
 from .tasks import Dataset, Task
 
-_CACHE: dict[tuple, Dataset] = {}
+_CACHE: OrderedDict[tuple, Dataset] = OrderedDict()  # least recently used first
+_CACHE_SIZE = 10_000  # clients' data kept in a process: a simulated population of a million samples 10k a round
+
+
+def _cached(key: tuple, make) -> Dataset:
+    """``make()`` cached under ``key``, the cache bounded to the ``_CACHE_SIZE`` most recently used entries."""
+    if key in _CACHE:
+        _CACHE.move_to_end(key)
+        return _CACHE[key]
+    data = _CACHE[key] = make()
+    if len(_CACHE) > _CACHE_SIZE:
+        _CACHE.popitem(last=False)
+    return data
 
 
 def load_npz(path: str | os.PathLike) -> Dataset:
@@ -104,13 +117,13 @@ def client_data(task: Task, node_config: Mapping[str, Any]) -> Dataset:
     ``num-partitions`` pick a share of the task's built-in training set.
     """
     if "data-path" in node_config:
-        key = (task.spec, "path", str(node_config["data-path"]))
-        if key not in _CACHE:
-            path = str(node_config["data-path"])
+        path = str(node_config["data-path"])
+
+        def load() -> Dataset:
             data = task.check_data(load_npz(path), path)
             check_split(path, task.spec)
-            _CACHE[key] = data
-        return _CACHE[key]
+            return data
+        return _cached((task.spec, "path", path), load)
     try:
         pid, num = int(node_config["partition-id"]), int(node_config["num-partitions"])
     except (KeyError, TypeError, ValueError):
@@ -118,10 +131,12 @@ def client_data(task: Task, node_config: Mapping[str, Any]) -> Dataset:
             "node config must give data-path, or partition-id and num-partitions. "
             f"Found keys {sorted(node_config)}."
         ) from None
-    key = (task.spec, pid, num)
-    if key not in _CACHE:
-        _CACHE[key] = task.check_data(task.client_data(pid, num), f"task {task.spec.task!r} client {pid}'s data")
-    return _CACHE[key]
+    def make() -> Dataset:
+        data = task.client_data(pid, num)
+        if type(task).client_data is Task.client_data:  # a share of the training set, checked as a whole
+            return data
+        return task.check_data(data, f"task {task.spec.task!r} client {pid}'s data")
+    return _cached((task.spec, pid, num), make)
 
 
 def client_eval_data(task: Task, node_config: Mapping[str, Any]) -> Dataset:
@@ -130,10 +145,7 @@ def client_eval_data(task: Task, node_config: Mapping[str, Any]) -> Dataset:
     training file and no evaluation file has none: ClientError (its agent takes ``--eval-data``)."""
     if "eval-data-path" in node_config:
         path = str(node_config["eval-data-path"])
-        key = (task.spec, "eval-path", path)
-        if key not in _CACHE:
-            _CACHE[key] = task.check_data(load_npz(path), path)
-        return _CACHE[key]
+        return _cached((task.spec, "eval-path", path), lambda: task.check_data(load_npz(path), path))
     if "data-path" in node_config:
         raise ClientError("this node holds no evaluation data: start its agent with --eval-data FILE.npz.")
     try:
@@ -141,8 +153,5 @@ def client_eval_data(task: Task, node_config: Mapping[str, Any]) -> Dataset:
     except (KeyError, TypeError, ValueError):
         raise ClientError("node config must give eval-data-path, or partition-id and num-partitions. "
                           f"Found keys {sorted(node_config)}.") from None
-    key = (task.spec, "eval", pid, num)
-    if key not in _CACHE:
-        _CACHE[key] = task.check_data(task.client_eval_data(pid, num), f"task {task.spec.task!r} client {pid}'s "
-                                      "evaluation data")
-    return _CACHE[key]
+    return _cached((task.spec, "eval", pid, num), lambda: task.check_data(
+        task.client_eval_data(pid, num), f"task {task.spec.task!r} client {pid}'s evaluation data"))

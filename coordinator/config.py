@@ -48,6 +48,7 @@ class ServerSettings:
     selection: str = "uniform"
     fairness: float = 2.0
     federated_eval_every: int = 0  # rounds between federated evaluations (and after the last round); 0: none
+    clients_per_round: int = 0  # nodes asked each round (0: fraction-train of those online, at least min-nodes)
 
     def effective_server_lr(self) -> float | None:
         """``server-lr``, else (0, unset) 1.0 under fedavg and fedavgm, and None (no default) under the adaptive
@@ -96,6 +97,10 @@ class ServerSettings:
         # roundings of it (one per block, per 8K step, per update) could accept and refuse the same update.
         check(0 < self.max_update_norm <= 1e18, "max-update-norm", "be in (0, 1e18]", self.max_update_norm)
         check(self.selection in SELECTION_POLICIES, "selection", f"be one of {list(SELECTION_POLICIES)}", self.selection)
+        check(0 <= self.clients_per_round <= 10_000_000, "clients-per-round",
+              "be in [0, 10000000] (0: fraction-train of the nodes online decides)", self.clients_per_round)
+        check(self.clients_per_round == 0 or self.fraction_train == 1.0, "fraction-train",
+              "be left at 1.0 when clients-per-round is given (one of them sets the sample)", self.fraction_train)
         check(0 <= self.federated_eval_every <= 1_000_000, "federated-eval-every",
               "be in [0, 1000000] (rounds between federated evaluations; 0: none)", self.federated_eval_every)
         check(math.isfinite(self.fairness) and self.fairness >= 1, "fairness",
@@ -454,6 +459,10 @@ class RunConfig:
                  srv.selection),
             ):
                 check(ok, key, f"{rule} under workflow = 'fedbuff'", found)
+        if self.server.clients_per_round:
+            check(self.privacy.dp != "central" and self.asynchrony.workflow == "sync", "clients-per-round",
+                  "be 0 under central DP (its secret Poisson sample is set by fraction-train) and FedBuff (by "
+                  "concurrency)", self.server.clients_per_round)
         if self.server.federated_eval_every:
             check(self.asynchrony.workflow == "sync", "federated-eval-every", "be 0 under workflow = 'fedbuff' "
                   "(federated evaluation runs between synchronous rounds)", self.server.federated_eval_every)

@@ -41,13 +41,15 @@ class BatchedGrid(InProcessGrid):
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         ids, groups = [], {}
+        memo: dict = {}  # the messages share their config and weights records: each parsed and checked once
+        codecs: dict = {}
         for msg in messages:
             node = msg.metadata.dst_node_id
             if node not in self.contexts:
                 continue
             msg.metadata.__dict__["_message_id"] = mid = uuid.uuid4().hex
             ids.append(mid)
-            job = self._job(msg, self.contexts[node])
+            job = self._job(msg, self.contexts[node], memo, codecs)
             if job is None:
                 self._replies[mid] = call_client(self._client, msg, self.contexts[node])
             elif isinstance(job, Message):  # refused before training, as the ClientApp would
@@ -58,15 +60,18 @@ class BatchedGrid(InProcessGrid):
             self._train(group)
         return ids
 
-    def _job(self, msg: Message, ctx: Context):
+    def _job(self, msg: Message, ctx: Context, memo: dict, codecs: dict):
         """(codec, UpdateJob) for a batchable message, a refusal Message, or None (not batchable: one by one)."""
         from clients.client_app import refusal, start_update
 
         if not self._ours or msg.metadata.message_type != MESSAGE_TYPE_TRAIN or LOCAL_DP in msg.content:
             return None
         try:
-            codec = codec_from_record(record_of(msg.content, CODEC, ConfigRecord))
-            job = start_update(msg, ctx)
+            record = record_of(msg.content, CODEC, ConfigRecord)
+            if id(record) not in codecs:  # codecs keep no state of their own: one per distinct record
+                codecs[id(record)] = codec_from_record(record)
+            codec = codecs[id(record)]
+            job = start_update(msg, ctx, memo)
         except ClientError as exc:
             return refusal(msg, exc)
         return (codec, job) if self._supported(job.task) else None

@@ -49,6 +49,38 @@ def call_client(client: ClientFn, msg: Message, ctx: Context) -> Message:
         return Message(error=Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=repr(exc)[:500]), reply_to=msg)
 
 
+class LazyContexts(dict):
+    """Nodes 1001..1000+n and their Contexts, each made when first used: a population of a million holds only
+    the clients that were sampled. ``in``, ``len`` and iteration cover every node (less those deleted: a node
+    that left); ``items()`` and ``values()`` only those made so far (a resume saves the state of those)."""
+
+    def __init__(self, num_nodes: int, make: Callable[[int], Context]) -> None:
+        super().__init__()
+        self._n, self._make, self._gone = num_nodes, make, set()
+
+    def __contains__(self, node: object) -> bool:
+        return isinstance(node, int) and 1001 <= node < 1001 + self._n and node not in self._gone
+
+    def __missing__(self, node: int) -> Context:
+        if node not in self:
+            raise KeyError(node)
+        ctx = self[node] = self._make(node)
+        return ctx
+
+    def __delitem__(self, node: int) -> None:
+        if node not in self:
+            raise KeyError(node)
+        self._gone.add(node)
+        self.pop(node, None)
+
+    def __len__(self) -> int:
+        return self._n - len(self._gone)
+
+    def __iter__(self):
+        ids = range(1001, 1001 + self._n)
+        return iter(ids) if not self._gone else (n for n in ids if n not in self._gone)
+
+
 class InProcessGrid(Grid):
     """``num_nodes`` virtual nodes (ids 1001...) running ``client`` in this process.
 
@@ -63,10 +95,8 @@ class InProcessGrid(Grid):
         self._client = client
         self._run = Run.create_empty(run_id)
         cfg = node_config or (lambda i: {"partition-id": i, "num-partitions": num_nodes})
-        self.contexts = {
-            1001 + i: Context(run_id=run_id, node_id=1001 + i, node_config=cfg(i), state=RecordDict(), run_config={})
-            for i in range(num_nodes)
-        }
+        self.contexts = LazyContexts(num_nodes, lambda node: Context(
+            run_id=run_id, node_id=node, node_config=cfg(node - 1001), state=RecordDict(), run_config={}))
         self._replies: dict[str, Message] = {}
 
     # -- resume ----------------------------------------------------------------

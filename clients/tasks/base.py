@@ -176,8 +176,29 @@ class Task(ABC):
         """Client ``partition_id``'s share of the training set (deterministic)."""
         if not 0 <= partition_id < num_partitions:
             raise ClientError(f"partition-id must be in [0, {num_partitions}). Found {partition_id}.")
-        idx = self._partition_indices(num_partitions)[partition_id]
+        if self.spec.partitioning == "sample":
+            idx = self._sampled_indices(partition_id)
+        else:
+            idx = self._partition_indices(num_partitions)[partition_id]
         return Dataset(self.train_set.x[idx], self.train_set.y[idx])
+
+    def _sampled_indices(self, partition_id: int) -> np.ndarray:
+        """Partitioning "sample": client k draws ``client-examples`` training examples with replacement, its own
+        class mix from Dirichlet(dirichlet-alpha) when y holds class labels; made on demand from a generator
+        keyed by (data-seed, k), so a population of any size costs nothing until a client is sampled."""
+        y, m = self.train_set.y, self.spec.client_examples
+        rng = np.random.default_rng([self.spec.data_seed, 7, partition_id])
+        if y.ndim != 1 or not np.issubdtype(y.dtype, np.integer):
+            return rng.integers(0, len(y), m)
+        by_class = self.__dict__.get("_by_class")
+        if by_class is None:  # once: each class's indices, and where each class starts in the sorted order
+            order = np.argsort(y, kind="stable")
+            classes, starts, counts = np.unique(y[order], return_index=True, return_counts=True)
+            by_class = self.__dict__["_by_class"] = (order, starts, counts)
+        order, starts, counts = by_class
+        mix = rng.dirichlet(np.full(len(starts), self.spec.dirichlet_alpha))
+        cls = rng.choice(len(starts), size=m, p=mix)
+        return order[starts[cls] + (rng.random(m) * counts[cls]).astype(np.int64)]
 
     def _partition_indices(self, num_partitions: int) -> list[np.ndarray]:
         cache = self.__dict__.setdefault("_parts", {})

@@ -31,6 +31,7 @@ CASES = {
                    "--local-rounds", "1"],
     "async_vs_sync": ["--clients", "10", "--rounds", "3", "--engine-rounds", "0"],
     "batched_training": ["--clients", "10,730", "--repeat", "1"],
+    "simulation_scale": ["--populations", "50", "--per-round", "10", "--rounds", "2"],
 }
 
 

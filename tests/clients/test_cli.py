@@ -281,7 +281,7 @@ def test_a_negative_max_retries_is_refused_not_taken_as_zero(tmp_path, capsys):
 @pytest.mark.parametrize(("args", "message"), [
     (["--alpha", "-1"], "--alpha must be in (0, 1e6]. Found -1.0."),
     (["--seed", "-1"], "--seed must be in [0, 2**32). Found -1."),
-    (["--partitioning", "bogus"], "--partitioning must be one of ['iid', 'dirichlet']. Found 'bogus'."),
+    (["--partitioning", "bogus"], "--partitioning must be one of ['iid', 'dirichlet', 'sample']. Found 'bogus'."),
     (["--task", "bogus"], "--task must be one of"),
 ])
 def test_export_names_its_own_flags_in_errors(tmp_path, capsys, args, message):

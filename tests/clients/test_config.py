@@ -34,7 +34,7 @@ def test_kebab_keys_map_to_fields():
         (TrainSettings, {"batch-size": 70000}, "batch-size must be in [1, 65536]. Found 70000."),
         (TrainSettings, {"momentum": 1.0}, "momentum must be in [0, 1). Found 1.0."),
         (TaskSpec, {"task": "mnist"}, "task must be one of ['digits', 'synthetic'], package.module:ClassName or path/to/file.py:ClassName. Found 'mnist'."),
-        (TaskSpec, {"partitioning": "shards"}, "partitioning must be one of ['iid', 'dirichlet']. Found 'shards'."),
+        (TaskSpec, {"partitioning": "shards"}, "partitioning must be one of ['iid', 'dirichlet', 'sample']. Found 'shards'."),
         (TaskSpec, {"dirichlet-alpha": 0}, "dirichlet-alpha must be in (0, 1e6]. Found 0.0."),
         (TaskSpec, {"dirichlet-alpha": 1e308}, "dirichlet-alpha must be in (0, 1e6]. Found 1e+308."),
         (TaskSpec, {"data-seed": -1}, "data-seed must be in [0, 2**32). Found -1."),
