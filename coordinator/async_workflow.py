@@ -40,6 +40,7 @@ from clients.protocol import (ARRAYS, CODEC, CONFIG, LOCAL_DP, MESSAGE_TYPE_TRAI
 
 from ._errors import CoordinatorError
 from .config import RunConfig
+from .live import recorded
 from .progress import format_row
 from .rundir import CONFIG as CONFIG_FILE
 from .rundir import SUMMARY, RunDirectory
@@ -207,6 +208,7 @@ class BufferedAsyncWorkflow(SyncWorkflow):
         return len(ids), len(array.data) * len(ids)
 
     # -- the loop --------------------------------------------------------------
+    @recorded
     def run(self) -> dict[str, Any]:
         total = self.cfg.server.num_rounds
         self.run_dir.write_json(CONFIG_FILE, self.cfg.to_mapping())
@@ -318,6 +320,7 @@ class BufferedAsyncWorkflow(SyncWorkflow):
         self.rejections.update(rejected)
         self.history.append(row)
         self._checkpoint()
+        self.live.round(row)
         log(INFO, "[fedshield] %s  staleness %.2f", format_row(row, self.cfg.server.num_rounds), row["mean_staleness"])
         if self.on_round:
             self.on_round(row)

@@ -42,6 +42,8 @@ METRIC_FIELDS = [
 ]
 EPSILON_PLOT = "epsilon.png"
 TIME_PLOT = "accuracy_vs_time.png"
+STATUS = "status.json"  # the run's live state (coordinator.live), rewritten as it goes
+TENSORBOARD = "tensorboard"  # TensorBoard event files, one scalar per numeric row field per round (coordinator.live)
 
 
 def time_axis(rows: list[dict[str, Any]]) -> list[float]:
@@ -192,7 +194,7 @@ def check_run_dir(run_dir: Path, flag: str = "--run-dir") -> tuple[int, dict[str
 LOCK = ".fedshield.lock"
 # write_atomic's temporary names (".NAME.<16 hex>.tmp") for the files a run writes here
 _STALE = re.compile(r"\.(" + "|".join(map(re.escape, (CHECKPOINT, METRICS, SUMMARY, MODEL, PLOT, CONFIG, EPSILON_PLOT,
-                                                          TIME_PLOT))) + r")\.[0-9a-f]{16}\.tmp")
+                                                          TIME_PLOT, STATUS))) + r")\.[0-9a-f]{16}\.tmp")
 _HELD: dict[Path, int] = {}  # run directory -> the open lock file this process holds (released when it exits)
 
 

@@ -34,7 +34,9 @@ from privacy import CertificatePaths, check_public_key, make_dir
 from ._errors import CoordinatorError
 from .config import RunConfig
 from .progress import accuracy_text
+from .live import announce_start, mark_ended
 from .rundir import SUMMARY, check_run_dir, lock_run_dir, unlock_run_dir
+from .status import StatusServer
 from .workflow import check_resumable
 from . import superlink
 from .tls import check_server_certificate, connect_host
@@ -53,6 +55,8 @@ class ServiceSettings:
     enrolled_keys: tuple[str, ...] = ()
     state_dir: str = "coordinator-state"
     start_timeout: float = 60.0
+    status_port: int = 0  # the status page on 127.0.0.1: 0 a free port (printed at start), -1 none
+
 
     def __post_init__(self) -> None:
         check(bool(self.host), "host", "be a host name or IP", self.host)
@@ -63,6 +67,8 @@ class ServiceSettings:
         check(all("\0" not in k for k in keys), "enrolled-keys", "hold paths without a NUL character", keys)
         object.__setattr__(self, "enrolled_keys", tuple(keys))
         check(self.start_timeout > 0, "start-timeout", "be > 0 seconds", self.start_timeout)
+        check(-1 <= self.status_port < 65536, "status-port", "be in [1, 65535], 0 (a free port) or -1 (no status page)",
+              self.status_port)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -408,6 +414,7 @@ def start_coordinator(config: str, insecure: bool = False, run_dir: str | None =
     coord = Coordinator(cfg, insecure)
     cfg = coord.cfg  # with the settings it derives (dp-expected-clients)
     run_path = Path(cfg.run.server.run_dir)
+    ckpt = None
     if cfg.run.server.run_dir:  # a file in the way, a bad checkpoint or another run's: before the SuperLink starts
         _, ckpt = check_run_dir(run_path, "run-dir")
         if ckpt is not None:
@@ -415,14 +422,22 @@ def start_coordinator(config: str, insecure: bool = False, run_dir: str | None =
     coord.check_port_free()  # (start_superlink checks again) before the banner says it is starting there
     if cfg.run.server.run_dir:  # not in use by another run (its ServerApp holds the lock): probed before anything starts
         lock_run_dir(run_path, "run-dir")
+    port = cfg.service.status_port
+    server = StatusServer(run_path, port) if port >= 0 else None  # (bound now: a port in use is refused here)
     print(f"fedshield coordinator: SuperLink on {coord.address} ({'INSECURE' if insecure else 'TLS + node authentication'}), "
           f"run directory {run_path}", file=sys.stderr)
+    if server is not None:
+        print(f"fedshield coordinator: status page on {server.url} (JSON: {server.url}status.json)", file=sys.stderr)
+    ended = ("stopped", "the coordinator stopped before the run ended")
 
     def on_term(_signum: int, _frame: object) -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_term)
     try:
+        announce_start(run_path, cfg.run, resumed=ckpt is not None)  # status.json: "starting", not a session before's
+        if server is not None:
+            server.start()
         coord.start_superlink()
         coord.write_cli_config()
         if not insecure:
@@ -441,5 +456,14 @@ def start_coordinator(config: str, insecure: bool = False, run_dir: str | None =
                   f"{result['rounds']} rounds; results in {run_path}")
             return 0
         raise CoordinatorError(f"the run must complete. Found status {status!r}: {details or 'see the log above'}")
+    except KeyboardInterrupt:
+        ended = ("interrupted", "the coordinator was interrupted")
+        raise
+    except Exception as exc:
+        ended = ("failed", str(exc).strip().splitlines()[0][:500] if str(exc).strip() else type(exc).__name__)
+        raise
     finally:
         coord.stop()
+        if server is not None:
+            server.stop()
+        mark_ended(run_path, *ended)  # the ServerApp stopped without saying so (killed, or never started)

@@ -33,6 +33,7 @@ from ._errors import CoordinatorError
 from privacy import BudgetExhausted, PrivacyError
 
 from .config import IGNORABLE_KEYS, RunConfig
+from .live import NO_LIVE, recorded
 from .privacy_policy import CentralDp, DistributedDp
 from .profiles import ProfileRegistry, select_fast_fair, select_uniform
 from .progress import accuracy_text, format_row
@@ -177,6 +178,8 @@ class SyncWorkflow:
     restored on resume, so that a resumed simulation goes on as the uninterrupted one would instead
     of starting its clock, devices and residuals again.
     """
+
+    live: Any = NO_LIVE  # status.json and TensorBoard files, while ``run`` runs (coordinator.live)
 
     def __init__(
         self,
@@ -334,6 +337,7 @@ class SyncWorkflow:
         deadline = self.clock.now() + s.wait_nodes_timeout
         while True:
             nodes = sorted(self.grid.get_node_ids())
+            self.live.waiting(len(nodes), s.min_nodes, self.round + 1)  # status.json: written when either changes
             if len(nodes) >= s.min_nodes:
                 return nodes
             if self.clock.now() >= deadline:
@@ -357,7 +361,7 @@ class SyncWorkflow:
         s = self.cfg.server
         if self.poisson:  # central DP: each node in with probability fraction-train, from the OS's CSPRNG
             return sorted(n for n in nodes if _SECRET_RNG.random() < s.fraction_train)
-        k = min(len(nodes), max(s.min_nodes, math.ceil(s.fraction_train * len(nodes))))
+        k = min(len(nodes), max(s.min_nodes, s.clients_per_round or math.ceil(s.fraction_train * len(nodes))))
         if s.selection == "fast-fair":
             return select_fast_fair(nodes, k, self.profiles, s.fairness, s.seed, rnd)
         return select_uniform(nodes, k, s.seed, rnd)
@@ -591,6 +595,7 @@ class SyncWorkflow:
             times["sim_time_s"] = self._spent("sim_time_s") + round_time_s
         return times
 
+    @recorded
     def run(self) -> dict[str, Any]:
         """Run the remaining rounds; write the run directory; return the summary."""
         total = self.cfg.server.num_rounds
@@ -606,6 +611,7 @@ class SyncWorkflow:
             self.history.append(row)
             self.round = rnd
             self._checkpoint()
+            self.live.round(row)
             log(INFO, "[fedshield] %s", format_row(row, total))
             if self.on_round:
                 self.on_round(row)

@@ -216,6 +216,34 @@ def _privacy_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _runs(args: argparse.Namespace) -> int:
+    from .reports import ReportError, format_runs, list_runs
+
+    try:
+        runs = list_runs(args.dir)
+    except ReportError as exc:
+        print(f"fedshield: error: {exc}", file=sys.stderr)
+        return 2
+    if not runs:
+        print(f"fedshield runs: no run directories under {args.dir} (none holds summary.json, checkpoint.pt or status.json)",
+              file=sys.stderr)
+        return 0
+    print(format_runs(runs, args.dir))
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from .reports import ReportError, report
+
+    try:
+        text = report(args.run_dir, plots=not args.no_plots)
+    except ReportError as exc:
+        print(f"fedshield: error: {exc}", file=sys.stderr)
+        return 2
+    print(text)
+    return 0
+
+
 def _positive(kind):
     def parse(text: str):
         try:
@@ -314,6 +342,14 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--accountant", choices=("pld", "rdp", "both"), default="both",
                     help="which accountant to plan with (default: both, side by side)")
     pp.set_defaults(func=_privacy_plan)
+
+    rs = sub.add_parser("runs", help="list the run directories under DIR with their status and final figures")
+    rs.add_argument("dir", nargs="?", default="runs", type=_path, metavar="DIR", help="where to look (default: %(default)s)")
+    rs.set_defaults(func=_runs)
+    rp = sub.add_parser("report", help="summarise one run directory and write its plots again")
+    rp.add_argument("run_dir", type=_path, metavar="RUN_DIR")
+    rp.add_argument("--no-plots", action="store_true", help="print the summary only; leave the plots as they are")
+    rp.set_defaults(func=_report)
     return p
 
 
