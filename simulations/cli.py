@@ -354,7 +354,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)  # --help and usage errors need no heavy import
+    parser = build_parser()
+    if not (sys.argv[1:] if argv is None else argv):  # bare `fedshield`: what it does, not only a missing argument
+        parser.print_help(sys.stderr)
+        return 2
+    args = parser.parse_args(argv)  # --help and usage errors need no heavy import
     from aggregation import AggregationError
     from clients import ClientError
     from coordinator import CoordinatorError

@@ -504,3 +504,9 @@ def test_privacy_plan_bad_input_is_one_line(argv, capsys):
     captured = capsys.readouterr()
     err = captured.err.strip().splitlines()
     assert code == 2 and captured.out == "" and len(err) == 1 and err[0].startswith("fedshield: error: "), err
+
+
+def test_bare_fedshield_prints_its_commands(capsys):
+    assert main([]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: fedshield") and all(c in err for c in ("simulate", "coordinator", "agent", "report"))
