@@ -13,6 +13,7 @@ checkpoint's ledger, which names none, is an RDP one).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import os
@@ -170,12 +171,16 @@ class DistributedDp(CentralDp):
     survivors is not unmasked (nothing is released, nothing spent); one unmasked and then failed by a later
     check is charged all the same. Each round is charged as a Gaussian with the survivors' actual ``z_eff >= z``
     and no sampling amplification (the coordinator, the party this protects against, chooses the sample).
-    Under the RDP accountant that bound is a theorem; under PLD the rounds are composed as that Gaussian's
-    privacy loss distribution, an approximation for Skellam noise (whose own multi-dimensional PLD is not
-    computed here), which the report states.
+    That bound is an RDP theorem, so distributed DP is always accounted (and its budget enforced) with the RDP
+    accountant, whatever ``accountant`` says; the Gaussian's PLD figure, an approximation for Skellam noise
+    (whose own multi-dimensional PLD is not computed here), is only reported beside it.
     """
 
     def __init__(self, cfg: PrivacySettings, expected_rate: float, num_rounds: int, dropout_rate: float) -> None:
+        if cfg.accountant != "rdp":  # the Skellam bound is an RDP theorem; a Gaussian PLD of it would not be one
+            log(INFO, "[fedshield] distributed DP: accounted with the RDP accountant, whose bound on the Skellam noise is "
+                "proven (a Gaussian's PLD for it is not); the report gives the PLD figure beside it")
+            cfg = dataclasses.replace(cfg, accountant="rdp")
         # The coordinator picks the sample and sees who took part: against it, sampling amplifies nothing.
         super().__init__(cfg, 1.0, num_rounds)
         self.dropout_rate = dropout_rate

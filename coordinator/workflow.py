@@ -653,7 +653,7 @@ class SyncWorkflow:
                             "secagg_failed_rounds": sum(1 for r in self.history if r.get("secagg_failure"))})
         if self.dp is not None:
             summary.update({"epsilon": self.dp.epsilon, "delta": self.cfg.privacy.dp_delta,
-                            "accountant": self.cfg.privacy.accountant,
+                            "accountant": self.dp.cfg.accountant,  # (distributed DP: always rdp)
                             "epsilon_by_accountant": self.dp.epsilon_by_accountant(),
                             "noise_multiplier": self.dp.z, "privacy_guarantee": self.dp.describe()})
         elif self.cfg.privacy.dp == "local":

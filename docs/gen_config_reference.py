@@ -103,7 +103,7 @@ DESCRIPTIONS: dict[str, dict[str, str]] = {
         "target-epsilon": "budget: a round that would pass it is not started; 0: none",
         "dp-delta": "delta of the (epsilon, delta) guarantee",
         "accountant": "`pld` (privacy loss distributions, tightest) or `rdp`; used for calibration, the budget and "
-                      "reports",
+                      "reports (distributed DP always uses `rdp`, its proven bound)",
         "dp-secure-noise": "central DP: draw the noise from the OS CSPRNG",
         "adaptive-clipping": "central DP: move the clip toward a quantile of the update norms (Andrew et al. 2021)",
         "clip-target-quantile": "adaptive clipping: the target quantile",

@@ -715,3 +715,16 @@ def test_a_long_stage_name_is_cut_in_the_refusal():
         run_secagg_stage(Message(RecordDict({SECAGG: bogus}), dst_node_id=1001, message_type="train.secagg",
                                  group_id="5"), ctx)
     assert len(str(info.value)) < 300
+
+
+def test_distributed_dp_is_accounted_by_its_proven_rdp_bound_even_under_the_pld_default(tmp_path):
+    """The Skellam noise's bound is an RDP theorem: the ledger, the budget and the summary's epsilon are RDP's;
+    the Gaussian PLD figure is only reported beside it."""
+    from privacy import epsilon_of
+
+    a = run(tmp_path, InProcessGrid(app, N), "a", **DDP)
+    assert a.cfg.privacy.accountant == "pld" and a.dp.accountant.name == "rdp"
+    summary = json.loads((tmp_path / "a" / SUMMARY).read_text())
+    assert summary["accountant"] == "rdp"
+    rdp = epsilon_of(a.dp.accountant.events, a.cfg.privacy.dp_delta, "rdp")
+    assert summary["epsilon"] == pytest.approx(rdp) and summary["epsilon_by_accountant"]["rdp"] == pytest.approx(rdp)
