@@ -7,7 +7,8 @@ The same model on the same generated CIFAR-shaped data (examples/tasks/cifar_res
 3x32x32, 10 classes), the same iid partition (fedshield's ``Task.partition``), every client in every
 round, ``--epochs`` local epochs of plain SGD (batch 32, lr 0.05, no momentum), one torch thread per
 process for every contender. ``--model resnet`` is CifarResNet's ResNetMini (78,042 parameters, BatchNorm);
-``--model cnn`` a smaller BatchNorm CNN (for quick runs). Contenders, timed one after another:
+``--model cnn`` a smaller BatchNorm CNN (for quick runs); ``--model plain-cnn`` the same CNN without BatchNorm, which
+fedshield's batched in-process engine trains as one computation (BatchNorm models it trains one by one). Contenders, timed one after another:
 
 - fedshield: ``simulations.simulate(engine="inprocess")`` (its fastest engine: no vectorized engine exists),
   each round's wall time from the run's metrics.csv (``wall_time_s`` differences: training, wire records,
@@ -77,6 +78,16 @@ def small_cnn() -> nn.Module:
     )
 
 
+def plain_cnn() -> nn.Module:
+    """conv(3,16)-pool-conv(16,32)-pool-fc(512,10) without BatchNorm: 10,378 parameters (``--model plain-cnn``),
+    a model fedshield's batched in-process engine trains as one computation (BatchNorm models train one by one)."""
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(4),
+        nn.Flatten(), nn.Linear(32 * 4 * 4, 10),
+    )
+
+
 class BenchCifarResNet(_CifarResNet):
     """CifarResNet with its data sized by the benchmark (the same class patterns, fixed seeds)."""
 
@@ -91,8 +102,13 @@ class BenchCifarCnn(BenchCifarResNet):
         return small_cnn()
 
 
+class BenchCifarPlainCnn(BenchCifarResNet):
+    def build_model(self) -> nn.Module:
+        return plain_cnn()
+
+
 def spec_for(model: str) -> TaskSpec:
-    cls = {"resnet": "BenchCifarResNet", "cnn": "BenchCifarCnn"}[model]
+    cls = {"resnet": "BenchCifarResNet", "cnn": "BenchCifarCnn", "plain-cnn": "BenchCifarPlainCnn"}[model]
     return TaskSpec(task=f"{THIS}:{cls}", partitioning="iid")
 
 
@@ -280,7 +296,7 @@ def missing(contender: str) -> str | None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", choices=("resnet", "cnn"), default="resnet",
+    p.add_argument("--model", choices=("resnet", "cnn", "plain-cnn"), default="resnet",
                    help="resnet: CifarResNet's ResNetMini (78,042 parameters); cnn: a 10,266-parameter BN CNN")
     p.add_argument("--clients", type=int, default=10, help="clients, all in every round")
     p.add_argument("--rounds", type=int, default=5, help="rounds per contender (the first is left out)")

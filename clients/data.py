@@ -25,7 +25,7 @@ def _cached(key: tuple, make) -> Dataset:
         _CACHE.move_to_end(key)
         return _CACHE[key]
     data = _CACHE[key] = make()
-    if len(_CACHE) > _CACHE_SIZE:
+    while len(_CACHE) > _CACHE_SIZE:
         _CACHE.popitem(last=False)
     return data
 

@@ -643,7 +643,8 @@ class SyncWorkflow:
             "rounds_without_updates": sum(1 for r in self.history if r.get("accepted", 1) == 0 or r.get("too_few_updates")
                                           or r.get("non_finite_aggregate")),
         }
-        if self.history and summary["rounds_without_updates"] == len(self.history) and self.status == "completed":
+        asked = any(r.get("selected", 1) for r in self.history)  # (an empty secret Poisson sample asks no one)
+        if self.history and summary["rounds_without_updates"] == len(self.history) and asked and self.status == "completed":
             # a run that learned nothing is a failure, with its reasons: not "run complete" and exit 0
             summary["status"] = self.status = NO_UPDATES
             summary["failure"] = no_updates_reason(summary["rejected_by_rule"])
