@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-_SIM_KEYS = {"engine", "num_supernodes", "client_cpus", "client_gpus", "ray_num_cpus", "ray_address", "name"}
+_SIM_KEYS = {"engine", "num_supernodes", "client_cpus", "client_gpus", "ray_num_cpus", "ray_address", "name", "batched"}
 
 
 def simulate(task: Any = "digits", *, run_dir: str | Path | None = None, show_progress: bool = False,

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from clients.client_app import app
+from clients.tasks import DigitsTask
 from coordinator import RunConfig, RunDirectory
 from coordinator.server_app import make_workflow
 from simulations.batched_grid import BatchedGrid
@@ -63,3 +64,22 @@ def test_a_node_that_refuses_is_refused_in_the_batch_too(tmp_path):
     wf, _ = run(tmp_path, grid, "refuse", **{"min-nodes": 4, "num-rounds": 1})
     assert wf.history[0]["accepted"] == 3 and wf.history[0]["rejected_by_rule"] == {"error-reply": 1}
     assert grid.batched_messages == 3
+
+
+class PlainConvDigits(DigitsTask):
+    """Digits as 1x8x8 images through a convolution without BatchNorm: batchable, but not worth it on CPU."""
+
+    input_shape = None
+
+    def build_model(self):
+        return torch.nn.Sequential(torch.nn.Unflatten(1, (1, 8, 8)), torch.nn.Conv2d(1, 4, 3), torch.nn.ReLU(),
+                                   torch.nn.Flatten(), torch.nn.Linear(144, 10))
+
+
+def test_a_convolutional_model_trains_one_by_one_on_cpu(tmp_path):
+    """vmap turns per-client convolutions into grouped ones, slower on CPU than one client at a time."""
+    from clients.tasks import task_name
+
+    grid = BatchedGrid(app, 4)
+    run(tmp_path, grid, "conv", task=task_name(PlainConvDigits), **{"min-nodes": 4, "num-rounds": 1})
+    assert grid.batched_messages == 0 and "convolutions" in next(iter(grid._support.values()))
