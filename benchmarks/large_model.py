@@ -40,7 +40,10 @@ from simulations import bench as _report  # noqa: E402
 Report = _report.Report
 
 from aggregation.codecs import create_codec  # noqa: E402
-from clients.tasks import ModelLayout  # noqa: E402
+from clients.tasks import ModelLayout, task_class  # noqa: E402
+
+# ResNet-18's BasicBlock is examples/tasks/cifar_resnet.py's Block (conv-BN-ReLU-conv-BN plus a projected shortcut)
+Block = sys.modules[task_class(f"{HERE.parent / 'examples' / 'tasks' / 'cifar_resnet.py'}:CifarResNet").__module__].Block
 
 
 def _aggregation_bench():
@@ -53,21 +56,6 @@ def _aggregation_bench():
 
 # --- the model ----------------------------------------------------------------------------------------
 
-class BasicBlock(nn.Module):
-    def __init__(self, cin: int, cout: int, stride: int) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(cout)
-        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(cout)
-        self.shortcut = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
-                         if stride != 1 or cin != cout else nn.Identity())
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.relu(self.bn1(self.conv1(x)))
-        return torch.relu(self.bn2(self.conv2(out)) + self.shortcut(x))
-
-
 class ResNet18(nn.Module):
     """ResNet-18 for 32x32 inputs: 3x3 stem, four stages of two BasicBlocks (64, 128, 256, 512), 10 classes:
     11,173,962 parameters."""
@@ -77,7 +65,7 @@ class ResNet18(nn.Module):
         self.stem = nn.Sequential(nn.Conv2d(3, 64, 3, 1, 1, bias=False), nn.BatchNorm2d(64), nn.ReLU())
         stages, cin = [], 64
         for cout, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
-            stages += [BasicBlock(cin, cout, stride), BasicBlock(cout, cout, 1)]
+            stages += [Block(cin, cout, stride), Block(cout, cout, 1)]
             cin = cout
         self.stages = nn.Sequential(*stages)
         self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, num_classes))

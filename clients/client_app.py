@@ -286,12 +286,17 @@ def refusal(msg: Message, exc: ClientError) -> Message:
                    reply_to=msg)
 
 
-@app.train()
-def train(msg: Message, context: Context) -> Message:
+def answer(handler, msg: Message, context: Context) -> Message:
+    """``handler``'s reply, or the node's refusal when it raises ClientError."""
     try:
-        return run_train(msg, context)
+        return handler(msg, context)
     except ClientError as exc:
         return refusal(msg, exc)
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    return answer(run_train, msg, context)
 
 
 def run_evaluate(msg: Message, context: Context) -> Message:
@@ -310,10 +315,7 @@ def run_evaluate(msg: Message, context: Context) -> Message:
 
 @app.evaluate()
 def evaluate(msg: Message, context: Context) -> Message:
-    try:
-        return run_evaluate(msg, context)
-    except ClientError as exc:
-        return refusal(msg, exc)
+    return answer(run_evaluate, msg, context)
 
 
 @app.train("secagg")
@@ -321,7 +323,4 @@ def train_secagg(msg: Message, context: Context) -> Message:
     """One stage of a SecAgg+ round (see clients/secure.py)."""
     from .secure import run_secagg_stage
 
-    try:
-        return run_secagg_stage(msg, context)
-    except ClientError as exc:
-        return refusal(msg, exc)
+    return answer(run_secagg_stage, msg, context)

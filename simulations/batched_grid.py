@@ -20,6 +20,7 @@ from flwr.common.logger import log
 
 from aggregation import get_device
 from clients import ClientError
+from clients.client_app import app, refusal, start_update, train_reply, update_metrics
 from clients.protocol import CODEC, LOCAL_DP, MESSAGE_TYPE_TRAIN, codec_from_record, record_of
 
 from .batched import DEFAULT_CHUNK, batched_supported, train_batched
@@ -32,8 +33,6 @@ class BatchedGrid(InProcessGrid):
     def __init__(self, client: Any, num_nodes: int, node_config: Any = None, run_id: int = 1,
                  chunk: int = DEFAULT_CHUNK) -> None:
         super().__init__(client, num_nodes, node_config, run_id)
-        from clients.client_app import app
-
         self._ours = client is app  # another ClientApp (a test's, a user's) is always called as it is
         self.chunk = chunk
         self._support: dict[Any, str | None] = {}
@@ -62,8 +61,6 @@ class BatchedGrid(InProcessGrid):
 
     def _job(self, msg: Message, ctx: Context, memo: dict, codecs: dict):
         """(codec, UpdateJob) for a batchable message, a refusal Message, or None (not batchable: one by one)."""
-        from clients.client_app import refusal, start_update
-
         if not self._ours or msg.metadata.message_type != MESSAGE_TYPE_TRAIN or LOCAL_DP in msg.content:
             return None
         try:
@@ -92,8 +89,6 @@ class BatchedGrid(InProcessGrid):
 
     def _train(self, group: list) -> None:
         """Train one group's jobs together and store each node's reply (one by one if the batch fails)."""
-        from clients.client_app import refusal, train_reply, update_metrics
-
         jobs = [job for *_, job in group]
         weights = jobs[0].weights.to(get_device())
         start = time.perf_counter()
