@@ -86,6 +86,13 @@ def test_secagg_round_survives_a_supernode_killed_after_sharing_keys(tmp_path, p
     state = torch.load(run_dir / MODEL, weights_only=True)
     got = torch.cat([v.reshape(-1) for v in state.values()])
     want = _expected_weights(tmp_path, list(range(NODES - 1)), rounds=2)
-    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+    # Round 2 trains from a round-1 model that differs from the test's in the last bits (the ring's stochastic
+    # rounding, thread-dependent float sums), and SGD carries that on: a few weights move by ~1e-4. A mask left in,
+    # or the victim's update counted, would move the model by a share of the whole update, far beyond this.
+    from clients.config import TaskSpec
+    from clients.tasks import get_task
+    init = get_task(TaskSpec()).init_weights(0)
+    assert (got - want).norm() <= 1e-3 * (want - init).norm(), ((got - want).norm(), (want - init).norm())
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-3)
     print(f"\nSecAgg+ deployment, {NODES} nodes, one killed: round 1 (four stages) {float(row['round_time_s']):.1f} s, "
           f"round 2 (pipelined: two) {float(row2['round_time_s']):.1f} s")
