@@ -1,4 +1,4 @@
-"""The client agent: ``fedshield agent start`` runs a Flower SuperNode with fedshield's ClientApp.
+"""The client agent: ``fedshield agent start`` runs a Flower SuperNode and a warm fedshield ClientApp worker.
 
 Every input is checked before the SuperNode starts, so a missing certificate,
 a bad key, a bad data path or an unreachable coordinator is one clear line and
@@ -10,35 +10,24 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import os
 import re
+import secrets
 import shutil
-import signal
 import socket
-import subprocess
 import sys
-import threading
+import tempfile
 from pathlib import Path
 
 from ._errors import ClientError
 from .config import TaskSpec, build_config, renamed_key, resolve_path
 from .data import load_npz, save_npz
+from .supervisor import Plan, Watched, _watch, die_with_parent  # noqa: F401  (cli's names)
 from .tasks import load_task
 
 # Flower exit codes (flwr.supercore.exit.ExitCode) a device owner may meet, in words.
-_EXIT_REASONS = {
-    302: "the node key could not be read as an ECDSA OpenSSH private key",
-    303: "node authentication needs TLS: drop --insecure",
-    305: "could not connect to the coordinator: check the address, that it runs, its certificate (--root-cert), "
-         "that this node's public key is enrolled in the coordinator's config, and that both or neither run "
-         "--insecure",
-    600: "the coordinator address is not a valid HOST:PORT",
-    603: "the root certificate is not a valid PEM certificate",
-    604: "a path given to the SuperNode does not exist",
-}
-
-
 def export_partitions(task: str, num_partitions: int, out: str, partitioning: str = "dirichlet",
                       alpha: float = 0.5, seed: int = 0) -> list[Path]:
     """Write partitions of a task's training set as ``client-K.npz`` (x, y) files.
@@ -291,144 +280,38 @@ def supernode_command(args: argparse.Namespace) -> list[str]:
     return cmd
 
 
-# Flower's own lines: its console prefix ("ERROR :     ", with colours or a timestamp), then the
-# message; an exit's message starts with its whole "Exit Code: N" line. Text that merely contains
-# these words (an error quoting a coordinator's value, in a ClientApp's traceback) is not one.
-_FATAL = re.compile(r"^(?:DEBUG|INFO|WARNING|ERROR|CRITICAL)[\d\-:, ]*:\s+"
-                    r"(?:Exit Code: (\d+)\s*$|Giving up reconnection\b)")
-_REFUSAL = re.compile(r"\[code: (\d+)\]")  # a SuperLink's refusal, in the line of the failure it ended
-# fedshield's own ClientApp lines (a refusal's reason quotes the coordinator's values): never Flower's exit or refusal
-_OURS = re.compile(r"^(?:DEBUG|INFO|WARNING|ERROR|CRITICAL)[\d\-:, ]*:\s+\[fedshield\]")
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
-# Exit codes of the processes a SuperNode starts per message (a ClientApp that raised: 800; one that lost
-# its SuperNode: 250). Their log reaches ours, but the SuperNode has answered with an error reply and
-# serves the next message: the node stays in the run (a bad message must not take it out).
-_TASK_CODES = range(250, 300), range(800, 900)
-# SuperLink refusal codes (in the SuperNode's log) in words.
-_REFUSALS = {
-    2001: "the coordinator requires node authentication: give --key with an enrolled key",
-    2004: "this node's key is not enrolled at the coordinator: add its .pub file to the coordinator's enrolled-keys",
-}
+def agent_plan(args: argparse.Namespace) -> Plan:
+    """The agent's processes: the SuperNode (Flower's, waits shortened, process isolation: it starts no
+    ClientApp itself) and the warm ClientApp worker that serves its messages over the Runtime API."""
+    from privacy import make_dir
 
-
-_SENT = re.compile(r"Sent successfully")
-# Flower's SuperNode can end with Python's "Exception ignored in: <module 'threading'...>" and a
-# traceback of its own SystemExit(0): noise, not a failure; it is not echoed.
-_IGNORED_START, _IGNORED_END = "Exception ignored in: <module 'threading'", "SystemExit:"
-
-
-@dataclasses.dataclass
-class Watched:
-    """What the SuperNode's log said: Flower's exit code, a SuperLink refusal code, messages answered."""
-
-    exit_code: int | None = None
-    refusal: int | None = None
-    served: int = 0
-
-
-def _watch(proc: subprocess.Popen, quiet: threading.Event | None = None) -> Watched:
-    """Echo the SuperNode's log (less Flower's shutdown noise); return what it said.
-
-    A SuperNode that gave up may hang on its helper threads: once a fatal line is
-    seen, the process group gets a few seconds to exit and is then stopped. Once
-    ``quiet`` is set (the agent was interrupted), what the group says as it stops is not echoed.
-    """
-    seen = Watched()
-    assert proc.stdout is not None
-    stopping = skipping = traceback = False
-    for line in proc.stdout:
-        if line.startswith(_IGNORED_START):
-            skipping = True
-        if not skipping and not (quiet is not None and quiet.is_set()):
-            sys.stderr.write(line)
-        elif line.startswith(_IGNORED_END):
-            skipping = False
-        text = _ANSI.sub("", line)
-        if text.startswith("Traceback (most recent call last):"):  # a ClientApp's error: its frames and
-            traceback = True                                       # its exception line quote message text
-            continue
-        if traceback:
-            traceback = text[:1].isspace()  # the first line not indented is the exception's: skipped too
-            continue
-        seen.served += bool(_SENT.search(text))
-        if _OURS.match(text):
-            continue
-        m, refused = _FATAL.match(text), _REFUSAL.search(text)
-        if m and m.group(1) and any(int(m.group(1)) in codes for codes in _TASK_CODES):
-            continue
-        if m or refused:
-            seen.exit_code = int(m.group(1)) if m and m.group(1) else (seen.exit_code or 305)
-            seen.refusal = int(refused.group(1)) if refused else seen.refusal
-            if not stopping:
-                stopping = True
-                timer = threading.Timer(5.0, _stop_group, (proc,))
-                timer.daemon = True
-                timer.start()
-    proc.wait()
-    return seen
-
-
-def _messages(n: int) -> str:
-    return f"{n} message{'' if n == 1 else 's'}"
-
-
-def _stop_group(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
-    try:
-        os.killpg(proc.pid, sig)
-    except ProcessLookupError:
-        pass
-
-
-def die_with_parent() -> None:
-    """In a child's process (Linux; the agent's SuperNode, the coordinator's SuperLink): get SIGTERM if the
-    process that started it dies, even by SIGKILL."""
-    import ctypes
-
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    supernode = supernode_command(args)
+    poll, task_timeout = getattr(args, "poll_interval", 0.2), getattr(args, "task_timeout", 1800.0)
+    if not (math.isfinite(poll) and 0.01 <= poll <= 60):
+        raise ClientError(f"--poll-interval must be in [0.01, 60] seconds. Found {poll!r}.")
+    if not (math.isfinite(task_timeout) and task_timeout > 0):
+        raise ClientError(f"--task-timeout must be a finite number of seconds > 0. Found {task_timeout!r}.")
+    state_dir = tempfile.mkdtemp(prefix="fedshield-agent-")  # 0700: the Runtime API secret, the message in flight
+    make_dir(Path(state_dir), "the agent's state", ClientError)
+    secret = Path(state_dir) / "secret"
+    secret.write_bytes(secrets.token_bytes(32))
+    secret.chmod(0o600)
+    runtime = f"127.0.0.1:{supernode[supernode.index('--port') + 1]}"
+    node = [sys.executable, "-P", str(Path(__file__).with_name("flower_pins.py")), "supernode",
+            "--poll-interval", str(poll), *supernode[1:], "--isolation", "process",
+            "--superexec-auth-secret-file", str(secret)]
+    worker = [sys.executable, "-m", "clients.worker", "--runtime", runtime, "--state-dir", state_dir,
+              "--node-config", supernode[supernode.index("--node-config") + 1]]
+    return Plan(supernode=node, worker=worker, state_dir=state_dir, task_timeout=float(task_timeout))
 
 
 def start_agent(args: argparse.Namespace) -> int:
-    """Run the SuperNode until it exits; stop its process group; explain failures in one line."""
-    cmd = supernode_command(args)
+    """Check every input, then become the supervisor (``clients.supervisor``, no torch): it starts the warm
+    ClientApp worker, then the SuperNode once the worker is ready, until the SuperNode ends or a signal."""
+    plan = agent_plan(args)
     print(f"fedshield agent: connecting to {args.coordinator} "
-          f"({'insecure' if args.insecure else 'TLS + node authentication'})", file=sys.stderr)
-    proc = subprocess.Popen(cmd, env={**os.environ, "FLWR_DISABLE_UPDATE_CHECK": "1"}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            preexec_fn=die_with_parent if sys.platform.startswith("linux") else None)
-
-    stopped_by: list[int] = []
-    quiet = threading.Event()
-
-    def forward(signum: int, _frame: object) -> None:
-        # SIGTERM to the group whatever came in: SIGINT made the ClientApp running at that moment print a
-        # KeyboardInterrupt traceback (and its SuperNode's shutdown is not the user's business either)
-        # a second signal (the node hangs on its way out): SIGKILL
-        _stop_group(proc, signal.SIGKILL if stopped_by else signal.SIGTERM)
-        stopped_by.append(signum)
-        quiet.set()
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, forward)
-    try:
-        seen = _watch(proc, quiet)
-    finally:
-        _stop_group(proc)
-    if stopped_by:  # Ctrl-C: 130, as fedshield simulate; SIGTERM (a service manager's stop): 0
-        print(f"fedshield agent: {'interrupted' if stopped_by[0] == signal.SIGINT else 'stopped'}; the node left the "
-              f"federation after answering {_messages(seen.served)}.", file=sys.stderr)
-        return 130 if stopped_by[0] == signal.SIGINT else 0
-    flwr_code, refusal = seen.exit_code, seen.refusal
-    if flwr_code is None and proc.returncode in (0, -signal.SIGTERM, -signal.SIGINT):
-        return 0
-    if flwr_code == 305 and refusal is None and seen.served:
-        # Connected, answered the coordinator, then lost it: a coordinator stops its SuperLink when its
-        # run ends, so this is how an agent's part in a finished run ends (or the coordinator stopped).
-        print(f"fedshield agent: the coordinator went away after this node answered {_messages(seen.served)} (its "
-              "run ended, or it was stopped); agent stopped.", file=sys.stderr)
-        return 0
-    if refusal in _REFUSALS:
-        reason = _REFUSALS[refusal]
-    else:
-        reason = _EXIT_REASONS.get(flwr_code or 0, f"see the SuperNode's log above (exit status {proc.returncode})")
-    print(f"fedshield: error: agent stopped (Flower exit code {flwr_code}): {reason}.", file=sys.stderr)
-    return 1
+          f"({'insecure' if args.insecure else 'TLS + node authentication'})", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    script = str(Path(__file__).with_name("supervisor.py"))
+    os.execv(sys.executable, [sys.executable, "-P", script, json.dumps(dataclasses.asdict(plan))])
+    return 1  # not reached

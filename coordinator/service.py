@@ -27,7 +27,8 @@ import tomli_w
 
 from aggregation import get_device, kernels
 from aggregation._errors import shown_key
-from clients.cli import bind_probe, die_with_parent, host_port
+from clients.cli import bind_probe, host_port
+from clients.supervisor import die_with_parent
 from clients.config import ConfigError, build_config, check, parse_toml, resolve_path, resolve_task
 from privacy import CertificatePaths, check_public_key, make_dir
 

@@ -329,6 +329,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="refuse a round that would take this data's local-DP epsilon past EPS (0: no limit)")
     ast.add_argument("--insecure", action="store_true", help="NO TLS (testing only)")
     ast.add_argument("--max-retries", type=int, default=3, help="connection attempts before giving up")
+    ast.add_argument("--poll-interval", type=float, default=0.2, metavar="S",
+                     help="seconds between this node's requests for work while idle (default: %(default)s)")
+    ast.add_argument("--task-timeout", type=float, default=1800.0, metavar="S",
+                     help="a message handled longer than this is answered with an error and the ClientApp "
+                          "worker restarted (default: %(default)s)")
     ast.set_defaults(func=_agent_start)
 
     priv = sub.add_parser("privacy", help="differential privacy planning").add_subparsers(dest="action", required=True,

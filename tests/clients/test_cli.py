@@ -98,10 +98,10 @@ _SERVED_THEN_GONE = [
 
 
 def test_watch_counts_answered_messages_and_hides_flowers_shutdown_traceback(capsys, monkeypatch):
-    from clients import cli
+    from clients import supervisor
 
-    monkeypatch.setattr(cli.threading, "Timer", lambda *a, **k: type("T", (), {"start": lambda self: None})())
-    seen = cli._watch(_FakeSuperNode(_SERVED_THEN_GONE))
+    monkeypatch.setattr(supervisor.threading, "Timer", lambda *a, **k: type("T", (), {"start": lambda self: None})())
+    seen = supervisor._watch(_FakeSuperNode(_SERVED_THEN_GONE))
     assert (seen.exit_code, seen.refusal, seen.served) == (305, None, 2)
     err = capsys.readouterr().err
     assert "Giving up reconnection" in err and "Finished server process" in err
@@ -109,27 +109,27 @@ def test_watch_counts_answered_messages_and_hides_flowers_shutdown_traceback(cap
 
 
 def test_watch_sees_a_refusal_before_anything_was_served(monkeypatch):
-    from clients import cli
+    from clients import supervisor
 
-    monkeypatch.setattr(cli.threading, "Timer", lambda *a, **k: type("T", (), {"start": lambda self: None})())
-    seen = cli._watch(_FakeSuperNode(["ERROR : Request failed [code: 2004]\n"]))
+    monkeypatch.setattr(supervisor.threading, "Timer", lambda *a, **k: type("T", (), {"start": lambda self: None})())
+    seen = supervisor._watch(_FakeSuperNode(["ERROR : Request failed [code: 2004]\n"]))
     assert (seen.refusal, seen.served) == (2004, 0)
 
 
 def test_a_clientapp_that_failed_on_one_message_does_not_stop_the_agent(monkeypatch):
     """A ClientApp that raised (a malformed message, a bad data file) logs "Exit Code: 800" from its
     own process; the agent took that for the SuperNode's end and stopped the node 5 s later."""
-    from clients import cli
+    from clients import supervisor
 
     started = []
-    monkeypatch.setattr(cli.threading, "Timer", lambda *a, **k: started.append(a) or type("T", (), {"start": lambda self: None})())
+    monkeypatch.setattr(supervisor.threading, "Timer", lambda *a, **k: started.append(a) or type("T", (), {"start": lambda self: None})())
     lines = ["INFO :      Receiving: train message (ID: 5de1)\n",
              "clients._errors.ClientError: codec record must describe a known codec\n",
              "ERROR :     Exit Code: 800\n", "INFO :      Sent successfully\n",
              "INFO :      Receiving: train message (ID: 6ab2)\n", "INFO :      Sent successfully\n"]
-    seen = cli._watch(_FakeSuperNode(lines))
+    seen = supervisor._watch(_FakeSuperNode(lines))
     assert (seen.exit_code, seen.refusal, seen.served) == (None, None, 2) and started == []
-    seen = cli._watch(_FakeSuperNode(["ERROR :     Exit Code: 305\n"]))  # the SuperNode's own: still the end
+    seen = supervisor._watch(_FakeSuperNode(["ERROR :     Exit Code: 305\n"]))  # the SuperNode's own: still the end
     assert seen.exit_code == 305 and len(started) == 1
 
 
@@ -137,10 +137,10 @@ def test_text_quoting_flowers_exit_words_does_not_stop_the_agent(monkeypatch):
     """A refused message's error quotes the coordinator's value ("Exit Code: 302", "[code: 2004]"); in
     the ClientApp's traceback (and its exception line) that is text, not Flower's exit or refusal:
     the node stays in the run. Flower's own lines (with colours) still end it."""
-    from clients import cli
+    from clients import supervisor
 
     started = []
-    monkeypatch.setattr(cli.threading, "Timer", lambda *a, **k: started.append(a) or type("T", (), {"start": lambda self: None})())
+    monkeypatch.setattr(supervisor.threading, "Timer", lambda *a, **k: started.append(a) or type("T", (), {"start": lambda self: None})())
     lines = ["\x1b[91mERROR \x1b[0m:      ClientApp raised an exception\n", "Traceback (most recent call last):\n",
              '  File "client_app.py", line 9, in run_train\n', "    raise ClientError(f'... Found {x!r}')\n",
              "clients._errors.ClientError: codec must be one of ['dense']. Found 'Exit Code: 302'.\n",
@@ -151,9 +151,9 @@ def test_text_quoting_flowers_exit_words_does_not_stop_the_agent(monkeypatch):
              "\x1b[93mWARNING \x1b[0m:   [fedshield] node refused a message: codec must be one of ['dense']. Found "
              "'[code: 2004]'.\n",
              "WARNING :   [fedshield] node refused a message: codec must be one of ['dense']. Found 'Exit Code: 302'.\n"]
-    seen = cli._watch(_FakeSuperNode(lines))
+    seen = supervisor._watch(_FakeSuperNode(lines))
     assert (seen.exit_code, seen.refusal, seen.served) == (None, None, 2) and started == []
-    seen = cli._watch(_FakeSuperNode(["\x1b[91mERROR \x1b[0m:      Exit Code: 302\n"]))
+    seen = supervisor._watch(_FakeSuperNode(["\x1b[91mERROR \x1b[0m:      Exit Code: 302\n"]))
     assert seen.exit_code == 302 and len(started) == 1
 
 
@@ -324,6 +324,18 @@ time.sleep(60)
 """
 
 
+def _fake_plan(tmp_path, node: list[str]):
+    """A supervisor plan whose worker only says it is ready and waits, and whose node is ``node``."""
+    import sys
+
+    from clients import supervisor
+
+    state = tmp_path / "state"
+    state.mkdir()
+    worker = [sys.executable, "-c", f"import time; open({str(state / 'ready')!r}, 'w').close(); time.sleep(60)"]
+    return supervisor.Plan(supernode=node, worker=worker, state_dir=str(state))
+
+
 @pytest.mark.parametrize("sig, code, word", [("SIGINT", 130, "interrupted"), ("SIGTERM", 0, "stopped")])
 def test_an_interrupted_agent_stops_its_node_with_sigterm_and_says_so_in_one_line(tmp_path, capsys, monkeypatch,
                                                                                     sig, code, word):
@@ -334,12 +346,10 @@ def test_an_interrupted_agent_stops_its_node_with_sigterm_and_says_so_in_one_lin
     import threading
     import time
 
-    from clients import cli
-    from simulations.cli import build_parser
+    from clients import supervisor
 
     ready = tmp_path / "ready"
-    monkeypatch.setattr(cli, "supernode_command", lambda args: [sys.executable, "-c", _FAKE_NODE, str(ready)])
-    args = build_parser().parse_args(["agent", "start", "--coordinator", "127.0.0.1:1", "--insecure"])
+    plan = _fake_plan(tmp_path, [sys.executable, "-c", _FAKE_NODE, str(ready)])
 
     main_thread = threading.get_ident()
 
@@ -353,7 +363,7 @@ def test_an_interrupted_agent_stops_its_node_with_sigterm_and_says_so_in_one_lin
     old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     threading.Thread(target=interrupt, daemon=True).start()
     try:
-        assert cli.start_agent(args) == code
+        assert supervisor.supervise(plan) == code
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)
@@ -370,14 +380,12 @@ def test_a_second_ctrl_c_kills_a_node_that_hangs_on_its_way_out(tmp_path, capsys
     import threading
     import time
 
-    from clients import cli
-    from simulations.cli import build_parser
+    from clients import supervisor
 
     ready = tmp_path / "ready"
     stuck = ("import signal, sys, time\nsignal.signal(signal.SIGTERM, lambda s, f: None)\n"
              "print('INFO :      Sent successfully', flush=True)\nopen(sys.argv[1], 'w').close()\ntime.sleep(60)\n")
-    monkeypatch.setattr(cli, "supernode_command", lambda args: [sys.executable, "-c", stuck, str(ready)])
-    args = build_parser().parse_args(["agent", "start", "--coordinator", "127.0.0.1:1", "--insecure"])
+    plan = _fake_plan(tmp_path, [sys.executable, "-c", stuck, str(ready)])
     main_thread = threading.get_ident()
 
     def twice():
@@ -392,7 +400,7 @@ def test_a_second_ctrl_c_kills_a_node_that_hangs_on_its_way_out(tmp_path, capsys
     old = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     threading.Thread(target=twice, daemon=True).start()
     try:
-        assert cli.start_agent(args) == 130
+        assert supervisor.supervise(plan) == 130
     finally:
         signal.signal(signal.SIGINT, old[0])
         signal.signal(signal.SIGTERM, old[1])

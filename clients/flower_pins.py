@@ -1,0 +1,87 @@
+"""Every Flower internal the warm agent relies on, pinned to flwr 1.42 in this one module.
+
+The agent's SuperNode is stock Flower with its waits shortened (a 3 s sleep after an empty pull, 0.5 s
+polls for a reply, object-pull retries from 1 s), and its ClientApp worker speaks the SuperNode's Runtime
+API directly (acquire a task, pull its input, push the reply and the context) so that one process serves
+every message. tests/clients/test_flower_pins.py fails by name when an upgrade moves any of these.
+
+Runs as a script (``python flower_pins.py supernode ARGS``): it imports only the standard library and
+flwr, never this package (whose import loads torch).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import sys
+import time
+import types
+
+FLWR_VERSION = "1.42.0"
+
+# (module, attribute): what this module reads or replaces; the test imports each.
+PINNED = (
+    ("flwr.supernode.start_client_internal", "time"),
+    ("flwr.supernode.start_client_internal", "pull_objects"),
+    ("flwr.supernode.cli.flower_supernode", "flower_supernode"),
+    ("flwr.supercore.runtime", "RuntimeHttpClient"),
+    ("flwr.supercore.interceptors", "RuntimeTokenHttpInterceptor"),
+    ("flwr.supercore.interceptors", "RuntimeVersionHttpInterceptor"),
+    ("flwr.supercore.interceptors", "SuperExecAuthHttpInterceptor"),
+    ("flwr.supercore.retry", "make_simple_http_retry_invoker"),
+    ("flwr.supercore.heartbeat", "HeartbeatSender"),
+    ("flwr.supercore.heartbeat", "make_task_heartbeat_fn_http"),
+    ("flwr.supercore.constant", "TaskType"),
+    ("flwr.proto.runtime_pb2", "AcquireTaskRequest"),
+    ("flwr.proto.message_pb2", "Message"),
+    ("flwr.supernode.runtime.run_clientapp", "pull_task_input"),
+    ("flwr.supernode.runtime.run_clientapp", "push_message"),
+    ("flwr.supernode.runtime.run_clientapp", "push_task_output"),
+    ("flwr.common.constant", "SubStatus"),
+    ("flwr.common.constant", "ErrorCode"),
+    ("flwr.common.serde", "message_to_proto"),
+    ("flwr.common.serde", "message_from_proto"),
+    ("flwr.app.message", "remove_content_from_message"),
+    ("flwr.common.config", "get_fab_config"),
+)
+# The sleeps in start_client_internal (Flower 1.42) that a round waits on, by their length in seconds.
+EMPTY_PULL_SLEEP = 3.0      # after a pull from the SuperLink found no message
+REPLY_POLL_SLEEP = 0.5      # while the ClientApp's reply (or its objects) is not in the node's store yet
+AUTH_METHOD = "/flwr.proto.Runtime/AcquireTask"  # what the SuperExec secret protects on the Runtime API
+
+
+def pinned(module: str, name: str):
+    return getattr(importlib.import_module(module), name)
+
+
+def patch_supernode(poll_interval: float, reply_poll: float = 0.01, pull_backoff: float = 0.02) -> None:
+    """Shorten the SuperNode's waits: an empty pull waits ``poll_interval`` (Flower: 3 s), the wait for
+    the worker's reply polls every ``reply_poll`` (0.5 s), an object not there yet is retried from
+    ``pull_backoff`` (1 s)."""
+    sci = importlib.import_module("flwr.supernode.start_client_internal")
+    real = time.sleep
+    table = {EMPTY_PULL_SLEEP: poll_interval, REPLY_POLL_SLEEP: reply_poll}
+
+    def sleep(seconds: float) -> None:
+        real(table.get(float(seconds), seconds))
+
+    sci.time = types.SimpleNamespace(**{**{k: getattr(time, k) for k in dir(time) if not k.startswith("_")},
+                                        "sleep": sleep})
+    sci.pull_objects = functools.partial(pinned("flwr.supernode.start_client_internal", "pull_objects"),
+                                         initial_backoff=pull_backoff, backoff_cap=1.0)
+
+
+def run_supernode(argv: list[str]) -> None:
+    """``flower-supernode`` with the waits shortened; ``--poll-interval S`` (ours) comes first in argv."""
+    poll = 0.2
+    if argv[:1] == ["--poll-interval"]:
+        poll, argv = float(argv[1]), argv[2:]
+    patch_supernode(poll)
+    sys.argv = ["flower-supernode", *argv]
+    pinned("flwr.supernode.cli.flower_supernode", "flower_supernode")()
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] != ["supernode"]:
+        sys.exit("usage: python flower_pins.py supernode [--poll-interval S] FLOWER-SUPERNODE-ARGS...")
+    run_supernode(sys.argv[2:])

@@ -1,0 +1,309 @@
+"""The warm agent's supervisor: the process ``fedshield agent start`` becomes once its inputs are checked.
+
+It holds no torch (the agent execs into this script, standard library only): it starts the ClientApp
+worker (``clients.worker``), waits until it is warm, then starts the SuperNode, echoes the SuperNode's
+log, restarts a worker that died or hung (its message gets an error reply), and stops both on
+SIGINT/SIGTERM or when the SuperNode ends, saying why in one line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+READY, INFLIGHT = "ready", "inflight"  # as clients.worker
+
+# Flower's own lines: its console prefix ("ERROR :     ", with colours or a timestamp), then the
+# message; an exit's message starts with its whole "Exit Code: N" line. Text that merely contains
+# these words (an error quoting a coordinator's value, in a ClientApp's traceback) is not one.
+_FATAL = re.compile(r"^(?:DEBUG|INFO|WARNING|ERROR|CRITICAL)[\d\-:, ]*:\s+"
+                    r"(?:Exit Code: (\d+)\s*$|Giving up reconnection\b)")
+_REFUSAL = re.compile(r"\[code: (\d+)\]")  # a SuperLink's refusal, in the line of the failure it ended
+# fedshield's own ClientApp lines (a refusal's reason quotes the coordinator's values): never Flower's exit or refusal
+_OURS = re.compile(r"^(?:DEBUG|INFO|WARNING|ERROR|CRITICAL)[\d\-:, ]*:\s+\[fedshield\]")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# Exit codes of a ClientApp process (a ClientApp that raised: 800; one that lost its SuperNode: 250): the
+# node stays in the run (a bad message must not take it out).
+_TASK_CODES = range(250, 300), range(800, 900)
+# SuperLink refusal codes (in the SuperNode's log) in words.
+_REFUSALS = {
+    2001: "the coordinator requires node authentication: give --key with an enrolled key",
+    2004: "this node's key is not enrolled at the coordinator: add its .pub file to the coordinator's enrolled-keys",
+}
+_EXIT_REASONS = {
+    302: "the node key could not be read as an ECDSA OpenSSH private key",
+    303: "node authentication needs TLS: drop --insecure",
+    305: "could not connect to the coordinator: check the address, that it runs, its certificate (--root-cert), "
+         "that this node's public key is enrolled in the coordinator's config, and that both or neither run "
+         "--insecure",
+    600: "the coordinator address is not a valid HOST:PORT",
+    603: "the root certificate is not a valid PEM certificate",
+    604: "a path given to the SuperNode does not exist",
+}
+_SENT = re.compile(r"Sent successfully")
+# Flower's SuperNode can end with Python's "Exception ignored in: <module 'threading'...>" and a
+# traceback of its own SystemExit(0): noise, not a failure; it is not echoed.
+_IGNORED_START, _IGNORED_END = "Exception ignored in: <module 'threading'", "SystemExit:"
+MAX_BACKOFF = 30.0  # seconds between restarts of a worker that keeps dying
+HEALTHY = 60.0  # seconds a worker must live for its death to count as a first one again
+
+
+@dataclasses.dataclass
+class Watched:
+    """What the SuperNode's log said: Flower's exit code, a SuperLink refusal code, messages answered."""
+
+    exit_code: int | None = None
+    refusal: int | None = None
+    served: int = 0
+
+
+@dataclasses.dataclass
+class Plan:
+    """What the agent runs: the SuperNode's and the worker's command lines, and how it watches the worker."""
+
+    supernode: list[str]
+    worker: list[str]
+    state_dir: str
+    task_timeout: float = 1800.0  # a message handled longer than this: the worker hangs, it is restarted
+    tick: float = 0.2
+
+
+def _watch(proc: subprocess.Popen, quiet: threading.Event | None = None) -> Watched:
+    """Echo the SuperNode's log (less Flower's shutdown noise); return what it said.
+
+    A SuperNode that gave up may hang on its helper threads: once a fatal line is
+    seen, the process group gets a few seconds to exit and is then stopped. Once
+    ``quiet`` is set (the agent was interrupted), what the group says as it stops is not echoed.
+    """
+    seen = Watched()
+    assert proc.stdout is not None
+    stopping = skipping = traceback = False
+    for line in proc.stdout:
+        if line.startswith(_IGNORED_START):
+            skipping = True
+        if not skipping and not (quiet is not None and quiet.is_set()):
+            sys.stderr.write(line)
+        elif line.startswith(_IGNORED_END):
+            skipping = False
+        text = _ANSI.sub("", line)
+        if text.startswith("Traceback (most recent call last):"):  # a ClientApp's error: its frames and
+            traceback = True                                       # its exception line quote message text
+            continue
+        if traceback:
+            traceback = text[:1].isspace()  # the first line not indented is the exception's: skipped too
+            continue
+        seen.served += bool(_SENT.search(text))
+        if _OURS.match(text):
+            continue
+        m, refused = _FATAL.match(text), _REFUSAL.search(text)
+        if m and m.group(1) and any(int(m.group(1)) in codes for codes in _TASK_CODES):
+            continue
+        if m or refused:
+            seen.exit_code = int(m.group(1)) if m and m.group(1) else (seen.exit_code or 305)
+            seen.refusal = int(refused.group(1)) if refused else seen.refusal
+            if not stopping:
+                stopping = True
+                timer = threading.Timer(5.0, _stop_group, (proc,))
+                timer.daemon = True
+                timer.start()
+    proc.wait()
+    return seen
+
+
+def _messages(n: int) -> str:
+    return f"{n} message{'' if n == 1 else 's'}"
+
+
+def _stop_group(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def die_with_parent() -> None:
+    """In a child's process (Linux; the agent's SuperNode and worker, the coordinator's SuperLink): get
+    SIGTERM if the process that started it dies, even by SIGKILL."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _say(text: str) -> None:
+    print(f"fedshield agent: {text}", file=sys.stderr, flush=True)
+
+
+def _start(cmd: list[str], **kw) -> subprocess.Popen:
+    return subprocess.Popen(cmd, env={**os.environ, "FLWR_DISABLE_UPDATE_CHECK": "1"}, start_new_session=True,
+                            preexec_fn=die_with_parent if sys.platform.startswith("linux") else None, **kw)
+
+
+def _status(code: int) -> str:
+    return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+
+
+class Workers:
+    """The one ClientApp worker: started, restarted when it dies or hangs (never two at once)."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan, self.proc, self.deaths, self.restarts, self.started_at = plan, None, 0, 0, 0.0
+        self.ready_path = os.path.join(plan.state_dir, READY)
+        self.inflight = os.path.join(plan.state_dir, INFLIGHT)
+        self.next_start = 0.0
+
+    def start(self) -> None:
+        try:
+            os.unlink(self.ready_path)
+        except FileNotFoundError:
+            pass
+        self.proc, self.started_at = _start(self.plan.worker), time.monotonic()
+
+    def ready(self) -> bool:
+        return os.path.exists(self.ready_path)
+
+    def check(self) -> None:
+        """Restart a worker that died, or kill one whose message has taken longer than ``task_timeout``."""
+        now = time.monotonic()
+        if self.proc is None:
+            if now >= self.next_start:
+                self.start()
+            return
+        code = self.proc.poll()
+        if code is None:
+            if now - self.started_at > HEALTHY:
+                self.deaths = 0  # alive a while: its next death restarts it at once
+            started = _inflight_started(self.inflight)
+            if started is not None and time.time() - started > self.plan.task_timeout:
+                _mark_inflight(self.inflight, f"the ClientApp worker took more than {self.plan.task_timeout:g} s "
+                                              "on this message and was restarted")
+                _say(f"the ClientApp worker has handled one message for more than {self.plan.task_timeout:g} s "
+                     "(--task-timeout): stopping it; the message gets an error reply and a new worker starts.")
+                _stop_group(self.proc, signal.SIGKILL)
+                self.proc.wait()
+                self.proc, self.deaths = None, 0
+                self.restarts += 1
+                self.next_start = now
+            return
+        _mark_inflight(self.inflight, f"the ClientApp worker died ({_status(code)}) on this message")
+        self.deaths += 1
+        self.restarts += 1
+        delay = min(MAX_BACKOFF, 2.0 ** (self.deaths - 1) - 1.0)
+        _say(f"the ClientApp worker died ({_status(code)}); "
+             + (f"restarting it in {delay:g} s." if delay else "restarting it."))
+        self.proc, self.next_start = None, now + delay
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            _stop_group(self.proc, sig)
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                _stop_group(self.proc, signal.SIGKILL)
+                self.proc.wait()
+
+
+def _inflight_started(path: str) -> float | None:
+    try:
+        with open(path) as f:
+            return float(json.load(f)["started"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _mark_inflight(path: str, reason: str) -> None:
+    """Tell the next worker why the message it finds in flight was lost."""
+    try:
+        with open(path) as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return
+    record["reason"] = reason
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(record, f)
+    os.replace(tmp, path)
+
+
+def supervise(plan: Plan) -> int:
+    """Run the agent until its SuperNode ends or a signal comes; return the exit status."""
+    stopped_by: list[int] = []
+    quiet = threading.Event()
+    workers = Workers(plan)
+    node: subprocess.Popen | None = None
+
+    def forward(signum: int, _frame: object) -> None:
+        # SIGTERM to each group whatever came in: SIGINT made the ClientApp running at that moment print a
+        # KeyboardInterrupt traceback; a second signal (a process hangs on its way out): SIGKILL
+        sig = signal.SIGKILL if stopped_by else signal.SIGTERM
+        for proc in (node, workers.proc):
+            if proc is not None:
+                _stop_group(proc, sig)
+        stopped_by.append(signum)
+        quiet.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, forward)
+    try:
+        workers.start()
+        while not workers.ready():  # the node joins the federation once its ClientApp can serve at once
+            if stopped_by:
+                return _stopped(stopped_by, 0)
+            code = workers.proc.poll()
+            if code is not None:
+                print(f"fedshield: error: agent stopped: its ClientApp worker could not start ({_status(code)}; "
+                      "see its error above).", file=sys.stderr)
+                return 1
+            time.sleep(plan.tick / 4)
+        node = _start(plan.supernode, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        seen: list[Watched] = []
+        watcher = threading.Thread(target=lambda: seen.append(_watch(node, quiet)), daemon=True)
+        watcher.start()
+        while watcher.is_alive():
+            if not stopped_by:
+                workers.check()
+            watcher.join(plan.tick)
+        if stopped_by:
+            return _stopped(stopped_by, seen[0].served if seen else 0)
+        return _ended(seen[0], node.returncode)
+    finally:
+        if node is not None:
+            _stop_group(node)
+        workers.stop()
+        shutil.rmtree(plan.state_dir, ignore_errors=True)
+
+
+def _stopped(stopped_by: list[int], served: int) -> int:
+    """Ctrl-C: 130, as fedshield simulate; SIGTERM (a service manager's stop): 0."""
+    _say(f"{'interrupted' if stopped_by[0] == signal.SIGINT else 'stopped'}; the node left the federation after "
+         f"answering {_messages(served)}.")
+    return 130 if stopped_by[0] == signal.SIGINT else 0
+
+
+def _ended(seen: Watched, returncode: int) -> int:
+    flwr_code, refusal = seen.exit_code, seen.refusal
+    if flwr_code is None and returncode in (0, -signal.SIGTERM, -signal.SIGINT):
+        return 0
+    if flwr_code == 305 and refusal is None and seen.served:
+        # Connected, answered the coordinator, then lost it: a coordinator stops its SuperLink when its
+        # run ends, so this is how an agent's part in a finished run ends (or the coordinator stopped).
+        _say(f"the coordinator went away after this node answered {_messages(seen.served)} (its run ended, or "
+             "it was stopped); agent stopped.")
+        return 0
+    if refusal in _REFUSALS:
+        reason = _REFUSALS[refusal]
+    else:
+        reason = _EXIT_REASONS.get(flwr_code or 0, f"see the SuperNode's log above (exit status {returncode})")
+    print(f"fedshield: error: agent stopped (Flower exit code {flwr_code}): {reason}.", file=sys.stderr)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(supervise(Plan(**json.loads(sys.argv[1]))))

@@ -1,0 +1,196 @@
+"""The warm agent's ClientApp worker: one long-lived process that serves every message of its SuperNode.
+
+Interpreter, torch, fedshield, the agent's task and its data are loaded once, before the node joins
+the federation; then the worker acquires the SuperNode's tasks over its Runtime API (as Flower's
+SuperExec does) and runs fedshield's ClientApp on each in this process (as ``flwr-clientapp`` does for
+one message and exits). Flower's own process-per-message path spent ~7 s a message importing.
+
+It always runs the installed fedshield ClientApp: a run's FAB is never installed nor its code loaded, so a
+coordinator cannot make a device run other code. While a message is being handled its token and
+metadata sit in ``inflight``; a worker restarted after a crash or a hang (``clients.supervisor``) answers
+that message with an error reply, so the coordinator sees a failed reply at once and the SuperNode,
+which serves one message at a time, goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from .flower_pins import AUTH_METHOD, pinned
+
+READY, INFLIGHT, SECRET = "ready", "inflight", "secret"
+APP_FAB_ID = "fedshield"  # the ClientApp component every fedshield FAB names, checked before it serves a run
+CLIENTAPP = "clients.client_app:app"
+
+
+def _log(text: str) -> None:
+    print(f"fedshield agent: {text}", file=sys.stderr, flush=True)
+
+
+def warm_up(node_config: dict) -> None:
+    """Load what a message needs before the first one: the ClientApp's imports, the agent's task and data."""
+    from clients.client_app import NODE_TASK, torch_threads  # noqa: F401  (torch, flwr, fedshield)
+    from clients.config import TaskSpec
+    from clients.data import client_data
+    from clients.tasks import load_task
+    import torch._dynamo  # noqa: F401  (imported lazily by the first optimizer step otherwise: ~2 s)
+
+    torch_threads()
+    own = str(node_config.get(NODE_TASK, "builtin"))
+    if own != "builtin":
+        client_data(load_task(TaskSpec(task=own)), node_config)
+
+
+class Worker:
+    def __init__(self, runtime: str, state_dir: Path, poll: float) -> None:
+        self.runtime, self.dir, self.poll = runtime, state_dir, poll
+        self.secret = (state_dir / SECRET).read_bytes()
+        self.client = self._client()
+
+    def _client(self, token: str | None = None):
+        interceptors = [pinned("flwr.supercore.interceptors", "RuntimeVersionHttpInterceptor")(
+            component_name="flwr-clientapp" if token else "SuperExec")]
+        if token:
+            interceptors.append(pinned("flwr.supercore.interceptors", "RuntimeTokenHttpInterceptor")(token))
+        else:
+            interceptors.append(pinned("flwr.supercore.interceptors", "SuperExecAuthHttpInterceptor")(
+                master_secret=self.secret, protected_methods=[AUTH_METHOD]))
+        return pinned("flwr.supercore.runtime", "RuntimeHttpClient").from_server_address(
+            server_address=self.runtime, insecure=True, root_certificates=None, interceptors=interceptors,
+            retry_invoker=pinned("flwr.supercore.retry", "make_simple_http_retry_invoker")())
+
+    def acquire(self) -> str | None:
+        request = pinned("flwr.proto.runtime_pb2", "AcquireTaskRequest")(
+            supported_task_types=[pinned("flwr.supercore.constant", "TaskType").CLIENT_APP])
+        res = self.client.AcquireTask(request)
+        return res.token if res.HasField("task") and res.token else None
+
+    def answer_lost(self) -> None:
+        """The message a dead predecessor held: an error reply and a failed task, so the node goes on."""
+        path = self.dir / INFLIGHT
+        if not path.exists():
+            return
+        try:
+            record = json.loads(path.read_text())
+            proto = pinned("flwr.proto.message_pb2", "Message").FromString(base64.b64decode(record["message"]))
+            message = pinned("flwr.common.serde", "message_from_proto")(proto)
+            message.metadata.__dict__["_message_id"] = record["message_id"]
+            self._finish(record["token"], message, None, record.get("reason", "the ClientApp worker died"))
+            _log(f"answered the {message.metadata.message_type} message the previous worker held with an "
+                 f"error reply ({record.get('reason', 'it died')}).")
+        except Exception as exc:  # noqa: BLE001  (its token may have expired: the SuperNode then replies itself)
+            _log(f"could not answer the message the previous worker held ({type(exc).__name__}: {exc}); "
+                 "Flower's task expiry answers it.")
+        path.unlink(missing_ok=True)
+
+    def _finish(self, token: str, message, context, reason: str | None, reply=None) -> None:
+        """Push ``reply`` (an error reply when ``reason``) and the task's final status and context."""
+        from flwr.app import Message
+        from flwr.app.error import Error
+
+        sub = pinned("flwr.common.constant", "SubStatus")
+        client = self._client(token)
+        try:
+            if reason is not None:
+                code = pinned("flwr.common.constant", "ErrorCode").CLIENT_APP_RAISED_EXCEPTION
+                reply = Message(Error(code=code, reason=reason), reply_to=message)
+            pinned("flwr.supernode.runtime.run_clientapp", "push_message")(
+                client, reply, context if context is not None else _context_of(message))
+            pinned("flwr.supernode.runtime.run_clientapp", "push_task_output")(
+                client, context, sub.FAILED if reason is not None else sub.COMPLETED, reason or "")
+        finally:
+            client.close()
+
+    def serve(self, token: str) -> None:
+        """One task: pull its message and context, run the ClientApp here, push the reply and context."""
+        from clients.client_app import app
+
+        client = self._client(token)
+        heartbeat = pinned("flwr.supercore.heartbeat", "HeartbeatSender")(
+            pinned("flwr.supercore.heartbeat", "make_task_heartbeat_fn_http")(client))
+        heartbeat.start()
+        message = context = None
+        try:
+            message, context, run, fab = pinned("flwr.supernode.runtime.run_clientapp", "pull_task_input")(client)
+            self._hold(token, message)
+            reason = None
+            try:
+                _check_fab(fab)
+                reply = app(message=message, context=context)
+            except Exception as exc:  # noqa: BLE001  (as flwr-clientapp: an error reply, the node goes on)
+                reason = f"{type(exc).__name__}: {exc}"
+                _log(f"the ClientApp raised {reason}")
+                reply = None
+            self._finish(token, message, context, reason, reply)
+        finally:
+            heartbeat.stop()
+            client.close()
+            (self.dir / INFLIGHT).unlink(missing_ok=True)
+
+    def _hold(self, token: str, message) -> None:
+        """Write the message being handled (token and metadata, no content) where a successor finds it."""
+        proto = pinned("flwr.common.serde", "message_to_proto")(
+            pinned("flwr.app.message", "remove_content_from_message")(message))
+        tmp = self.dir / (INFLIGHT + ".tmp")
+        tmp.write_text(json.dumps({"token": token, "message_id": message.metadata.message_id,
+                                   "message": base64.b64encode(proto.SerializeToString()).decode(),
+                                   "started": time.time()}))
+        os.replace(tmp, self.dir / INFLIGHT)
+
+    def run(self) -> None:
+        (self.dir / READY).write_text(str(os.getpid()))
+        while True:
+            try:
+                token = self.acquire()
+            except Exception:  # noqa: BLE001  (the SuperNode not up yet, or restarting)
+                token = None
+            if token:
+                self.serve(token)
+            else:
+                time.sleep(self.poll)
+
+
+def _context_of(message):
+    from flwr.app import Context, RecordDict
+
+    return Context(run_id=message.metadata.run_id, node_id=message.metadata.dst_node_id, node_config={},
+                   state=RecordDict(), run_config={})
+
+
+def _check_fab(fab) -> None:
+    """The run's FAB must name fedshield's ClientApp: this worker runs only that, whatever the FAB holds."""
+    config = pinned("flwr.common.config", "get_fab_config")(fab.content)
+    named = config.get("tool", {}).get("flwr", {}).get("app", {}).get("components", {}).get("clientapp")
+    if named != CLIENTAPP:
+        raise RuntimeError(f"this agent runs fedshield's ClientApp ({CLIENTAPP}) only. Found a run whose app names "
+                           f"{str(named)[:200]!r}.")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m clients.worker")
+    parser.add_argument("--runtime", required=True, help="the SuperNode's Runtime API, 127.0.0.1:PORT")
+    parser.add_argument("--state-dir", required=True, type=Path)
+    parser.add_argument("--node-config", default="", help="the node config given to the SuperNode")
+    parser.add_argument("--poll", type=float, default=0.02)
+    args = parser.parse_args(argv)
+    from flwr.common.config import parse_config_args
+
+    node_config = parse_config_args([args.node_config]) if args.node_config else {}
+    worker = Worker(args.runtime, args.state_dir, args.poll)
+    worker.answer_lost()  # a predecessor's message first: it needs flwr only, not the task
+    warm_up(node_config)
+    worker.run()
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        sys.exit(130)
