@@ -93,6 +93,12 @@ def save_npz(path: str | os.PathLike, data: Dataset, spec: Any = None) -> None:
     np.savez(path, x=data.x, y=data.y, **made_by)
 
 
+def _split_value(field: str, value: Any) -> Any:
+    """A task file's path differs between the machine that exported and the one that trains (and between a
+    relative and a resolved spelling): the split's task is its class name, as an agent's --task is matched."""
+    return str(value).rpartition(":")[2] if field == "task" else value
+
+
 def check_split(path: str | os.PathLike, spec: Any) -> None:
     """ClientError when the .npz at ``path`` records a split (``save_npz``'s ``split_*``) other than ``spec``'s:
     its examples may be the run's test examples. A file without them (the owner's own data) passes."""
@@ -103,7 +109,7 @@ def check_split(path: str | os.PathLike, spec: Any) -> None:
         raise ClientError(f"data file {path} must record its split (split_{'/'.join(SPLIT_FIELDS)}) as single "
                           f"values, as fedshield data export writes them. Found: {exc}.") from None
     wrong = [f"{k.replace('_', '-')} {v!r} there, {getattr(spec, k)!r} in this run" for k, v in recorded.items()
-             if v != getattr(spec, k)]
+             if _split_value(k, v) != _split_value(k, getattr(spec, k))]
     if wrong:
         raise ClientError(f"data file {path} was exported from another split of the task ({'; '.join(wrong)}): its "
                           "examples may be the coordinator's test examples. Export it again with the run's task and "

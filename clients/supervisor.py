@@ -180,7 +180,7 @@ class Workers:
         if code is None:
             if now - self.started_at > HEALTHY:
                 self.deaths = 0  # alive a while: its next death restarts it at once
-            started = _inflight_started(self.inflight)
+            started = _inflight_started(self.inflight, self.proc.pid)
             if started is not None and time.time() - started > self.plan.task_timeout:
                 _mark_inflight(self.inflight, f"the ClientApp worker took more than {self.plan.task_timeout:g} s "
                                               "on this message and was restarted")
@@ -210,11 +210,13 @@ class Workers:
                 self.proc.wait()
 
 
-def _inflight_started(path: str) -> float | None:
+def _inflight_started(path: str, pid: int) -> float | None:
+    """When worker ``pid`` started the message it holds (None: it holds none; a dead predecessor's is not its)."""
     try:
         with open(path) as f:
-            return float(json.load(f)["started"])
-    except (OSError, ValueError, KeyError, TypeError):
+            record = json.load(f)
+        return float(record["started"]) if record.get("pid") == pid else None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
 

@@ -18,6 +18,7 @@ import argparse
 import base64
 import json
 import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -36,6 +37,7 @@ def _log(text: str) -> None:
 def warm_up(node_config: dict) -> None:
     """Load what a message needs before the first one: the ClientApp's imports, the agent's task and data."""
     from clients.client_app import NODE_TASK, torch_threads  # noqa: F401  (torch, flwr, fedshield)
+    from clients import ClientError
     from clients.config import TaskSpec
     from clients.data import client_data
     from clients.tasks import load_task
@@ -44,7 +46,11 @@ def warm_up(node_config: dict) -> None:
     torch_threads()
     own = str(node_config.get(NODE_TASK, "builtin"))
     if own != "builtin":
-        client_data(load_task(TaskSpec(task=own)), node_config)
+        task = load_task(TaskSpec(task=own))
+        try:  # the run's spec (data seed, split) comes with the first message: a mismatch is refused then
+            client_data(task, node_config)
+        except ClientError:
+            pass
 
 
 class Worker:
@@ -140,11 +146,18 @@ class Worker:
         tmp = self.dir / (INFLIGHT + ".tmp")
         tmp.write_text(json.dumps({"token": token, "message_id": message.metadata.message_id,
                                    "message": base64.b64encode(proto.SerializeToString()).decode(),
-                                   "started": time.time()}))
+                                   "started": time.time(), "pid": os.getpid()}))
         os.replace(tmp, self.dir / INFLIGHT)
 
     def run(self) -> None:
         (self.dir / READY).write_text(str(os.getpid()))
+        host, _, port = self.runtime.rpartition(":")
+        while True:  # the supervisor starts the SuperNode now: its Runtime API, quietly awaited
+            try:
+                socket.create_connection((host, int(port)), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(self.poll)
         while True:
             try:
                 token = self.acquire()

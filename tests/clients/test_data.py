@@ -212,6 +212,18 @@ def test_a_partition_exported_from_another_split_is_refused_by_the_run(tmp_path)
     assert len(client_data(DigitsTask(TaskSpec(data_seed=0)), {"data-path": str(own)})) == 3
 
 
+def test_a_task_file_exported_under_another_path_spelling_is_the_same_split(tmp_path):
+    """`data export --task flaky.py:Flaky` recorded the relative spelling; the run resolves the same file to an
+    absolute path (and a device keeps it elsewhere): every round was refused as 'another split'."""
+    from clients.data import check_split
+
+    path = tmp_path / "p.npz"
+    save_npz(path, Dataset(np.zeros((3, 64), np.float32), np.array([0, 1, 2])), TaskSpec(task="flaky.py:Flaky"))
+    check_split(path, TaskSpec(task="/elsewhere/flaky.py:Flaky"))
+    with pytest.raises(ClientError, match="another split of the task"):
+        check_split(path, TaskSpec(task="/elsewhere/flaky.py:Other"))
+
+
 def test_a_split_record_that_is_not_one_value_is_one_client_error(tmp_path):
     """The owner's file: a split_ record of several values made .item() raise past the ClientApp's refusals."""
     path = tmp_path / "odd.npz"

@@ -11,7 +11,7 @@ from .procs import free_port, wait_for
 
 
 def setup_deployment(tmp_path, fedshield_bin, num_rounds: int, keys: int = 4, nodes: int = 3, extra: str = "",
-                     min_nodes: int | None = None, round_timeout: float = 120.0):
+                     min_nodes: int | None = None, round_timeout: float = 120.0, wait_nodes_timeout: float = 120.0):
     run = lambda *a: subprocess.run([fedshield_bin, *a], cwd=tmp_path, check=True, capture_output=True, text=True)  # noqa: E731
     run("certs", "init", "certs")
     for i in range(keys):
@@ -28,7 +28,7 @@ enrolled-keys = [{", ".join(f'"keys/client-{i}.pub"' for i in range(nodes))}]
 run-dir = "runs/deploy"
 num-rounds = {num_rounds}
 min-nodes = {min_nodes or nodes}
-wait-nodes-timeout = 120.0
+wait-nodes-timeout = {wait_nodes_timeout}
 round-timeout = {round_timeout}
 {extra}""")
     return port
@@ -43,9 +43,9 @@ def start_agent(procs, tmp_path, fedshield_bin, port, i, key=None, data=None, na
     ], cwd=tmp_path, env={"FLWR_HOME": str(home)})
 
 
-def start_coordinator(procs, tmp_path, fedshield_bin, name):
+def start_coordinator(procs, tmp_path, fedshield_bin, name, nodes: int = 3):
     procs.start(name, [fedshield_bin, "coordinator", "start", "--config", "coordinator.toml"], cwd=tmp_path)
-    wait_for(lambda: "enrolled client-2.pub" in procs.log(name) or procs.procs[name].poll() is not None,
+    wait_for(lambda: f"enrolled client-{nodes - 1}.pub" in procs.log(name) or procs.procs[name].poll() is not None,
              90, "the coordinator to enrol the keys")
     assert procs.procs[name].poll() is None, procs.log(name)[-2000:]
 

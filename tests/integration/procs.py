@@ -83,3 +83,26 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.5) -> Non
             return
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def children(pid: int) -> list[int]:
+    """The direct children of ``pid`` (Linux)."""
+    try:
+        return [int(c) for c in open(f"/proc/{pid}/task/{pid}/children").read().split()]
+    except OSError:
+        return []
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def agent_child(pid: int, role: str) -> int | None:
+    """A warm agent's SuperNode (``role="supernode"``) or ClientApp worker (``"worker"``), by its command line."""
+    mark = {"supernode": "flower_pins.py supernode", "worker": "-m clients.worker"}[role]
+    found = [c for c in children(pid) if mark in cmdline(c)]
+    return found[0] if found else None
+

@@ -20,7 +20,7 @@ from flwr.app import Context, Message, RecordDict
 
 from coordinator.rundir import MODEL, SUMMARY
 
-from .procs import wait_for
+from .procs import agent_child, wait_for
 from .deploy import metrics_rows, setup_deployment, start_agent, start_coordinator
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -67,8 +67,8 @@ def test_secagg_round_survives_a_supernode_killed_after_sharing_keys(tmp_path, p
     # reaches it only after every node has shared keys and its next poll (3 s), so kill it now.
     wait_for(lambda: procs.log(victim).count("Sent successfully") >= 2, 240, "the victim's share-keys reply", 0.05)
     pid = procs.procs[victim].pid
-    supernode = int(open(f"/proc/{pid}/task/{pid}/children").read().split()[0])  # the agent's one child
-    os.killpg(supernode, signal.SIGKILL)  # the SuperNode and its ClientApp process, without warning
+    supernode = agent_child(pid, "supernode")
+    os.killpg(supernode, signal.SIGKILL)  # the SuperNode, without warning (its agent then stops its worker)
     assert procs.wait("coordinator", timeout=300) == 0, procs.log("coordinator")[-3000:]
 
     log = procs.log("coordinator")
