@@ -165,13 +165,15 @@ def _cmdline(pid: int) -> str:
 
 
 # A process's role in a node's tree, by what its command line holds (the first match).
-ROLES = (("flwr-clientapp", "ClientApp"), ("clients.worker", "worker"), ("supervisor.py", "supervisor"),
-         ("flower_pins.py", "SuperNode"), ("flower-supernode", "SuperNode"))
+# (The supervisor's command line holds the worker's and the SuperNode's, in its plan: it comes first.)
+ROLES = (("supervisor.py", "supervisor"), ("flwr-clientapp", "ClientApp"), ("clients.worker", "worker"),
+         ("flower_pins.py", "SuperNode"), ("flower-supernode", "SuperNode"), ("flower-superexec", "SuperExec"))
 
 
 def role(pid: int) -> str:
-    cmd = _cmdline(pid)
-    return next((name for key, name in ROLES if key in cmd), Path(cmd.split(" ")[0]).name or "?")
+    argv = _cmdline(pid).split(" ")
+    cmd = " ".join(argv[:3])  # the interpreter, its flags, the script or module
+    return next((name for key, name in ROLES if key in cmd), Path(argv[0]).name or "exited")
 
 
 class RssMonitor(threading.Thread):

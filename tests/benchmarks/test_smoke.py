@@ -32,6 +32,8 @@ CASES = {
     "async_vs_sync": ["--clients", "10", "--rounds", "3", "--engine-rounds", "0"],
     "batched_training": ["--clients", "10,730", "--repeat", "1"],
     "simulation_scale": ["--populations", "50", "--per-round", "10", "--rounds", "2"],
+    # a real coordinator and 2 agents (TLS, enrolled keys); stock Flower's deployment (~10 s a round) left out
+    "deployment": ["--agents", "2", "--rounds", "2", "--epochs", "1", "--skip", "flower"],
 }
 
 
