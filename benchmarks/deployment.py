@@ -135,6 +135,7 @@ class Fleet:
         groups |= {int(f[2]) for pid, start in self.seen.items() if (f := _stat(pid)) and f[19] == start}
         groups.discard(os.getpgrp())
         for sig in (signal.SIGTERM, signal.SIGKILL):
+            groups = {g for g in groups if _group_alive(g)}  # (a group gone a while could be another's by now)
             for g in groups:
                 try:
                     os.killpg(g, sig)
@@ -142,6 +143,8 @@ class Fleet:
                     pass
             deadline = time.monotonic() + (timeout if sig == signal.SIGTERM else 5)
             while time.monotonic() < deadline and any(_group_alive(g) for g in groups):
+                for proc in self.procs.values():
+                    proc.poll()  # reaped: an unreaped child (a zombie) would keep its group alive
                 time.sleep(0.1)
         for proc in self.procs.values():
             proc.wait()

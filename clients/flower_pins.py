@@ -24,6 +24,7 @@ PINNED = (
     ("flwr.supernode.start_client_internal", "time"),
     ("flwr.supernode.start_client_internal", "pull_objects"),
     ("flwr.supernode.cli.flower_supernode", "flower_supernode"),
+    ("flwr.superlink.grid.http_grid", "pull_objects"),
     ("flwr.supercore.runtime", "RuntimeHttpClient"),
     ("flwr.supercore.interceptors", "RuntimeTokenHttpInterceptor"),
     ("flwr.supercore.interceptors", "RuntimeVersionHttpInterceptor"),
@@ -69,6 +70,14 @@ def patch_supernode(poll_interval: float, reply_poll: float = 0.01, pull_backoff
                                         "sleep": sleep})
     sci.pull_objects = functools.partial(pinned("flwr.supernode.start_client_internal", "pull_objects"),
                                          initial_backoff=pull_backoff, backoff_cap=1.0)
+
+
+def patch_grid(pull_backoff: float = 0.02) -> None:
+    """The ServerApp's grid retries a reply whose objects are still uploading from ``pull_backoff`` (Flower:
+    1 s, doubling), not a second after the node sent it. Idempotent."""
+    grid = importlib.import_module("flwr.superlink.grid.http_grid")
+    if not isinstance(grid.pull_objects, functools.partial):
+        grid.pull_objects = functools.partial(grid.pull_objects, initial_backoff=pull_backoff, backoff_cap=1.0)
 
 
 def run_supernode(argv: list[str]) -> None:

@@ -49,6 +49,7 @@ _EXIT_REASONS = {
     604: "a path given to the SuperNode does not exist",
 }
 _SENT = re.compile(r"Sent successfully")
+_RETRY = re.compile(r"^(?:WARNING)[\d\-:, ]*:\s+Connection attempt failed, retrying in ")
 # Flower's SuperNode can end with Python's "Exception ignored in: <module 'threading'...>" and a
 # traceback of its own SystemExit(0): noise, not a failure; it is not echoed.
 _IGNORED_START, _IGNORED_END = "Exception ignored in: <module 'threading'", "SystemExit:"
@@ -85,15 +86,22 @@ def _watch(proc: subprocess.Popen, quiet: threading.Event | None = None) -> Watc
     """
     seen = Watched()
     assert proc.stdout is not None
-    stopping = skipping = traceback = False
+    stopping = skipping = traceback = waiting = False
+    colour = sys.stderr.isatty()  # a log file gets no colour codes
     for line in proc.stdout:
+        text = _ANSI.sub("", line)
         if line.startswith(_IGNORED_START):
             skipping = True
+        retry = _RETRY.match(text)
+        if retry and waiting:
+            continue  # one line for the whole wait, not one per attempt
+        waiting = (waiting or bool(retry)) and "Connection successful" not in text
+        if retry:
+            line = text = "fedshield agent: waiting for the coordinator (it is not up, or refused: trying again)\n"
         if not skipping and not (quiet is not None and quiet.is_set()):
-            sys.stderr.write(line)
+            sys.stderr.write(line if colour else text)
         elif line.startswith(_IGNORED_END):
             skipping = False
-        text = _ANSI.sub("", line)
         if text.startswith("Traceback (most recent call last):"):  # a ClientApp's error: its frames and
             traceback = True                                       # its exception line quote message text
             continue

@@ -11,6 +11,8 @@ from typing import Any
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
+from clients.flower_pins import patch_grid
+
 from .config import RunConfig
 from .rundir import RunDirectory, lock_run_dir, unlock_run_dir
 from .workflow import Clock, RoundCallback, StoppableClock, SyncWorkflow
@@ -78,6 +80,7 @@ def make_server_app(
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
+        patch_grid()  # replies are pulled from 20 ms on, not 1 s, while their objects upload
         run_cfg = cfg if cfg is not None else RunConfig.from_mapping(context.run_config)
         run_dir = RunDirectory(run_cfg.server.run_dir or default_run_dir(context.run_id))
         # held for the run (under fedshield simulate, this process holds it already); a ServerApp of a coordinator

@@ -386,8 +386,9 @@ class Coordinator:
                                 preexec_fn=die_with_parent if sys.platform.startswith("linux") else None)
         try:
             assert proc.stdout is not None
+            colour = sys.stdout.isatty()  # a log file gets no colour codes
             for line in proc.stdout:
-                sys.stdout.write(line)
+                sys.stdout.write(line if colour else _ANSI.sub("", line))
                 sys.stdout.flush()
             return proc.wait()
         finally:

@@ -405,3 +405,17 @@ def test_a_second_ctrl_c_kills_a_node_that_hangs_on_its_way_out(tmp_path, capsys
         signal.signal(signal.SIGINT, old[0])
         signal.signal(signal.SIGTERM, old[1])
     assert "interrupted" in capsys.readouterr().err
+
+
+def test_the_wait_for_a_coordinator_is_one_line_and_a_log_file_gets_no_colour_codes(capsys, monkeypatch):
+    from clients import supervisor
+
+    monkeypatch.setattr(supervisor.threading, "Timer", lambda *a, **k: type("T", (), {"start": lambda self: None})())
+    retry = "\x1b[93mWARNING \x1b[0m:   Connection attempt failed, retrying in {:.2f} seconds\n"
+    lines = [retry.format(0.7), retry.format(1.3), "\x1b[92mINFO \x1b[0m:      Connection successful after 2.03 "
+             "seconds and 3 tries.\n", retry.format(0.5), "INFO :      Sent successfully\n"]
+    seen = supervisor._watch(_FakeSuperNode(lines))
+    err = capsys.readouterr().err  # (pytest's capture is no terminal: as a log file)
+    assert seen.served == 1 and "\x1b[" not in err
+    assert err.count("waiting for the coordinator") == 2 and "retrying in" not in err  # once per wait
+    assert "Connection successful after 2.03 seconds" in err

@@ -47,3 +47,12 @@ def test_patched_sleeps_are_short_and_others_unchanged(monkeypatch):
 def test_the_runtime_api_method_the_secret_protects():
     source = inspect.getsource(importlib.import_module("flwr.supercore.superexec.run_superexec"))
     assert repr(flower_pins.AUTH_METHOD)[1:-1] in source
+
+
+def test_the_serverapp_grid_retries_reply_objects_from_20_ms(monkeypatch):
+    grid = importlib.import_module("flwr.superlink.grid.http_grid")
+    monkeypatch.setattr(grid, "pull_objects", grid.pull_objects)
+    flower_pins.patch_grid()
+    flower_pins.patch_grid()  # idempotent: one partial, not one wrapped in another
+    assert grid.pull_objects.keywords == {"initial_backoff": 0.02, "backoff_cap": 1.0}
+    assert not isinstance(grid.pull_objects.func, type(grid.pull_objects))
