@@ -139,7 +139,7 @@ def _own_task(args: argparse.Namespace):
         where, _, attr = name.rpartition(":")
         name = f"{resolve_path(where, '--task')}:{attr}"
     try:
-        task = load_task(build_config(TaskSpec, {"task": name}, ""))
+        task = load_task(build_config(TaskSpec, {"task": name}, ""), data=not getattr(args, "data", None))
     except ClientError as exc:
         raise ClientError(renamed_key(str(exc), {"task": "--task"})) from None
     return task, name

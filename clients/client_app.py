@@ -162,7 +162,7 @@ def global_weights(msg: Message, context: Context, private: bool, memo: dict | N
             memo[key] = global_weights(msg, context, private)
         return memo[key]
     instr, arrays = parse_train_message(msg)
-    task = load_task(node_task(instr.task, context.node_config))
+    task = load_task(node_task(instr.task, context.node_config), data="data-path" not in context.node_config)
     layout = task.layout(private)
     numel = layout.numel  # before the model is built: a huge one asked with a short array is refused
     try:

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from .tasks import Dataset, Task
+from .tasks.sgd import SGD
 
 PROFILE_CPUS = "profile-cpus"
 PROFILE_MEM_GB = "profile-mem-gb"
@@ -47,7 +48,7 @@ def _step_ms(task: Task, device: torch.device, batch_size: int, data: Dataset | 
         model = task.build().to(device)
     x = torch.from_numpy(np.ascontiguousarray(np.concatenate([xs] * reps)[:batch_size])).to(device)
     y = torch.from_numpy(np.ascontiguousarray(np.concatenate([ys] * reps)[:batch_size])).to(device)
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    opt = SGD(model.parameters(), lr=0.0)
     loss_fn = task.loss
     model.train()
     times = []

@@ -40,13 +40,14 @@ def warm_up(node_config: dict) -> None:
     from clients import ClientError
     from clients.config import TaskSpec
     from clients.data import client_data
-    from clients.tasks import load_task
-    import torch._dynamo  # noqa: F401  (imported lazily by the first optimizer step otherwise: ~2 s)
+    from clients.tasks import Task, load_task
 
     torch_threads()
     own = str(node_config.get(NODE_TASK, "builtin"))
     if own != "builtin":
-        task = load_task(TaskSpec(task=own))
+        task = load_task(TaskSpec(task=own), data="data-path" not in node_config)
+        if type(task).train is not Task.train:  # an own loop likely uses torch.optim, whose first step imports
+            import torch._dynamo  # noqa: F401   torch._dynamo (~2 s, 71 MB); fedshield's default loop does not
         try:  # the run's spec (data seed, split) comes with the first message: a mismatch is refused then
             client_data(task, node_config)
         except ClientError:

@@ -89,12 +89,15 @@ def get_task(spec: TaskSpec) -> Task:
         raise ConfigError(f"task {spec.task!r} must build. Found {type(exc).__name__}: {str(exc)[:300]}") from None
 
 
-def load_task(spec: TaskSpec) -> Task:
+def load_task(spec: TaskSpec, data: bool = True) -> Task:
     """``get_task(spec)`` with its data loaded and model layout derived: every error a user's task can make
-    before training (import, data, model) comes here as one ConfigError line."""
+    before training (import, data, model) comes here as one ConfigError line. ``data=False``: a device that
+    trains on its own file never loads the task's datasets (sklearn and the whole digits set were ~90 MB of
+    an agent's worker)."""
     task = get_task(spec)
     try:
-        task.train_set  # noqa: B018 (loads and checks the data)
+        if data:
+            task.train_set  # noqa: B018 (loads and checks the data)
         task.layout()
     except ClientError:
         raise

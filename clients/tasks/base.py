@@ -22,6 +22,7 @@ from .._errors import ClientError, ConfigError
 from ..config import TaskSpec, TrainSettings
 from ..partition import dirichlet_partition, iid_partition
 from .layout import ModelLayout
+from .sgd import SGD
 
 _DTYPES = {"float32": np.float32, "int64": np.int64}
 
@@ -102,7 +103,7 @@ class Task(ABC):
         device = _device_of(model)
         x, y = _tensors(data, device)
         params = [p for p in model.parameters() if p.requires_grad]
-        opt = torch.optim.SGD(params, lr=settings.lr, momentum=settings.momentum)
+        opt = SGD(params, lr=settings.lr, momentum=settings.momentum)
         mu = settings.proximal_mu
         anchor = [p.detach().clone() for p in params] if mu > 0 else []
         model.train()
