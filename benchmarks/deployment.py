@@ -6,24 +6,27 @@
 The same task (the built-in digits MLP, 64-128-10), the same Dirichlet(0.5) partitions of its training set
 (``fedshield data export``'s, seed 0), the same local training (``--epochs`` epochs of plain SGD, batch 16,
 lr 0.1, no momentum, one torch thread per process) and the same rounds (every node in every round), for each
-number of nodes N in ``--agents``, timed one after another:
+number of nodes N in ``--agents``, run one after another:
 
 - simulate: ``simulations.simulate(engine="inprocess")`` in this process;
 - fedshield deployed: ``fedshield coordinator start --config coordinator.toml`` (TLS, enrolled node keys) and
-  N ``fedshield agent start`` processes (each a warm ClientApp worker and a SuperNode);
-- Flower: stock ``flower-superlink --insecure`` and N stock ``flower-supernode --insecure`` processes, and an app
-  written into the temp dir (a ``flwr.serverapp.strategy.FedAvg`` ServerApp, a torch ClientApp training the same
-  MLP on the same partition files), submitted with ``flwr run APP bench --stream`` to the SuperLink's Control API.
+  N ``fedshield agent start`` processes (each a supervisor, a warm ClientApp worker and a SuperNode);
+- Flower: stock ``flower-superlink --insecure`` and N stock ``flower-supernode --insecure`` processes running an
+  app written into the temp dir (a ServerApp with the stock ``flwr.serverapp.strategy.FedAvg``, a torch ClientApp
+  training the same MLP on the same partition files), submitted with ``flwr run APP bench --stream`` to the
+  SuperLink's Control API (the federation ``bench`` in the CLI's own ``$FLWR_HOME/config.toml``).
 
 Seconds per round: fedshield's from its run directory's metrics.csv (``wall_time_s`` differences: training, wire,
-aggregation, central evaluation, checkpoint), Flower's from timestamps its ServerApp writes in ``evaluate_fn``
-(called once before and once after each round); each figure is the median of the rounds after the first. RSS
-of an agent is the sum over its process tree (``fedshield agent`` and every descendant, from /proc), sampled
-every 0.2 s: "idle" when the run's last round has just been recorded (every node answered; none working), "peak"
-the most seen during the run (the same for each Flower SuperNode and the ``flwr-clientapp`` it starts). Goals from
-the issue, for N = 3: a deployed round >= 6x faster than Flower's and <= 1.5 s; an idle agent <= 300 MB.
-Every process runs in its own session with its own FLWR_HOME and is stopped by process group (with any group
-its descendants started) at the end, also on failure or Ctrl-C; everything lives in one temp dir, removed after.
+aggregation, central evaluation, checkpoint), Flower's from the timestamps its ServerApp writes in ``evaluate_fn``
+(called before the first round and after each); each figure is the median of the rounds after the first. An
+agent's RSS is the sum over its process tree (``fedshield agent`` and all its descendants, read from /proc every
+0.2 s): "idle" once the run's last round is recorded (every node has answered) and the tree holds no process
+serving a message (Flower's per-message ``flwr-clientapp``), "peak" the most seen during the run; the same for each
+Flower SuperNode (the lines above the table also give node 0's idle tree by process, and its PSS: shared pages
+counted once). Goals from the issue, for N = 3: a deployed round >= 6x faster than Flower's and <= 1.5 s; for
+every N, an idle agent <= 300 MB. Each process gets its own session and FLWR_HOME and is stopped by process group
+(and every group its descendants started) at the end, also on failure or Ctrl-C; everything lives in one temp dir,
+removed at the end.
 """
 
 from __future__ import annotations
@@ -46,12 +49,19 @@ from pathlib import Path
 
 # benchmarks/ must not be on the path: benchmarks/aggregation.py would shadow the package.
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+from clients.cli import free_port  # noqa: E402
+from coordinator.service import group_alive  # noqa: E402
 
 CONTENDERS = ("simulate", "fedshield", "flower")
-HIDDEN, BATCH, LR = 128, 16, 0.1
+HIDDEN, BATCH, LR = 128, 16, 0.1  # the digits MLP's hidden width (TaskSpec's default) and SGD's settings
+STALL = 300.0  # seconds without a round ending before a deployed run counts as failed
 FLOWER_APP = "plainbench"
 BIN = Path(sys.executable).parent  # the venv's console scripts: fedshield, flower-superlink, flwr
 PAGE_MB = os.sysconf("SC_PAGE_SIZE") / 2**20
+# A process's role in a node's tree, by its interpreter, flags and script (the first match). The supervisor's
+# command line also holds the worker's and the SuperNode's, in its plan: it comes first.
+ROLES = (("supervisor.py", "supervisor"), ("flwr-clientapp", "ClientApp"), ("clients.worker", "worker"),
+         ("flower_pins.py", "SuperNode"), ("flower-supernode", "SuperNode"), ("flower-superexec", "SuperExec"))
 
 
 # --- processes ----------------------------------------------------------------------------------------
@@ -64,14 +74,6 @@ def _stat(pid: int) -> list[str] | None:
         return None
 
 
-def _children() -> dict[int, list[int]]:
-    out: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and (fields := _stat(int(entry))) is not None:
-            out.setdefault(int(fields[1]), []).append(int(entry))
-    return out
-
-
 def tree(pid: int, children: dict[int, list[int]]) -> list[int]:
     """``pid`` and all its descendants."""
     out, todo = [], [pid]
@@ -82,19 +84,39 @@ def tree(pid: int, children: dict[int, list[int]]) -> list[int]:
 
 
 def rss_mb(pids: list[int]) -> float:
-    total = 0
+    pages = 0
     for pid in pids:
         try:
-            total += int(open(f"/proc/{pid}/statm").read().split()[1])
+            pages += int(open(f"/proc/{pid}/statm").read().split()[1])
         except (OSError, IndexError, ValueError):
             pass  # gone meanwhile
-    return total * PAGE_MB
+    return pages * PAGE_MB
+
+
+def pss_mb(pids: list[int]) -> float:
+    """Proportional set size: each shared page split among the processes that map it (RSS counts it in each)."""
+    kb = 0
+    for pid in pids:
+        try:
+            kb += next(int(line.split()[1]) for line in open(f"/proc/{pid}/smaps_rollup") if line.startswith("Pss:"))
+        except (OSError, StopIteration, ValueError):
+            pass
+    return kb / 1024
+
+
+def role(pid: int) -> str:
+    try:
+        argv = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace").split("\0")
+    except OSError:
+        argv = [""]
+    head = " ".join(argv[:3])
+    return next((name for key, name in ROLES if key in head), Path(argv[0]).name or "exited")
 
 
 class Fleet:
-    """Processes started in sessions of their own, logged to files; their descendants (which may start
-    sessions of their own: the agent's worker and SuperNode, the SuperLink's ServerApp) are recorded as they
-    appear, and ``stop_all`` signals every such group still alive."""
+    """Processes started in sessions of their own, each logged to a file. Their descendants (some start
+    sessions of their own: an agent's worker and SuperNode, a SuperLink's ServerApp) are recorded whenever
+    ``trees`` looks, and ``stop_all`` signals every such group still alive."""
 
     def __init__(self, work: Path, env: dict[str, str]) -> None:
         self.work, self.env = work, env
@@ -103,13 +125,12 @@ class Fleet:
         self.lock = threading.Lock()
 
     def start(self, name: str, cmd: list[str], home: bool = True, **env: str) -> subprocess.Popen:
-        extra = dict(env)
-        if home:
+        if home:  # its own FLWR_HOME
             (flwr_home := self.work / "homes" / name).mkdir(parents=True, exist_ok=True)
-            extra["FLWR_HOME"] = str(flwr_home)
+            env["FLWR_HOME"] = str(flwr_home)
         with open(self.work / "logs" / f"{name}.log", "w") as log:
             proc = subprocess.Popen(cmd, cwd=self.work, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                    env={**self.env, **extra})
+                                    env={**self.env, **env})
         with self.lock:
             self.procs[name] = proc
         return proc
@@ -118,71 +139,44 @@ class Fleet:
         return (self.work / "logs" / f"{name}.log").read_text(errors="replace")
 
     def trees(self, names: list[str]) -> dict[str, list[int]]:
-        """Each named process's tree (empty once it ended), recording every pid seen."""
-        children = _children()
+        """Each named process's tree (empty once it ended); every live process's descendants are recorded."""
+        children: dict[int, list[int]] = {}
+        for entry in os.listdir("/proc"):
+            if entry.isdigit() and (fields := _stat(int(entry))) is not None:
+                children.setdefault(int(fields[1]), []).append(int(entry))
         with self.lock:
-            alive = {n: p.pid for n, p in self.procs.items() if p.poll() is None}
-        out = {n: tree(pid, children) for n, pid in alive.items()}
-        for pids in out.values():
+            alive = {n: tree(p.pid, children) for n, p in self.procs.items() if p.poll() is None}
+        for pids in alive.values():
             for pid in pids:
                 if pid not in self.seen and (fields := _stat(pid)) is not None:
                     self.seen[pid] = fields[19]
-        return {n: out.get(n, []) for n in names}
+        return {n: alive.get(n, []) for n in names}
 
     def stop_all(self, timeout: float = 10.0) -> None:
-        self.trees([])  # record the descendants alive now
+        """SIGTERM to every group, ``timeout`` s to end, then SIGKILL to the groups left."""
+        self.trees([])
         groups = {p.pid for p in self.procs.values()}
         groups |= {int(f[2]) for pid, start in self.seen.items() if (f := _stat(pid)) and f[19] == start}
         groups.discard(os.getpgrp())
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            groups = {g for g in groups if _group_alive(g)}  # (a group gone a while could be another's by now)
+        for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
+            groups = {g for g in groups if group_alive(g)}  # (a group gone a while could be another's by now)
             for g in groups:
                 try:
                     os.killpg(g, sig)
                 except (ProcessLookupError, PermissionError):
                     pass
-            deadline = time.monotonic() + (timeout if sig == signal.SIGTERM else 5)
-            while time.monotonic() < deadline and any(_group_alive(g) for g in groups):
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline and any(group_alive(g) for g in groups):
                 for proc in self.procs.values():
-                    proc.poll()  # reaped: an unreaped child (a zombie) would keep its group alive
+                    proc.poll()  # reaped: a zombie child keeps its group alive
                 time.sleep(0.1)
         for proc in self.procs.values():
             proc.wait()
 
 
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
-# A process's role in a node's tree, by what its command line holds (the first match).
-# (The supervisor's command line holds the worker's and the SuperNode's, in its plan: it comes first.)
-ROLES = (("supervisor.py", "supervisor"), ("flwr-clientapp", "ClientApp"), ("clients.worker", "worker"),
-         ("flower_pins.py", "SuperNode"), ("flower-supernode", "SuperNode"), ("flower-superexec", "SuperExec"))
-
-
-def role(pid: int) -> str:
-    argv = _cmdline(pid).split(" ")
-    cmd = " ".join(argv[:3])  # the interpreter, its flags, the script or module
-    return next((name for key, name in ROLES if key in cmd), Path(argv[0]).name or "exited")
-
-
 class RssMonitor(threading.Thread):
-    """Samples the process trees of the named nodes every ``tick`` s: the peak of each, and each node's idle
-    size once ``rounds_done()`` reaches ``rounds`` (every node answered the last round) and its tree holds no
-    process that serves one message (Flower's ``flwr-clientapp``: it may still be exiting)."""
+    """Samples the named nodes' process trees every ``tick`` s while in its ``with`` block: each tree's peak
+    RSS, and its idle RSS once ``rounds_done()`` reaches ``rounds`` and the tree serves no message."""
 
     def __init__(self, fleet: Fleet, nodes: list[str], rounds_done: Callable[[], int], rounds: int,
                  tick: float = 0.2) -> None:
@@ -191,6 +185,7 @@ class RssMonitor(threading.Thread):
         self.peak = {n: 0.0 for n in nodes}
         self.idle: dict[str, float] = {}
         self.parts: dict[str, dict[str, float]] = {}  # node -> role -> MB, at its idle sample
+        self.pss: dict[str, float] = {}  # node -> PSS MB, at its idle sample
         self.done = threading.Event()
 
     def run(self) -> None:
@@ -198,39 +193,44 @@ class RssMonitor(threading.Thread):
             finished = self.rounds_done() >= self.rounds
             for n, pids in self.fleet.trees(self.nodes).items():
                 self.peak[n] = max(self.peak[n], mb := rss_mb(pids))
-                if finished and pids and n not in self.idle:
-                    roles = [role(p) for p in pids]
-                    if "ClientApp" not in roles:
-                        self.idle[n] = mb
-                        self.parts[n] = {r: rss_mb([p for p, q in zip(pids, roles) if q == r]) for r in set(roles)}
+                if finished and pids and n not in self.idle and "ClientApp" not in (roles := [role(p) for p in pids]):
+                    self.idle[n], self.pss[n] = mb, pss_mb(pids)
+                    self.parts[n] = {r: rss_mb([p for p, q in zip(pids, roles) if q == r]) for r in set(roles)}
             self.done.wait(self.tick)
 
-    def result(self, wait: float = 15.0) -> tuple[list[float], list[float]]:
-        """(idle MB per node, peak MB per node); waits up to ``wait`` s for nodes not sampled idle yet."""
-        deadline = time.monotonic() + wait
+    def __enter__(self) -> RssMonitor:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Waits up to 15 s for a node not sampled idle yet (a ClientApp still exiting), after the last round."""
+        deadline = time.monotonic() + 15
         while len(self.idle) < len(self.nodes) and time.monotonic() < deadline and self.rounds_done() >= self.rounds:
             time.sleep(0.1)
         self.done.set()
         self.join()
-        return [self.idle[n] for n in self.nodes if n in self.idle], list(self.peak.values())
 
-    def breakdown(self) -> str:
-        """The first node's idle tree by role: ``worker 310 + SuperNode 250 + supervisor 20 MB``."""
-        parts = self.parts.get(self.nodes[0], {})
-        return " + ".join(f"{r} {mb:.0f}" for r, mb in sorted(parts.items(), key=lambda kv: -kv[1])) + " MB"
+    def figures(self) -> dict:
+        """``idle`` and ``peak`` MB per node; ``parts``: the first node's idle tree by role and its PSS, in words."""
+        first = self.nodes[0]
+        parts = sorted(self.parts.get(first, {}).items(), key=lambda kv: -kv[1])
+        words = " + ".join(f"{r} {mb:.0f}" for r, mb in parts if mb) + f" MB; PSS {self.pss.get(first, 0):.0f} MB"
+        return {"idle": [self.idle[n] for n in self.nodes if n in self.idle], "peak": list(self.peak.values()),
+                "parts": words}
 
 
 def _rows(path: Path) -> int:
+    """Lines in ``path`` after the first (metrics.csv: rounds recorded; Flower's marks: rounds ended)."""
     try:
         return max(len(path.read_text().splitlines()) - 1, 0)
     except OSError:
         return 0
 
 
-def wait_for(what: str, predicate: Callable[[], bool], timeout: float, fail: Callable[[], str | None]) -> None:
-    """Until ``predicate()``; RuntimeError after ``timeout`` s, or at once when ``fail()`` gives a reason."""
+def wait_for(what: str, done: Callable[[], bool], fail: Callable[[], str | None], timeout: float = 1e9) -> None:
+    """Until ``done()``; RuntimeError after ``timeout`` s, or at once when ``fail()`` gives a reason."""
     deadline = time.monotonic() + timeout
-    while not predicate():
+    while not done():
         why = fail()
         if why or time.monotonic() > deadline:
             raise RuntimeError(f"{what}: {why or f'not within {timeout:g} s'}")
@@ -242,17 +242,18 @@ def exited(fleet: Fleet, name: str) -> str | None:
     return None if code is None else f"{name} exited ({code}): {fleet.log(name)[-1500:]}"
 
 
+def stalled(rounds_done: Callable[[], int]) -> Callable[[], str | None]:
+    """A ``fail`` for wait_for: a reason once no round has ended for STALL seconds."""
+    last = [time.monotonic(), rounds_done()]
+
+    def check() -> str | None:
+        if (now := rounds_done()) != last[1]:
+            last[:] = [time.monotonic(), now]
+        return f"no round ended for {STALL:g} s ({now} done)" if time.monotonic() - last[0] > STALL else None
+    return check
+
+
 # --- the three contenders -----------------------------------------------------------------------------
-
-def run_simulate(n: int, rounds: int, epochs: int, work: Path) -> list[float]:
-    from simulations import simulate
-
-    logging.getLogger("flwr").setLevel(logging.WARNING)  # (its progress lines)
-    run_dir = work / f"simulate-{n}"
-    simulate("digits", run_dir=run_dir, engine="inprocess", num_supernodes=n, num_rounds=rounds, min_nodes=n,
-             local_epochs=epochs, batch_size=BATCH, lr=LR, momentum=0.0)
-    return wall_rounds(run_dir / "metrics.csv")
-
 
 def wall_rounds(metrics: Path) -> list[float]:
     with open(metrics, newline="") as f:
@@ -260,8 +261,17 @@ def wall_rounds(metrics: Path) -> list[float]:
     return [b - a for a, b in zip([0.0, *walls], walls)]
 
 
+def run_simulate(n: int, rounds: int, epochs: int, work: Path) -> dict:
+    from simulations import simulate
+
+    logging.getLogger("flwr").setLevel(logging.WARNING)  # (its progress lines)
+    simulate("digits", run_dir=work / f"simulate-{n}", engine="inprocess", num_supernodes=n, num_rounds=rounds,
+             min_nodes=n, local_epochs=epochs, batch_size=BATCH, lr=LR, momentum=0.0)
+    return {"times": wall_rounds(work / f"simulate-{n}" / "metrics.csv")}
+
+
 def prepare(work: Path, agents: list[int]) -> None:
-    """What ``fedshield certs init``, ``keys new`` and ``data export`` write (the same library calls)."""
+    """What ``fedshield certs init``, ``keys new`` and ``data export`` write (their library calls: one process)."""
     from clients.cli import export_partitions
     from privacy import init_certificates, new_node_key
 
@@ -274,8 +284,6 @@ def prepare(work: Path, agents: list[int]) -> None:
 
 def run_fedshield(fleet: Fleet, n: int, rounds: int, epochs: int) -> dict:
     """A TLS deployment with n agents: seconds per round (``times``), MB per agent (``idle``, ``peak``, ``parts``)."""
-    from clients.cli import free_port
-
     work, port = fleet.work, free_port()
     keys = ", ".join(f'"keys/client-{i}.pub"' for i in range(n))
     (work / f"coordinator-{n}.toml").write_text(f"""[coordinator]
@@ -289,48 +297,54 @@ status-port = -1
 run-dir = "runs/deploy-{n}"
 num-rounds = {rounds}
 min-nodes = {n}
-wait-nodes-timeout = 300.0
-round-timeout = 300.0
+wait-nodes-timeout = {STALL}
+round-timeout = {STALL}
 local-epochs = {epochs}
 batch-size = {BATCH}
 lr = {LR}
 momentum = 0.0
 """)
-    fleet.start(coord := f"coordinator-{n}", [str(BIN / "fedshield"), "coordinator", "start", "--config", f"coordinator-{n}.toml"])
-    wait_for("the coordinator must enrol the keys", lambda: f"enrolled client-{n - 1}.pub" in fleet.log(coord), 120,
-             lambda: exited(fleet, coord))
+    coord = f"coordinator-{n}"
+    fleet.start(coord, [str(BIN / "fedshield"), "coordinator", "start", "--config", f"coordinator-{n}.toml"])
+    wait_for("the coordinator must enrol the keys", lambda: f"enrolled client-{n - 1}.pub" in fleet.log(coord),
+             lambda: exited(fleet, coord), 120)
     names = [f"agent-{n}-{i}" for i in range(n)]
     for i, name in enumerate(names):
-        (state := work / "agent-state" / name).mkdir(parents=True)
+        (state := work / "agent-state" / name).mkdir(parents=True)  # its local-DP ledger; TMPDIR: its secret
         fleet.start(name, [str(BIN / "fedshield"), "agent", "start", "--coordinator", f"127.0.0.1:{port}",
                            "--root-cert", "certs/ca.crt", "--key", f"keys/client-{i}", "--data",
                            f"data-{n}/client-{i}.npz", "--state-dir", str(state)], TMPDIR=str(state))
     metrics = work / "runs" / f"deploy-{n}" / "metrics.csv"
-    monitor = RssMonitor(fleet, names, lambda: _rows(metrics), rounds)
-    monitor.start()
-    wait_for("the coordinator's run must end", lambda: fleet.procs[coord].poll() is not None,
-             120 + 120 * rounds, lambda: None)
-    idle, peak = monitor.result()
+    with RssMonitor(fleet, names, lambda: _rows(metrics), rounds) as monitor:
+        wait_for("the coordinator's run must end", lambda: fleet.procs[coord].poll() is not None,
+                 stalled(lambda: _rows(metrics)))
     if fleet.procs[coord].returncode != 0 or _rows(metrics) != rounds:
-        raise RuntimeError(f"the deployed run failed: {fleet.log(coord)[-2000:]}")
-    return {"times": wall_rounds(metrics), "idle": idle, "peak": peak, "parts": monitor.breakdown()}
+        raise RuntimeError(f"the deployed run must complete. Found: {fleet.log(coord)[-2000:]}")
+    return {"times": wall_rounds(metrics), **monitor.figures()}
 
 
-CLIENT_APP = '''"""A plain Flower ClientApp: the digits MLP (64-h-10), plain SGD on this node's partition file."""
+FLOWER_APP_SOURCE = '''"""Plain Flower 1.42: the digits MLP (64-h-10) trained with plain SGD on this node's partition
+file, and a ServerApp running the stock FedAvg over every node each round, writing a timestamp before and after
+each round."""
+import time
+
 import numpy as np
 import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.serverapp import Grid, ServerApp
+from flwr.serverapp.strategy import FedAvg
 from torch import nn
 
-app = ClientApp()
+clientapp = ClientApp()
+serverapp = ServerApp()  # (one name each: `flwr run` looks for them in the source)
 
 
 def mlp(hidden: int) -> nn.Module:
     return nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, 10))
 
 
-@app.train()
+@clientapp.train()
 def train(msg: Message, context: Context) -> Message:
     torch.set_num_threads(1)
     cfg = context.run_config
@@ -347,22 +361,9 @@ def train(msg: Message, context: Context) -> Message:
             opt.step()
     content = RecordDict({"arrays": ArrayRecord(model.state_dict()), "metrics": MetricRecord({"num-examples": len(y)})})
     return Message(content, reply_to=msg)
-'''
-
-SERVER_APP = '''"""A plain Flower ServerApp: stock FedAvg, every node each round; a timestamp per round in marks-file."""
-import time
-
-import torch
-from flwr.app import ArrayRecord, Context
-from flwr.serverapp import Grid, ServerApp
-from flwr.serverapp.strategy import FedAvg
-
-from .client_app import mlp
-
-app = ServerApp()
 
 
-@app.main()
+@serverapp.main()
 def main(grid: Grid, context: Context) -> None:
     cfg = context.run_config
     n = int(cfg["num-nodes"])
@@ -382,8 +383,7 @@ def main(grid: Grid, context: Context) -> None:
 def write_flower_app(app_dir: Path, n: int, rounds: int, epochs: int, marks: Path) -> None:
     (app_dir / FLOWER_APP).mkdir(parents=True)
     (app_dir / FLOWER_APP / "__init__.py").write_text("")
-    (app_dir / FLOWER_APP / "client_app.py").write_text(CLIENT_APP)
-    (app_dir / FLOWER_APP / "server_app.py").write_text(SERVER_APP)
+    (app_dir / FLOWER_APP / "app.py").write_text(FLOWER_APP_SOURCE)
     (app_dir / "pyproject.toml").write_text(f"""[project]
 name = "{FLOWER_APP}"
 version = "1.0.0"
@@ -394,8 +394,8 @@ license = "Apache-2.0"
 publisher = "fedshield-bench"
 
 [tool.flwr.app.components]
-serverapp = "{FLOWER_APP}.server_app:app"
-clientapp = "{FLOWER_APP}.client_app:app"
+serverapp = "{FLOWER_APP}.app:serverapp"
+clientapp = "{FLOWER_APP}.app:clientapp"
 
 [tool.flwr.app.config]
 num-rounds = {rounds}
@@ -409,36 +409,31 @@ marks-file = "{marks}"
 
 
 def run_flower(fleet: Fleet, n: int, rounds: int, epochs: int) -> dict:
-    """Stock Flower with n SuperNodes: seconds per round (``times``), MB per SuperNode (``idle``, ``peak``, ``parts``)."""
-    from clients.cli import free_port
-
-    work, port = fleet.work, free_port()
+    """Stock Flower with n SuperNodes: seconds per round (``times``), MB per SuperNode (``idle``, ``peak``,
+    ``parts``)."""
+    work, port, link = fleet.work, free_port(), f"superlink-{n}"
     app_dir, marks = work / f"flower-app-{n}", work / f"flower-marks-{n}.txt"
     write_flower_app(app_dir, n, rounds, epochs, marks)
-    fleet.start(link := f"superlink-{n}", [str(BIN / "flower-superlink"), "--insecure", "--host", "127.0.0.1", "--port", str(port),
-                              "--disable-runtime-dependency-installation"])
-    wait_for("the SuperLink must answer", lambda: _healthy(port), 60, lambda: exited(fleet, link))
+    fleet.start(link, [str(BIN / "flower-superlink"), "--insecure", "--host", "127.0.0.1", "--port", str(port),
+                       "--disable-runtime-dependency-installation"])  # (else it runs `uv sync`: no network here)
+    wait_for("the SuperLink must answer", lambda: _healthy(port), lambda: exited(fleet, link), 60)
     names = [f"supernode-{n}-{i}" for i in range(n)]
     for i, name in enumerate(names):
-        data = work / f"data-{n}" / f"client-{i}.npz"
-        fleet.start(name, [str(BIN / "flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{port}",
-                           "--host", "127.0.0.1", "--port", str(free_port()), "--node-config", f"data-path='{data}'"])
-    cli_home = work / "homes" / f"flwr-cli-{n}"
-    cli_home.mkdir(parents=True)
+        fleet.start(name, [str(BIN / "flower-supernode"), "--insecure", "--superlink", f"127.0.0.1:{port}", "--host",
+                           "127.0.0.1", "--port", str(free_port()), "--node-config",
+                           f"data-path='{work / f'data-{n}' / f'client-{i}.npz'}'"])
+    (cli_home := work / "homes" / f"flwr-cli-{n}").mkdir(parents=True)
     (cli_home / "config.toml").write_text(f'[superlink]\ndefault = "bench"\n\n[superlink.bench]\n'
                                           f'address = "127.0.0.1:{port}"\ninsecure = true\n')
-    monitor = RssMonitor(fleet, names, lambda: _rows(marks), rounds)  # lines: round 0, then one a round
-    monitor.start()
     run = fleet.start(f"flwr-run-{n}", [str(BIN / "flwr"), "run", str(app_dir), "bench", "--stream"], home=False,
                       FLWR_HOME=str(cli_home))
-    wait_for("`flwr run --stream` must end", lambda: run.poll() is not None, 120 + 300 * rounds, lambda: None)
-    idle, peak = monitor.result()
+    with RssMonitor(fleet, names, lambda: _rows(marks), rounds) as monitor:  # marks: round 0, then one a round
+        wait_for("`flwr run --stream` must end", lambda: run.poll() is not None, stalled(lambda: _rows(marks)))
     stamps = [float(line.split()[1]) for line in marks.read_text().splitlines()] if marks.is_file() else []
     if len(stamps) != rounds + 1:
         raise RuntimeError(f"its ServerApp must time {rounds} rounds. Found {max(len(stamps) - 1, 0)}: "
                            f"{fleet.log(f'flwr-run-{n}')[-1500:]}")
-    return {"times": [b - a for a, b in zip(stamps, stamps[1:])], "idle": idle, "peak": peak,
-            "parts": monitor.breakdown()}
+    return {"times": [b - a for a, b in zip(stamps, stamps[1:])], **monitor.figures()}
 
 
 def _healthy(port: int) -> bool:
@@ -456,13 +451,13 @@ def median_after_first(times: list[float]) -> float:
 
 
 def contend(name: str, n: int, work: Path, env: dict[str, str], a: argparse.Namespace) -> dict | None:
-    """One contender's run with n nodes: {"times", "idle", "peak"}; None (one line said why) where Flower's fails."""
+    """One contender's run with n nodes (``times``, and for the deployments ``idle``, ``peak``, ``parts``); None
+    where Flower's failed (said in one line)."""
     if name == "simulate":
-        times = run_simulate(n, a.rounds, a.epochs, work)
-        print(f"# simulate inprocess, {n} clients: rounds {[round(t, 2) for t in times]} s", flush=True)
-        return {"times": times}
-    fleet = Fleet(work, env)
-    t0 = time.perf_counter()
+        res = run_simulate(n, a.rounds, a.epochs, work)
+        print(f"# simulate inprocess, {n} clients: rounds {[round(t, 2) for t in res['times']]} s", flush=True)
+        return res
+    fleet, t0 = Fleet(work, env), time.perf_counter()
     try:
         res = (run_fedshield if name == "fedshield" else run_flower)(fleet, n, a.rounds, a.epochs)
     except RuntimeError as exc:
@@ -482,30 +477,29 @@ def contend(name: str, n: int, work: Path, env: dict[str, str], a: argparse.Name
 def report(rep, n: int, res: dict[str, dict]) -> None:
     sec = {k: median_after_first(v["times"]) for k, v in res.items()}
     sim, ours, flower = sec.get("simulate"), sec.get("fedshield"), sec.get("flower")
-    goal = n == 3  # the issue's goals are for 3 agents
+    goal = n == 3  # the issue's round goals are for 3 agents
     if sim is not None:
         rep.add(f"simulate inprocess, {n} clients: s per round", sim, "s")
-    if ours is not None:
-        rep.add(f"fedshield deployed, {n} agents: s per round (ratio = ours / simulate)", ours, "s",
-                "simulate inprocess s per round", sim, "<= 1.5 s" if goal else "", (ours <= 1.5) if goal else None,
-                ratio=ours / sim if sim else None)
-        rep.add(f"fedshield deployed, {n} agents: first round", res["fedshield"]["times"][0], "s")
     if flower is not None:
         rep.add(f"Flower 1.42 deployed, {n} nodes: s per round", flower, "s")
         rep.add(f"Flower 1.42 deployed, {n} nodes: first round", res["flower"]["times"][0], "s")
-    if ours is not None and flower is not None:
+    if ours is None:
+        return
+    rep.add(f"fedshield deployed, {n} agents: first round", res["fedshield"]["times"][0], "s")
+    rep.add(f"fedshield deployed, {n} agents: s per round (ratio = ours / simulate)", ours, "s",
+            "simulate inprocess s per round" if sim else "", sim, "<= 1.5 s" if goal else "",
+            (ours <= 1.5) if goal else None, ratio=ours / sim if sim else None)
+    if flower is not None:
         r = flower / ours
         rep.add(f"fedshield vs Flower deployed, {n}: s per round (ratio = Flower / ours)", ours, "s",
                 "Flower 1.42 s per round", flower, ">= 6x faster" if goal else "", (r >= 6) if goal else None, ratio=r)
-    if ours is None:
-        return
-    fl = res.get("flower") or {}
+    theirs = res.get("flower", {})
     for kind in ("idle", "peak"):
-        mine, theirs = max(res["fedshield"][kind]), max(fl[kind]) if fl.get(kind) else None
-        target = "<= 300 MB" if kind == "idle" else ""
-        rep.add(f"fedshield agent RSS {kind}, {n} agents (max over agents)", mine, "MB",
-                f"Flower SuperNode RSS {kind} (max)" if theirs else "", theirs, target,
-                (mine <= 300) if target else None, ratio=mine / theirs if theirs else None)
+        mine, base = max(res["fedshield"][kind], default=0.0), max(theirs.get(kind, []), default=0.0) or None
+        target, met = ("<= 300 MB", mine <= 300) if kind == "idle" else ("", None)
+        rep.add(f"fedshield agent RSS {kind}, {n} agents (the largest)", mine, "MB",
+                f"Flower SuperNode RSS {kind} (the largest)" if base else "", base, target, met,
+                ratio=mine / base if base else None)
 
 
 def parse_agents(text: str, p: argparse.ArgumentParser) -> list[int]:
@@ -534,7 +528,7 @@ def main() -> None:
         p.error(f"--skip takes simulate and flower. Found {sorted(skip - {'simulate', 'flower'})}.")
 
     os.environ["FEDSHIELD_TORCH_THREADS"] = "1"
-    os.environ.setdefault("FEDSHIELD_DEVICE", "cpu")  # Flower's contender trains on CPU
+    os.environ.setdefault("FEDSHIELD_DEVICE", "cpu")  # as Flower's contender
     env = {**os.environ, "FLWR_DISABLE_UPDATE_CHECK": "1", "PYTHONUNBUFFERED": "1"}
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # through the finally blocks: every process stopped
     import torch
@@ -545,13 +539,12 @@ def main() -> None:
     print(f"# torch {torch.__version__}, 1 torch thread per process, {os.cpu_count()} CPUs; digits MLP 64-{HIDDEN}-10; "
           f"{a.rounds} rounds, every node each round; {a.epochs} local epoch(s) of SGD, batch {BATCH}, lr {LR}; "
           f"nodes {agents}", flush=True)
-    results: dict[int, dict[str, dict]] = {}
+    results: dict[int, dict[str, dict]] = {n: {} for n in agents}
     work = Path(tempfile.mkdtemp(prefix="fedshield-deployment-"))
     try:
         (work / "logs").mkdir()
         prepare(work, agents)
         for n in agents:
-            results[n] = {}
             for name in (c for c in CONTENDERS if c not in skip):
                 if (res := contend(name, n, work, env, a)) is not None:
                     results[n][name] = res

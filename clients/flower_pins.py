@@ -25,6 +25,7 @@ PINNED = (
     ("flwr.supernode.start_client_internal", "pull_objects"),
     ("flwr.supernode.cli.flower_supernode", "flower_supernode"),
     ("flwr.superlink.grid.http_grid", "pull_objects"),
+    ("flwr.supernode.runtime.run_clientapp", "pull_and_inflate_object_from_tree"),
     ("flwr.supercore.runtime", "RuntimeHttpClient"),
     ("flwr.supercore.interceptors", "RuntimeTokenHttpInterceptor"),
     ("flwr.supercore.interceptors", "RuntimeVersionHttpInterceptor"),
@@ -78,6 +79,15 @@ def patch_grid(pull_backoff: float = 0.02) -> None:
     grid = importlib.import_module("flwr.superlink.grid.http_grid")
     if not isinstance(grid.pull_objects, functools.partial):
         grid.pull_objects = functools.partial(grid.pull_objects, initial_backoff=pull_backoff, backoff_cap=1.0)
+
+
+def patch_worker(pull_backoff: float = 0.02) -> None:
+    """The worker pulls a message's objects from its SuperNode, which may still be downloading them when the
+    task is acquired: retried from ``pull_backoff`` (Flower: 1 s, the most of a round). Idempotent."""
+    run = importlib.import_module("flwr.supernode.runtime.run_clientapp")
+    if not isinstance(run.pull_and_inflate_object_from_tree, functools.partial):
+        run.pull_and_inflate_object_from_tree = functools.partial(
+            run.pull_and_inflate_object_from_tree, initial_backoff=pull_backoff, backoff_cap=1.0)
 
 
 def run_supernode(argv: list[str]) -> None:

@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from .flower_pins import AUTH_METHOD, pinned
+from .flower_pins import AUTH_METHOD, patch_worker, pinned
 
 READY, INFLIGHT, SECRET = "ready", "inflight", "secret"
 APP_FAB_ID = "fedshield"  # the ClientApp component every fedshield FAB names, checked before it serves a run
@@ -196,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     from flwr.common.config import parse_config_args
 
     node_config = parse_config_args([args.node_config]) if args.node_config else {}
+    patch_worker()
     worker = Worker(args.runtime, args.state_dir, args.poll)
     worker.answer_lost()  # a predecessor's message first: it needs flwr only, not the task
     warm_up(node_config)

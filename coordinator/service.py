@@ -164,7 +164,7 @@ def _pgid(pid: int) -> int | None:
         return None
 
 
-def _group_alive(pgid: int) -> bool:
+def group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
         return True
@@ -333,10 +333,10 @@ class Coordinator:
         except subprocess.TimeoutExpired:
             pass
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and any(_group_alive(g) for g in groups - {self.superlink.pid}):
+        while time.monotonic() < deadline and any(group_alive(g) for g in groups - {self.superlink.pid}):
             time.sleep(0.2)
         # SIGKILL only to groups that still have members (a group gone for seconds could be another's by now)
-        _signal_groups({g for g in groups if _group_alive(g)}, signal.SIGKILL)
+        _signal_groups({g for g in groups if group_alive(g)}, signal.SIGKILL)
         self.superlink.wait()
 
     # -- flwr CLI --------------------------------------------------------------

@@ -56,3 +56,13 @@ def test_the_serverapp_grid_retries_reply_objects_from_20_ms(monkeypatch):
     flower_pins.patch_grid()  # idempotent: one partial, not one wrapped in another
     assert grid.pull_objects.keywords == {"initial_backoff": 0.02, "backoff_cap": 1.0}
     assert not isinstance(grid.pull_objects.func, type(grid.pull_objects))
+
+
+def test_the_worker_pulls_message_objects_from_20_ms(monkeypatch):
+    run = importlib.import_module("flwr.supernode.runtime.run_clientapp")
+    monkeypatch.setattr(run, "pull_and_inflate_object_from_tree", run.pull_and_inflate_object_from_tree)
+    flower_pins.patch_worker()
+    flower_pins.patch_worker()
+    assert run.pull_and_inflate_object_from_tree.keywords == {"initial_backoff": 0.02, "backoff_cap": 1.0}
+    source = inspect.getsource(run.pull_task_input)
+    assert "pull_and_inflate_object_from_tree(" in source  # resolved from the module at call time
