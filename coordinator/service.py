@@ -28,6 +28,7 @@ import tomli_w
 from aggregation import get_device, kernels
 from aggregation._errors import shown_key
 from clients.cli import bind_probe, host_port
+from clients import flower_pins
 from clients.supervisor import die_with_parent
 from clients.config import ConfigError, build_config, check, parse_toml, resolve_path, resolve_task
 from privacy import CertificatePaths, check_public_key, make_dir
@@ -368,13 +369,27 @@ class Coordinator:
                                    "environment?).") from None
 
     def register_keys(self) -> None:
-        for key in self.keys:
-            out = self._flwr("supernode", "register", str(key), FEDERATION, "--format", "json")
-            text = out.stdout[out.stdout.find("{"):] if "{" in out.stdout else ""
+        """``flwr supernode register`` for every enrolled key, in one process (clients/flower_pins.py)."""
+        if not self.keys:
+            return
+        timeout = 60 + 0.5 * len(self.keys)
+        cmd = [sys.executable, "-P", str(Path(flower_pins.__file__)), "register", FEDERATION, *map(str, self.keys)]
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_flwr_env(self.cli_home))
+        except subprocess.TimeoutExpired:
+            raise CoordinatorError(f"registering the {len(self.keys)} enrolled keys must finish within {timeout:g} s. "
+                                   f"Found it still running (stopped it); is the SuperLink at {self.connect_address} "
+                                   f"stuck? See {self.log_path}.") from None
+        results = {}
+        for line in out.stdout.splitlines():
             try:
-                result = json.loads(text)
-            except json.JSONDecodeError:
-                result = {"success": False, "error-message": (out.stderr or out.stdout).strip()[-300:]}
+                record = json.loads(line)
+                results[record["key"]] = record
+            except (json.JSONDecodeError, KeyError, TypeError):
+                continue
+        for key in self.keys:
+            result = results.get(str(key), {"success": False,
+                                            "error-message": (out.stderr or out.stdout).strip()[-300:]})
             if not result.get("success") and "already in use" not in str(result.get("error-message", "")):
                 raise CoordinatorError(f"enrolled key {key.name} must register with the SuperLink. "
                                        f"Found: {result.get('error-message')}")
