@@ -302,7 +302,9 @@ def agent_plan(args: argparse.Namespace) -> Plan:
             "--superexec-auth-secret-file", str(secret)]
     worker = [sys.executable, "-m", "clients.worker", "--runtime", runtime, "--state-dir", state_dir,
               "--node-config", supernode[supernode.index("--node-config") + 1]]
-    return Plan(supernode=node, worker=worker, state_dir=state_dir, task_timeout=float(task_timeout))
+    root_cert = supernode[supernode.index("--root-certificates") + 1] if "--root-certificates" in supernode else ""
+    return Plan(supernode=node, worker=worker, state_dir=state_dir, task_timeout=float(task_timeout),
+                coordinator=supernode[supernode.index("--superlink") + 1], root_cert=root_cert)
 
 
 def start_agent(args: argparse.Namespace) -> int:

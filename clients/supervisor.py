@@ -75,6 +75,8 @@ class Plan:
     state_dir: str
     task_timeout: float = 1800.0  # a message handled longer than this: the worker hangs, it is restarted
     tick: float = 0.2
+    coordinator: str = ""  # HOST:PORT, and the CA file ("": --insecure): to tell why a connection failed
+    root_cert: str = ""
 
 
 def _watch(proc: subprocess.Popen, quiet: threading.Event | None = None) -> Watched:
@@ -282,7 +284,7 @@ def supervise(plan: Plan) -> int:
             watcher.join(plan.tick)
         if stopped_by:
             return _stopped(stopped_by, seen[0].served if seen else 0)
-        return _ended(seen[0], node.returncode)
+        return _ended(seen[0], node.returncode, plan)
     finally:
         if node is not None:
             _stop_group(node)
@@ -297,7 +299,86 @@ def _stopped(stopped_by: list[int], served: int) -> int:
     return 130 if stopped_by[0] == signal.SIGINT else 0
 
 
-def _ended(seen: Watched, returncode: int) -> int:
+PROBE_TIMEOUT = 5.0  # seconds for each step of diagnose_connection
+
+
+def _host_port(address: str) -> tuple[str, int] | None:
+    host, _, port = address.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    return (host, int(port)) if host and port.isdigit() else None
+
+
+def _speaks_plain_http(host: str, port: int, timeout: float) -> bool:
+    import socket
+
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as s:
+            s.sendall(b"GET /health HTTP/1.0\r\n\r\n")
+            return s.recv(5) == b"HTTP/"
+    except OSError:
+        return False
+
+
+def diagnose_connection(coordinator: str, root_cert: str, timeout: float = PROBE_TIMEOUT) -> str | None:
+    """Why this host cannot join the coordinator at ``coordinator`` (HOST:PORT), in words, from what it sees now:
+    the TCP connection (refused, timed out, unreachable), then TLS with ``root_cert`` as Flower's SuperNode does it
+    (that CA only, the host's name checked; "": the agent runs --insecure). None: nothing found wrong."""
+    import socket
+    import ssl
+
+    where = _host_port(coordinator)
+    if where is None:
+        return None
+    host, port = where
+    at = f"the coordinator at {coordinator}"
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except ConnectionRefusedError:
+        return (f"could not connect to {at}: connection refused (nothing listens there: is the coordinator running, "
+                "and is the port right?)")
+    except TimeoutError:
+        return (f"could not connect to {at}: no answer within {timeout:g} s (is the address right? a firewall "
+                "in between?)")
+    except socket.gaierror as exc:
+        return f"could not connect to {at}: {host} does not resolve ({exc.strerror or exc})"
+    except OSError as exc:
+        return f"could not connect to {at}: {exc.strerror or exc} (is the address right?)"
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # as the SuperNode's: the given CA only, the host's name checked
+    try:
+        if root_cert:
+            ctx.load_verify_locations(cafile=root_cert)
+        else:
+            ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE  # (only: does it speak TLS at all?)
+    except (OSError, ValueError):
+        return None  # (the agent checked the file before it started)
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as raw, \
+                ctx.wrap_socket(raw, server_hostname=host):
+            pass
+    except ssl.SSLCertVerificationError as exc:
+        detail = f"CERTIFICATE_VERIFY_FAILED: {exc.verify_message}"
+        if exc.verify_code in (62, 64):  # X509_V_ERR_HOSTNAME_MISMATCH, X509_V_ERR_IP_ADDRESS_MISMATCH
+            return (f"the coordinator's certificate (at {coordinator}) does not name {host} ({detail}): connect "
+                    f"with a name it has, or make it with `fedshield certs init DIR --san {host}`")
+        return (f"the coordinator's certificate (at {coordinator}) is not trusted by --root-cert {root_cert} "
+                f"({detail}): give the coordinator's ca.crt")
+    except (ssl.SSLError, ConnectionError, TimeoutError, OSError) as exc:
+        if _speaks_plain_http(host, port, timeout):
+            return None if not root_cert else (f"{at} speaks no TLS (it runs --insecure?): run both with TLS, "
+                                               "or both with --insecure (tests only)")
+        if not root_cert:
+            return f"{at} accepts connections but answers neither HTTP nor TLS (is it the coordinator's port?)"
+        if isinstance(exc, TimeoutError):
+            return f"{at} accepts connections but completed no TLS handshake within {timeout:g} s"
+        return f"the TLS handshake with {at} failed ({getattr(exc, 'reason', None) or exc})"
+    if not root_cert:
+        return f"{at} runs TLS and this agent --insecure: give --root-cert (the coordinator's ca.crt) and --key instead"
+    return (f"{at} is reachable and its certificate trusted by --root-cert, so it refused this node (see the "
+            "SuperNode's lines above): is this node's public key (its --key's .pub) in the coordinator's "
+            "enrolled-keys?")
+
+
+def _ended(seen: Watched, returncode: int, plan: Plan | None = None) -> int:
     flwr_code, refusal = seen.exit_code, seen.refusal
     if flwr_code is None and returncode in (0, -signal.SIGTERM, -signal.SIGINT):
         return 0
@@ -309,6 +390,9 @@ def _ended(seen: Watched, returncode: int) -> int:
         return 0
     if refusal in _REFUSALS:
         reason = _REFUSALS[refusal]
+    elif flwr_code == 305 and refusal is None and plan is not None and plan.coordinator and \
+            (seen_cause := diagnose_connection(plan.coordinator, plan.root_cert)):
+        reason = seen_cause  # the cause this host sees, instead of five possible ones
     else:
         reason = _EXIT_REASONS.get(flwr_code or 0, f"see the SuperNode's log above (exit status {returncode})")
     print(f"fedshield: error: agent stopped (Flower exit code {flwr_code}): {reason}.", file=sys.stderr)

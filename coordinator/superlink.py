@@ -16,13 +16,21 @@ Flower's switches for its older gRPC APIs (a second, unguarded listener) are dro
 ``flwr`` commands (key registration, ``flwr run``) and the ServerApp's process connect from this host and
 are not affected. What the guard cannot tell apart: a tunnel or TCP proxy on this host (ssh -L, socat, a
 service-mesh sidecar) in front of the port makes every peer this host; put none there.
+
+A remote peer's body past :func:`max_body` gets 413 (also a chunked one, whatever Flower's own middleware makes of
+the cut-off read), the memory of refused bodies is given back (:class:`_Reclaimer`), and each failed TLS handshake
+is one rate-limited WARNING line with the peer's address and the cause (:func:`watch_tls_handshakes`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import ipaddress
+import logging
 import os
 import sys
+import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from functools import lru_cache
 from types import SimpleNamespace
@@ -49,6 +57,62 @@ def max_body() -> int:
 
 class _TooLarge(Exception):
     pass
+
+
+RECLAIM_AT = 64 << 20  # bytes of refused bodies after which their memory is given back at once
+RECLAIM_IDLE_S = 1.0  # fewer: given back this long after the last one
+RECLAIM_SHARE = 0.1  # of the event loop's time, at most, spent giving it back
+
+
+class _Reclaimer:
+    """Gives the memory of refused request bodies back to the system.
+
+    What held it (measured: 100 invalid 16 MB bodies to a Fleet route left the SuperLink at 1.27 GB from 134 MB,
+    for good): Flower's error path keeps each refused body in a reference cycle (the protobuf parser's
+    ``DecodeError`` -> its traceback -> the frame holding ``body``, and the request object caching it), which only
+    Python's full collection frees, and that runs rarely in a process of ~185k long-lived objects; freed, the
+    bodies' memory still stayed with glibc's heap (its mmap threshold had grown past 16 MB) until ``malloc_trim``.
+    So once refused bodies add up: a full ``gc.collect()`` and ``malloc_trim(0)`` (about 0.1 s, in the event loop,
+    never more than :data:`RECLAIM_SHARE` of its time)."""
+
+    def __init__(self) -> None:
+        self.pending, self.not_before = 0, 0.0
+        self.handle: asyncio.TimerHandle | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None  # (one in the SuperLink; a test's loops come and go)
+        self.runs = 0  # (for tests)
+
+    def refused(self, nbytes: int) -> None:
+        self.pending += nbytes
+        if self.pending < (1 << 20):  # small change: Python's own collections see to it
+            return
+        loop = asyncio.get_running_loop()
+        when = max(loop.time() + (0.0 if self.pending >= RECLAIM_AT else RECLAIM_IDLE_S), self.not_before)
+        if self.handle is not None and self.loop is loop:
+            if self.handle.when() <= when:
+                return
+            self.handle.cancel()
+        self.handle, self.loop = loop.call_at(when, self.reclaim, loop), loop
+
+    def reclaim(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.handle, self.pending = None, 0
+        start = time.perf_counter()
+        gc.collect()
+        _malloc_trim()
+        self.runs += 1
+        self.not_before = loop.time() + (time.perf_counter() - start) * (1 / RECLAIM_SHARE - 1)
+
+
+def _malloc_trim() -> None:
+    """glibc's ``malloc_trim(0)``: free heap pages back to the system (a no-op elsewhere)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (AttributeError, OSError):  # not glibc (musl, macOS)
+        pass
+
+
+_RECLAIMER = _Reclaimer()
 
 
 @lru_cache(maxsize=1)
@@ -91,9 +155,10 @@ def _forwarded(scope: Scope) -> bool:
     return any(name.lower() in _FORWARDING_HEADERS for name, _ in scope.get("headers") or ())
 
 
-async def _plain(send: Callable[[Any], Awaitable[None]], status: int, body: bytes) -> None:
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"text/plain"), (b"content-length", str(len(body)).encode())]})
+async def _plain(send: Callable[[Any], Awaitable[None]], status: int, body: bytes, close: bool = False) -> None:
+    headers = [(b"content-type", b"text/plain"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status,  # close: the rest of the body is not read
+                "headers": headers + [(b"connection", b"close")] * close})
     await send({"type": "http.response.body", "body": body})
 
 
@@ -127,27 +192,42 @@ class LocalControlOnly:
         if length is not None and (not length.isdigit() or int(length) > self.cap):
             await _plain(send, 413, TOO_LARGE)  # told before a byte of it is read
             return
-        seen, started = 0, False
+        seen, status, over = 0, 0, False
 
         async def counted() -> Any:  # a chunked body, or one longer than it said
-            nonlocal seen
+            nonlocal seen, over
+            if over:  # read no more of it, whatever the app does with the first refusal
+                raise _TooLarge
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.cap:
+                    over = True
                     raise _TooLarge
             return message
 
         async def tracked(message: Any) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
+            nonlocal status
+            if over:  # the app's own answer to the cut-off body (Flower's: a 500) is replaced: the peer gets 413
+                if not status and message["type"] == "http.response.start":
+                    status = 413
+                    await _plain(send, 413, TOO_LARGE, close=True)
+                return
+            if message["type"] == "http.response.start":
+                status = message["status"]
             await send(message)
 
         try:
             await self.app(scope, counted, tracked)
-        except _TooLarge:
-            if not started:
-                await _plain(send, 413, TOO_LARGE)
+        except Exception:
+            if not over:
+                _RECLAIMER.refused(seen)
+                raise
+        if over and not status:
+            status = 413
+            await _plain(send, 413, TOO_LARGE, close=True)
+        if over or status >= 400:
+            _RECLAIMER.refused(seen)
 
 
 def install() -> None:
@@ -164,6 +244,126 @@ def install() -> None:
 
     get_middleware.fedshield_guard = True  # type: ignore[attr-defined]
     extensions.get_middleware = get_middleware
+
+
+# Failed TLS handshakes never reach ASGI (nor uvicorn): asyncio's TLS layer drops them and logs only in its debug
+# mode, uvloop's not at all. So the SuperLink serves TLS on asyncio's loop, whose TLS layer (pure Python) is hooked.
+_HANDSHAKE_REASONS = {
+    "TLSV1_ALERT_UNKNOWN_CA": "the client does not trust this coordinator's CA (unknown CA: is its --root-cert "
+                              "this coordinator's ca.crt?)",
+    "SSLV3_ALERT_BAD_CERTIFICATE": "the client rejected this coordinator's certificate (bad certificate: is the "
+                                   "address it connects to one of the certificate's names? `fedshield certs init "
+                                   "--san`)",
+    "SSLV3_ALERT_CERTIFICATE_UNKNOWN": "the client rejected this coordinator's certificate (certificate unknown)",
+    "SSLV3_ALERT_CERTIFICATE_EXPIRED": "the client says this coordinator's certificate has expired (or its clock is "
+                                       "off)",
+    "HTTP_REQUEST": "plaintext HTTP on the TLS port (the client runs --insecure?)",
+    "WRONG_VERSION_NUMBER": "the client does not speak TLS (plaintext on the TLS port? --insecure?)",
+    "NO_SHARED_CIPHER": "no cipher in common with the client",
+    "UNSUPPORTED_PROTOCOL": "no TLS version in common with the client",
+    "VERSION_TOO_LOW": "no TLS version in common with the client",
+    "TLSV1_ALERT_PROTOCOL_VERSION": "no TLS version in common with the client",
+}
+
+
+def handshake_reason(exc: BaseException | type[BaseException]) -> str:
+    """A failed handshake's cause in words: OpenSSL's reason (a constant's name: no key material, no peer data)."""
+    reason = getattr(exc, "reason", None)
+    if isinstance(reason, str) and reason:
+        return _HANDSHAKE_REASONS.get(reason, f"TLS error {reason}")
+    if exc is TimeoutError or isinstance(exc, TimeoutError):
+        return "the handshake did not complete in time"
+    kind = exc if isinstance(exc, type) else type(exc)
+    if issubclass(kind, ConnectionError):
+        return "the client closed the connection during the handshake (does it trust this coordinator's CA?)"
+    return kind.__name__
+
+
+def _address(peer: Any) -> str:
+    if not isinstance(peer, (tuple, list)) or len(peer) < 2:
+        return "an unknown peer"
+    return f"[{peer[0]}]:{peer[1]}" if ":" in str(peer[0]) else f"{peer[0]}:{peer[1]}"
+
+
+class HandshakeLog:
+    """One WARNING line per failed TLS handshake, naming the peer and the cause; at most one line per peer
+    address (host) every ``every`` seconds (the next one says how many were not shown), and ``most`` lines
+    every ``every`` seconds over all peers (a line then says how many more there were)."""
+
+    def __init__(self, emit: Callable[[str], None] | None = None, every: float = 60.0, most: int = 30,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.emit = emit or logging.getLogger("uvicorn.error").warning  # (Flower's configuration: the SuperLink's log)
+        self.every, self.most, self.clock = every, most, clock
+        self.hosts: dict[str, list[float]] = {}  # host -> [when a line last named it, failures not shown since]
+        self.window, self.lines, self.dropped = -float("inf"), 0, 0
+
+    def failed(self, peer: Any, reason: str) -> None:
+        now = self.clock()
+        if now - self.window >= self.every:
+            if self.dropped:
+                self.emit(f"fedshield: {self.dropped} more failed TLS handshake{'s' * (self.dropped != 1)} in the "
+                          f"last {self.every:g} s not shown (more than {self.most} lines)")
+            if len(self.hosts) > 4096:
+                self.hosts = {h: v for h, v in self.hosts.items() if now - v[0] < self.every}
+            self.window, self.lines, self.dropped = now, 0, 0
+        host = str(peer[0]) if isinstance(peer, (tuple, list)) and peer else "?"
+        entry = self.hosts.get(host)
+        if entry is not None and now - entry[0] < self.every:
+            entry[1] += 1
+            return
+        if self.lines >= self.most:
+            self.dropped += 1
+            return
+        hidden = int(entry[1]) if entry is not None else 0
+        self.hosts[host] = [now, 0]
+        self.lines += 1
+        more = f" ({hidden} more from {host} not shown since the last such line)" if hidden else ""
+        self.emit(f"fedshield: TLS handshake from {_address(peer)} failed: {reason}{more}")
+
+
+def watch_tls_handshakes(log: HandshakeLog | None = None) -> bool:
+    """Report each failed server-side handshake of asyncio's TLS layer (this process's) to ``log``. A connection
+    that sent nothing (a TCP reachability probe, an agent's start-up check) is no handshake and is not reported.
+    False where this Python's asyncio lacks the hooks used (then nothing is reported)."""
+    from asyncio import sslproto
+
+    cls: Any = sslproto.SSLProtocol
+    if getattr(cls, "fedshield_watched", None) is not None:
+        cls.fedshield_watched = log or cls.fedshield_watched
+        return True
+    hooks = ("_do_handshake", "_on_handshake_complete", "_check_handshake_timeout")
+    if not all(hasattr(cls, name) for name in hooks) or not hasattr(sslproto, "SSLProtocolState"):
+        return False
+    do, complete, timeout = (getattr(cls, name) for name in hooks)
+    handshaking = sslproto.SSLProtocolState.DO_HANDSHAKE
+
+    def report(self: Any, exc: BaseException | type[BaseException]) -> None:
+        try:
+            if getattr(self, "_server_side", False) and getattr(self, "fedshield_reads", 0) > 1:  # (1: its start)
+                transport = getattr(self, "_transport", None)
+                peer = transport.get_extra_info("peername") if transport is not None else None
+                cls.fedshield_watched.failed(peer, handshake_reason(exc))
+        except Exception:  # noqa: BLE001 - a log line must never break the connection handling
+            pass
+
+    def _do_handshake(self: Any) -> None:
+        self.fedshield_reads = getattr(self, "fedshield_reads", 0) + 1
+        do(self)
+
+    def _on_handshake_complete(self: Any, handshake_exc: Any) -> None:
+        if handshake_exc is not None:
+            report(self, handshake_exc)
+        complete(self, handshake_exc)
+
+    def _check_handshake_timeout(self: Any) -> None:
+        if getattr(self, "_state", None) == handshaking:
+            report(self, TimeoutError)
+        timeout(self)
+
+    cls._do_handshake, cls._on_handshake_complete = _do_handshake, _on_handshake_complete
+    cls._check_handshake_timeout = _check_handshake_timeout
+    cls.fedshield_watched = log or HandshakeLog()
+    return True
 
 
 # Flower's switches for its older gRPC APIs: each starts a second listener (the Control API on
@@ -199,6 +399,12 @@ def main(argv: list[str] | None = None) -> None:
     serve = uvicorn.run
 
     def run(*args: Any, **kwargs: Any) -> None:
+        if kwargs.get("ssl_certfile"):
+            if watch_tls_handshakes():
+                kwargs["loop"] = "asyncio"  # (uvloop's TLS layer reports no failed handshake: see watch_tls_handshakes)
+            else:
+                print("fedshield: failed TLS handshakes are not logged: this Python's asyncio lacks the hooks used",
+                      file=sys.stderr)
         # No X-Forwarded-For / Forwarded: uvicorn rewrites the peer from them for the addresses in
         # $FORWARDED_ALLOW_IPS (often "*" in container images), and a remote peer then passed for 127.0.0.1.
         # A bounded graceful shutdown: uvicorn waited for every open request, and a log stream (flwr run

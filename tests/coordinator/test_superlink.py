@@ -7,6 +7,7 @@ from anywhere that reached the port, ``flwr supernode register`` admitted a key 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -129,16 +130,7 @@ def test_the_coordinators_superlink_process_runs_behind_the_guard(tmp_path):
             assert s.connect_ex(("127.0.0.1", grpc_control)) != 0
         maps = open(f"/proc/{proc.pid}/maps").read()  # the shared libraries the process has loaded
     finally:  # the whole session's group (the SuperLink's children too), by its pid
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=20)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            pass
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
+        _stop(proc)
     text = log.read_text()
     assert "FLWR_INTERNAL_GRPC_CONTROL_API ignored" in text
     assert "libtorch" not in maps, "the SuperLink's process loaded the coordinator package (and torch with it)"
@@ -180,3 +172,285 @@ def test_the_superlink_does_not_import_from_the_working_directory(tmp_path):
     out = subprocess.run(superlink.command("--help"), cwd=tmp_path, capture_output=True, timeout=120,
                          env={**os.environ, "FLWR_HOME": str(tmp_path / "flwr")})
     assert not (tmp_path / "ran").exists() and out.returncode == 0, out.stderr[-2000:]
+
+
+async def _answers_500_on_error(scope, receive, send):
+    """A stand-in for Flower's middleware: an exception while reading the body becomes its own 500 (Flower's
+    http_error_translator), so the guard's exception never reached it. Then it tries to read on."""
+    try:
+        while (await receive()).get("more_body"):
+            pass
+        status = 200
+    except Exception:  # noqa: BLE001 - as Flower's error translator does
+        status = 500
+        with pytest.raises(superlink._TooLarge):  # the guard reads no more of that body
+            await receive()
+    await send({"type": "http.response.start", "status": status, "headers": [(b"content-length", b"2")]})
+    await send({"type": "http.response.body", "body": b"no"})
+
+
+@pytest.mark.timeout(60)  # (a guard that reads on waits for a body that has ended)
+def test_a_chunked_oversized_body_gets_413_whatever_the_app_answers(monkeypatch):
+    """A review: through the real SuperLink a chunked body past the cap got Flower's 500 (its error middleware
+    caught the guard's exception and answered first), not 413."""
+    monkeypatch.setenv(superlink.MAX_BODY_ENV, str(1 << 20))
+    guard = superlink.LocalControlOnly(_answers_500_on_error)
+    pulled = []
+
+    def chunks():
+        for i in range(64):
+            pulled.append(i)
+            yield b"x" * (64 << 10)  # 4 MiB in all, sent chunked (no content-length)
+
+    c = TestClient(guard, client=ELSEWHERE)
+    r = c.post("/v1/fleet/push-messages", content=chunks())
+    assert r.status_code == 413 and r.content == superlink.TOO_LARGE
+    assert r.headers["connection"] == "close"  # (the rest of the body is not read)
+    assert c.post("/v1/fleet/push-messages", content=b"x" * 1000).content == b"no"  # under the cap: the app's answer
+
+
+def test_refused_bodies_are_given_back_once_they_add_up(monkeypatch):
+    """The guard's reclaimer: a full collection (Flower's error path keeps a refused body in a reference cycle)
+    and malloc_trim, at once past RECLAIM_AT bytes, else RECLAIM_IDLE_S after the last; never more than
+    RECLAIM_SHARE of the loop's time."""
+    import asyncio
+
+    costs = []
+    monkeypatch.setattr(superlink.gc, "collect", lambda: (costs.append(1), time.sleep(0.05)))
+    r = superlink._Reclaimer()
+
+    async def until(runs: int) -> None:
+        deadline = time.monotonic() + 30
+        while r.runs < runs:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        r.refused(1000)  # small: left to Python's own collections
+        assert r.handle is None
+        r.refused(2 << 20)  # a refused body: given back a moment later
+        assert r.handle is not None and r.handle.when() - loop.time() > superlink.RECLAIM_IDLE_S - 0.2
+        await until(1)
+        assert r.pending == 0 and r.not_before > loop.time()  # it took 0.05 s: the next not for 0.45 s
+        r.refused(superlink.RECLAIM_AT)  # a pile: at once, but at most a tenth of the loop's time
+        first = r.handle
+        assert first is not None and first.when() == r.not_before
+        r.refused(superlink.RECLAIM_AT)  # one collection for both
+        assert r.handle is first
+        await until(2)
+        assert r.handle is None and r.pending == 0
+
+    asyncio.run(scenario())
+    assert len(costs) == 2
+
+
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS:"))
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(240)
+def test_the_real_superlink_answers_413_to_a_chunked_body_and_gives_back_refused_bodies(tmp_path):
+    """A review, through the real SuperLink from a peer that is not its host: a chunked body past the cap got
+    500; 300 invalid 16 MB bodies left it at ~1.2 GB RSS (from 134 MB), for good."""
+    import httpx
+
+    port = free_port()
+    env = {**os.environ, "FLWR_HOME": str(tmp_path / "flwr"), "FEDSHIELD_SUPERLINK_LOOPBACK_IS_REMOTE": "1",
+           superlink.MAX_BODY_ENV: str(32 << 20), "FLWR_DISABLE_UPDATE_CHECK": "1"}
+    log = tmp_path / "superlink.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(superlink.command("--insecure", "--host", "127.0.0.1", "--port", str(port),
+                                                  "--disable-runtime-dependency-installation"),
+                                stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        _wait_healthy(proc, log, lambda: httpx.get(base + "/health", timeout=2))
+        push, proto = base + "/v1/fleet/push-messages", {"content-type": "application/protobuf"}
+        baseline = _rss_mb(proc.pid)
+        pulled = []
+
+        def chunks():
+            for i in range(200):  # 200 MB against a 32 MB cap
+                pulled.append(i)
+                yield b"\xff" * (1 << 20)
+
+        with httpx.Client(timeout=60) as c:
+            r = c.post(push, content=chunks(), headers=proto)
+            assert r.status_code == 413 and r.content == superlink.TOO_LARGE, (r.status_code, r.content[:200])
+            assert len(pulled) < 100  # the read stopped
+            body = b"\xff" * (16 << 20)  # under the cap: read whole by Flower, refused as invalid protobuf
+            codes = {c.post(push, content=body, headers=proto).status_code for _ in range(60)}
+        assert codes == {400}
+        deadline, rss = time.monotonic() + 30, _rss_mb(proc.pid)
+        while rss > baseline + 150 and time.monotonic() < deadline:  # (without the reclaimer: +400..700 MB, for good)
+            time.sleep(0.5)
+            rss = _rss_mb(proc.pid)
+        assert rss <= baseline + 150, f"RSS {rss:.0f} MB after 60 invalid 16 MB bodies (baseline {baseline:.0f} MB)"
+    finally:
+        _stop(proc)
+
+
+def _wait_healthy(proc, log, get) -> None:
+    deadline = time.monotonic() + 90
+    while True:
+        try:
+            if get().status_code == 200:
+                return
+        except Exception:  # noqa: BLE001 - not up yet
+            pass
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.3)
+
+
+def _stop(proc) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=20)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def test_handshake_log_is_rate_limited_per_address():
+    now, lines = [0.0], []
+    log = superlink.HandshakeLog(emit=lines.append, every=60.0, most=3, clock=lambda: now[0])
+    log.failed(("10.0.0.5", 51234), "why")
+    log.failed(("10.0.0.5", 51235), "why")  # the same address within 60 s: counted, not shown
+    log.failed(("10.0.0.5", 51236), "why")
+    log.failed(("2001:db8::1", 443), "why")
+    assert lines == ["fedshield: TLS handshake from 10.0.0.5:51234 failed: why",
+                     "fedshield: TLS handshake from [2001:db8::1]:443 failed: why"]
+    log.failed(("10.0.0.6", 1), "why")
+    log.failed(("10.0.0.7", 1), "why")  # past `most` lines in the window: counted
+    now[0] = 61.0
+    log.failed(("10.0.0.5", 51237), "why")
+    assert lines[3:] == ["fedshield: 1 more failed TLS handshake in the last 60 s not shown (more than 3 lines)",
+                         "fedshield: TLS handshake from 10.0.0.5:51237 failed: why (2 more from 10.0.0.5 not shown "
+                         "since the last such line)"]
+
+
+@pytest.fixture
+def watched(monkeypatch):
+    """asyncio's TLS layer hooked (as in the SuperLink) for this test only; the failures' lines."""
+    from asyncio import sslproto
+
+    for name in ("_do_handshake", "_on_handshake_complete", "_check_handshake_timeout"):
+        monkeypatch.setattr(sslproto.SSLProtocol, name, getattr(sslproto.SSLProtocol, name))
+    monkeypatch.setattr(sslproto.SSLProtocol, "fedshield_watched", None, raising=False)
+    lines: list[str] = []
+    assert superlink.watch_tls_handshakes(superlink.HandshakeLog(emit=lines.append, every=0.0))
+    return lines
+
+
+def _tls_pair(tmp_path):
+    from privacy.transport import init_certificates
+
+    return init_certificates(tmp_path / "ours"), init_certificates(tmp_path / "other")
+
+
+def test_failed_handshakes_are_reported_with_the_peer_and_the_cause(watched, tmp_path):
+    """A review: a client with another CA, or a plaintext one, left nothing in the coordinator's log."""
+    import asyncio
+    import ssl
+
+    ours, other = _tls_pair(tmp_path)
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_ctx.load_cert_chain(ours.server_cert, ours.server_key)
+
+    def clients(port: int) -> None:
+        def tls(cafile, name="127.0.0.1"):
+            with socket.create_connection(("127.0.0.1", port)) as s:
+                try:
+                    ssl.create_default_context(cafile=str(cafile)).wrap_socket(s, server_hostname=name).close()
+                except ssl.SSLError:
+                    pass
+
+        tls(other.ca_cert)  # another CA
+        tls(ours.ca_cert, "127.0.0.9")  # our CA, a name the certificate does not have
+        tls(ours.ca_cert)  # fine: no line
+        with socket.create_connection(("127.0.0.1", port)) as s:  # plaintext HTTP
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            s.recv(100)
+        with socket.create_connection(("127.0.0.1", port)):  # a TCP probe (an agent's reachability check): no line
+            pass
+        with socket.create_connection(("127.0.0.1", port)) as s:  # a handshake cut short
+            s.sendall(b"\x16\x03\x01\x00\x40")
+
+    async def main():
+        async def serve(_reader, writer):
+            writer.close()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0, ssl=server_ctx)
+        await asyncio.to_thread(clients, server.sockets[0].getsockname()[1])
+        deadline = time.monotonic() + 10
+        while len(watched) < 4 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.2)  # (nothing more comes)
+        server.close()
+
+    asyncio.run(main())
+    assert len(watched) == 4, watched
+    assert all(re.match(r"fedshield: TLS handshake from 127\.0\.0\.1:\d+ failed: ", line) for line in watched)
+    assert "does not trust this coordinator's CA" in watched[0]
+    assert "rejected this coordinator's certificate (bad certificate" in watched[1]
+    assert "plaintext HTTP on the TLS port" in watched[2]
+    assert "closed the connection during the handshake" in watched[3]
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(180)
+def test_the_real_superlink_logs_failed_handshakes_with_the_peer_address(tmp_path):
+    """Through the SuperLink the coordinator starts (TLS): another CA's client and a plaintext client each
+    leave one WARNING line naming their address; repeats from one address within 60 s are not shown."""
+    import ssl
+
+    import httpx
+
+    ours, other = _tls_pair(tmp_path)
+    port = free_port()
+    env = {**os.environ, "FLWR_HOME": str(tmp_path / "flwr"), "FLWR_DISABLE_UPDATE_CHECK": "1"}
+    log = tmp_path / "superlink.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(superlink.command("--host", "127.0.0.1", "--port", str(port),
+                                                  "--disable-runtime-dependency-installation",
+                                                  "--ssl-ca-certfile", str(ours.ca_cert), "--ssl-certfile",
+                                                  str(ours.server_cert), "--ssl-keyfile", str(ours.server_key)),
+                                stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        trusted = ssl.create_default_context(cafile=str(ours.ca_cert))
+        _wait_healthy(proc, log, lambda: httpx.get(f"https://127.0.0.1:{port}/health", verify=trusted, timeout=2))
+
+        def connect(source: str, cafile=None) -> None:  # from another loopback address: another peer
+            with socket.create_connection(("127.0.0.1", port), source_address=(source, 0)) as s:
+                if cafile is None:
+                    s.sendall(b"POST /v1/fleet/pull-messages HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
+                    s.recv(100)
+                    return
+                with pytest.raises(ssl.SSLCertVerificationError):
+                    ssl.create_default_context(cafile=str(cafile)).wrap_socket(s, server_hostname="127.0.0.1")
+
+        connect("127.0.0.2", other.ca_cert)
+        connect("127.0.0.2", other.ca_cert)
+        connect("127.0.0.3")
+        with socket.create_connection(("127.0.0.1", port), source_address=("127.0.0.4", 0)):
+            pass  # a TCP probe: no line
+        deadline = time.monotonic() + 20
+        while log.read_text().count("fedshield: TLS handshake") < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(0.5)
+    finally:
+        _stop(proc)
+    lines = [line for line in log.read_text().splitlines() if "fedshield: TLS handshake" in line]
+    assert len(lines) == 2, lines
+    assert re.search(r"WARNING .*fedshield: TLS handshake from 127\.0\.0\.2:\d+ failed: the client does not trust "
+                     r"this coordinator's CA", lines[0]), lines
+    assert re.search(r"WARNING .*fedshield: TLS handshake from 127\.0\.0\.3:\d+ failed: plaintext HTTP on the TLS "
+                     r"port \(the client runs --insecure\?\)", lines[1]), lines
+    assert "127.0.0.4" not in log.read_text() and "PRIVATE KEY" not in log.read_text()
