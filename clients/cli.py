@@ -15,6 +15,7 @@ import math
 import os
 import re
 import secrets
+import signal
 import shutil
 import socket
 import sys
@@ -24,7 +25,7 @@ from pathlib import Path
 from ._errors import ClientError
 from .config import TaskSpec, build_config, renamed_key, resolve_path
 from .data import load_npz, save_npz
-from .supervisor import Plan, Watched, _watch, die_with_parent  # noqa: F401  (cli's names)
+from .supervisor import NODE_FILE, Plan, Watched, _watch, die_with_parent, start_process, stop_group  # noqa: F401
 from .tasks import load_task
 
 # Flower exit codes (flwr.supercore.exit.ExitCode) a device owner may meet, in words.
@@ -280,37 +281,76 @@ def supernode_command(args: argparse.Namespace) -> list[str]:
     return cmd
 
 
-def agent_plan(args: argparse.Namespace) -> Plan:
-    """The agent's processes: the SuperNode (Flower's, waits shortened, process isolation: it starts no
-    ClientApp itself) and the warm ClientApp worker that serves its messages over the Runtime API."""
+def new_state_dir() -> str:
+    """The agent's state dir (0700): the Runtime API secret, the node's config for its worker, the message in
+    flight."""
     from privacy import make_dir
 
+    state_dir = tempfile.mkdtemp(prefix="fedshield-agent-")
+    make_dir(Path(state_dir), "the agent's state", ClientError)
+    secret = Path(state_dir) / "secret"
+    secret.write_bytes(secrets.token_bytes(32))
+    secret.chmod(0o600)
+    return state_dir
+
+
+def worker_command(state_dir: str, task: str = "") -> list[str]:
+    """The ClientApp worker's command line; ``task``: the class it imports while the agent checks its inputs."""
+    return [sys.executable, "-m", "clients.worker", "--state-dir", state_dir, *(["--task", task] if task else [])]
+
+
+def _early_task(args: argparse.Namespace) -> str:
+    """``--task`` as the worker will import it, if it can be told without checking anything ('' otherwise)."""
+    from .config import BUILTIN_TASKS
+
+    name = getattr(args, "task", None) or ""
+    if name and name not in BUILTIN_TASKS and ".py:" in name:
+        where, _, attr = name.rpartition(":")
+        path = Path(where).expanduser().resolve()
+        name = f"{path}:{attr}" if path.is_file() else ""
+    return name
+
+
+def agent_plan(args: argparse.Namespace, state_dir: str | None = None, task: str = "") -> Plan:
+    """The agent's processes: the SuperNode (Flower's, waits shortened, process isolation: it starts no
+    ClientApp itself) and the warm ClientApp worker that serves its messages over the Runtime API. The
+    worker's node config and Runtime API address go to ``state_dir`` (a worker started early waits for them)."""
     supernode = supernode_command(args)
     poll, task_timeout = getattr(args, "poll_interval", 0.2), getattr(args, "task_timeout", 1800.0)
     if not (math.isfinite(poll) and 0.01 <= poll <= 60):
         raise ClientError(f"--poll-interval must be in [0.01, 60] seconds. Found {poll!r}.")
     if not (math.isfinite(task_timeout) and task_timeout > 0):
         raise ClientError(f"--task-timeout must be a finite number of seconds > 0. Found {task_timeout!r}.")
-    state_dir = tempfile.mkdtemp(prefix="fedshield-agent-")  # 0700: the Runtime API secret, the message in flight
-    make_dir(Path(state_dir), "the agent's state", ClientError)
-    secret = Path(state_dir) / "secret"
-    secret.write_bytes(secrets.token_bytes(32))
-    secret.chmod(0o600)
+    state_dir = state_dir or new_state_dir()
     runtime = f"127.0.0.1:{supernode[supernode.index('--port') + 1]}"
+    node_config = supernode[supernode.index("--node-config") + 1]
+    node_file = Path(state_dir) / NODE_FILE
+    node_file.with_suffix(".tmp").write_text(json.dumps({"runtime": runtime, "node-config": node_config}))
+    os.replace(node_file.with_suffix(".tmp"), node_file)
     node = [sys.executable, "-P", str(Path(__file__).with_name("flower_pins.py")), "supernode",
             "--poll-interval", str(poll), *supernode[1:], "--isolation", "process",
-            "--superexec-auth-secret-file", str(secret)]
-    worker = [sys.executable, "-m", "clients.worker", "--runtime", runtime, "--state-dir", state_dir,
-              "--node-config", supernode[supernode.index("--node-config") + 1]]
+            "--superexec-auth-secret-file", str(Path(state_dir) / "secret")]
     root_cert = supernode[supernode.index("--root-certificates") + 1] if "--root-certificates" in supernode else ""
-    return Plan(supernode=node, worker=worker, state_dir=state_dir, task_timeout=float(task_timeout),
-                coordinator=supernode[supernode.index("--superlink") + 1], root_cert=root_cert)
+    return Plan(supernode=node, worker=worker_command(state_dir, task), state_dir=state_dir,
+                task_timeout=float(task_timeout), coordinator=supernode[supernode.index("--superlink") + 1],
+                root_cert=root_cert)
 
 
 def start_agent(args: argparse.Namespace) -> int:
-    """Check every input, then become the supervisor (``clients.supervisor``, no torch): it starts the warm
-    ClientApp worker, then the SuperNode once the worker is ready, until the SuperNode ends or a signal."""
-    plan = agent_plan(args)
+    """Start the ClientApp worker (its imports overlap the checks), check every input, then become the
+    supervisor (``clients.supervisor``, no torch): it adopts the worker and starts the SuperNode once the
+    worker is warm, until the SuperNode ends or a signal. A failed check stops the worker, removes its state."""
+    state_dir = new_state_dir()
+    task = _early_task(args)
+    worker = start_process(worker_command(state_dir, task))
+    try:
+        plan = agent_plan(args, state_dir, task)
+    except BaseException:
+        stop_group(worker, signal.SIGKILL)
+        worker.wait()
+        shutil.rmtree(state_dir, ignore_errors=True)
+        raise
+    plan.worker_pid = worker.pid
     print(f"fedshield agent: connecting to {args.coordinator} "
           f"({'insecure' if args.insecure else 'TLS + node authentication'})", file=sys.stderr, flush=True)
     sys.stdout.flush()

@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 
-READY, INFLIGHT = "ready", "inflight"  # as clients.worker
+READY, INFLIGHT, NODE_FILE = "ready", "inflight", "node.json"  # as clients.worker
 
 # Flower's own lines: its console prefix ("ERROR :     ", with colours or a timestamp), then the
 # message; an exit's message starts with its whole "Exit Code: N" line. Text that merely contains
@@ -77,6 +77,7 @@ class Plan:
     tick: float = 0.2
     coordinator: str = ""  # HOST:PORT, and the CA file ("": --insecure): to tell why a connection failed
     root_cert: str = ""
+    worker_pid: int = 0  # a worker the agent started before it exec'd into this supervisor: adopted
 
 
 def _watch(proc: subprocess.Popen, quiet: threading.Event | None = None) -> Watched:
@@ -121,7 +122,7 @@ def _watch(proc: subprocess.Popen, quiet: threading.Event | None = None) -> Watc
             seen.refusal = int(refused.group(1)) if refused else seen.refusal
             if not stopping:
                 stopping = True
-                timer = threading.Timer(5.0, _stop_group, (proc,))
+                timer = threading.Timer(5.0, stop_group, (proc,))
                 timer.daemon = True
                 timer.start()
     proc.wait()
@@ -132,7 +133,7 @@ def _messages(n: int) -> str:
     return f"{n} message{'' if n == 1 else 's'}"
 
 
-def _stop_group(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
+def stop_group(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
     try:
         os.killpg(proc.pid, sig)
     except ProcessLookupError:
@@ -151,9 +152,36 @@ def _say(text: str) -> None:
     print(f"fedshield agent: {text}", file=sys.stderr, flush=True)
 
 
-def _start(cmd: list[str], **kw) -> subprocess.Popen:
+def start_process(cmd: list[str], **kw) -> subprocess.Popen:
+    """A child in a session of its own that gets SIGTERM if this process dies."""
     return subprocess.Popen(cmd, env={**os.environ, "FLWR_DISABLE_UPDATE_CHECK": "1"}, start_new_session=True,
                             preexec_fn=die_with_parent if sys.platform.startswith("linux") else None, **kw)
+
+
+class Adopted:
+    """A child this process inherited across exec (the worker the agent started): Popen's poll and wait."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.returncode = pid, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                self.returncode = -signal.SIGKILL  # reaped elsewhere: gone
+                return self.returncode
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout or 0)
+            time.sleep(0.02)
+        return self.returncode
 
 
 def _status(code: int) -> str:
@@ -170,11 +198,14 @@ class Workers:
         self.next_start = 0.0
 
     def start(self) -> None:
+        if self.plan.worker_pid:  # the first worker, started by the agent before it exec'd into this process
+            self.proc, self.started_at, self.plan.worker_pid = Adopted(self.plan.worker_pid), time.monotonic(), 0
+            return
         try:
             os.unlink(self.ready_path)
         except FileNotFoundError:
             pass
-        self.proc, self.started_at = _start(self.plan.worker), time.monotonic()
+        self.proc, self.started_at = start_process(self.plan.worker), time.monotonic()
 
     def ready(self) -> bool:
         return os.path.exists(self.ready_path)
@@ -196,7 +227,7 @@ class Workers:
                                               "on this message and was restarted")
                 _say(f"the ClientApp worker has handled one message for more than {self.plan.task_timeout:g} s "
                      "(--task-timeout): stopping it; the message gets an error reply and a new worker starts.")
-                _stop_group(self.proc, signal.SIGKILL)
+                stop_group(self.proc, signal.SIGKILL)
                 self.proc.wait()
                 self.proc, self.deaths = None, 0
                 self.restarts += 1
@@ -212,11 +243,11 @@ class Workers:
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         if self.proc is not None and self.proc.poll() is None:
-            _stop_group(self.proc, sig)
+            stop_group(self.proc, sig)
             try:
                 self.proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
-                _stop_group(self.proc, signal.SIGKILL)
+                stop_group(self.proc, signal.SIGKILL)
                 self.proc.wait()
 
 
@@ -257,7 +288,7 @@ def supervise(plan: Plan) -> int:
         sig = signal.SIGKILL if stopped_by else signal.SIGTERM
         for proc in (node, workers.proc):
             if proc is not None:
-                _stop_group(proc, sig)
+                stop_group(proc, sig)
         stopped_by.append(signum)
         quiet.set()
 
@@ -274,7 +305,7 @@ def supervise(plan: Plan) -> int:
                       "see its error above).", file=sys.stderr)
                 return 1
             time.sleep(plan.tick / 4)
-        node = _start(plan.supernode, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        node = start_process(plan.supernode, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         seen: list[Watched] = []
         watcher = threading.Thread(target=lambda: seen.append(_watch(node, quiet)), daemon=True)
         watcher.start()
@@ -287,7 +318,7 @@ def supervise(plan: Plan) -> int:
         return _ended(seen[0], node.returncode, plan)
     finally:
         if node is not None:
-            _stop_group(node)
+            stop_group(node)
         workers.stop()
         shutil.rmtree(plan.state_dir, ignore_errors=True)
 

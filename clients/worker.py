@@ -25,7 +25,7 @@ from pathlib import Path
 
 from .flower_pins import AUTH_METHOD, patch_worker, pinned
 
-READY, INFLIGHT, SECRET = "ready", "inflight", "secret"
+READY, INFLIGHT, SECRET, NODE_FILE = "ready", "inflight", "secret", "node.json"  # as clients.supervisor
 APP_FAB_ID = "fedshield"  # the ClientApp component every fedshield FAB names, checked before it serves a run
 CLIENTAPP = "clients.client_app:app"
 
@@ -188,16 +188,28 @@ def _check_fab(fab) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m clients.worker")
-    parser.add_argument("--runtime", required=True, help="the SuperNode's Runtime API, 127.0.0.1:PORT")
     parser.add_argument("--state-dir", required=True, type=Path)
-    parser.add_argument("--node-config", default="", help="the node config given to the SuperNode")
+    parser.add_argument("--task", default="", help="the agent's task class, imported while the agent checks inputs")
     parser.add_argument("--poll", type=float, default=0.02)
     args = parser.parse_args(argv)
+    import clients.client_app  # noqa: F401  (torch, flwr, fedshield: the slow part, overlapping the agent's checks)
+
+    if args.task:
+        from clients.tasks import task_class
+
+        try:
+            task_class(args.task)  # its module's import (a slow device's may take minutes)
+        except Exception:  # noqa: BLE001  (the agent's checks say what is wrong, in one line)
+            pass
+    node = args.state_dir / NODE_FILE
+    while not node.exists():  # written once the agent's checks passed (else the agent stops this process)
+        time.sleep(args.poll)
+    plan = json.loads(node.read_text())
     from flwr.common.config import parse_config_args
 
-    node_config = parse_config_args([args.node_config]) if args.node_config else {}
+    node_config = parse_config_args([plan["node-config"]]) if plan["node-config"] else {}
     patch_worker()
-    worker = Worker(args.runtime, args.state_dir, args.poll)
+    worker = Worker(plan["runtime"], args.state_dir, args.poll)
     worker.answer_lost()  # a predecessor's message first: it needs flwr only, not the task
     warm_up(node_config)
     worker.run()
