@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import csv
-import subprocess
 
 from coordinator.rundir import METRICS
 
@@ -12,11 +11,15 @@ from .procs import free_port, wait_for
 
 def setup_deployment(tmp_path, fedshield_bin, num_rounds: int, keys: int = 4, nodes: int = 3, extra: str = "",
                      min_nodes: int | None = None, round_timeout: float = 120.0, wait_nodes_timeout: float = 120.0):
-    run = lambda *a: subprocess.run([fedshield_bin, *a], cwd=tmp_path, check=True, capture_output=True, text=True)  # noqa: E731
-    run("certs", "init", "certs")
+    # The library calls behind `fedshield certs init`, `keys new` and `data export` (their CLI is tested in
+    # tests/simulations/test_cli.py): each CLI process imported torch, ~3 s, up to 8 per deployment test.
+    from clients.cli import export_partitions
+    from privacy import init_certificates, new_node_key
+
+    init_certificates(tmp_path / "certs")
     for i in range(keys):
-        run("keys", "new", f"keys/client-{i}")
-    run("data", "export", "--num-partitions", str(nodes), "--out", "data")
+        new_node_key(tmp_path / "keys" / f"client-{i}")
+    export_partitions("digits", nodes, str(tmp_path / "data"))
     port = free_port()
     (tmp_path / "coordinator.toml").write_text(f"""
 [coordinator]
