@@ -49,6 +49,7 @@ _EXIT_REASONS = {
     604: "a path given to the SuperNode does not exist",
 }
 _SENT = re.compile(r"Sent successfully")
+_RECEIVED = re.compile(r"Received successfully")
 _RETRY = re.compile(r"^(?:WARNING)[\d\-:, ]*:\s+Connection attempt failed, retrying in ")
 # Flower's SuperNode can end with Python's "Exception ignored in: <module 'threading'...>" and a
 # traceback of its own SystemExit(0): noise, not a failure; it is not echoed.
@@ -80,7 +81,7 @@ class Plan:
     worker_pid: int = 0  # a worker the agent started before it exec'd into this supervisor: adopted
 
 
-def _watch(proc: subprocess.Popen, quiet: threading.Event | None = None) -> Watched:
+def _watch(proc: subprocess.Popen, quiet: threading.Event | None = None, on_message=None) -> Watched:
     """Echo the SuperNode's log (less Flower's shutdown noise); return what it said.
 
     A SuperNode that gave up may hang on its helper threads: once a fatal line is
@@ -112,6 +113,8 @@ def _watch(proc: subprocess.Popen, quiet: threading.Event | None = None) -> Watc
             traceback = text[:1].isspace()  # the first line not indented is the exception's: skipped too
             continue
         seen.served += bool(_SENT.search(text))
+        if on_message is not None and _RECEIVED.search(text):
+            on_message()  # the worker asks for the task now, not at its next idle poll
         if _OURS.match(text):
             continue
         m, refused = _FATAL.match(text), _REFUSAL.search(text)
@@ -162,9 +165,13 @@ class Adopted:
     """A child this process inherited across exec (the worker the agent started): Popen's poll and wait."""
 
     def __init__(self, pid: int) -> None:
-        self.pid, self.returncode = pid, None
+        self.pid, self.returncode, self._lock = pid, None, threading.Lock()
 
     def poll(self) -> int | None:
+        with self._lock:  # (the log watcher's thread asks too)
+            return self._poll()
+
+    def _poll(self) -> int | None:
         if self.returncode is None:
             try:
                 pid, status = os.waitpid(self.pid, os.WNOHANG)
@@ -241,6 +248,14 @@ class Workers:
              + (f"restarting it in {delay:g} s." if delay else "restarting it."))
         self.proc, self.next_start = None, now + delay
 
+    def wake(self) -> None:
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
+            try:
+                os.kill(proc.pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+
     def stop(self, sig: int = signal.SIGTERM) -> None:
         if self.proc is not None and self.proc.poll() is None:
             stop_group(self.proc, sig)
@@ -307,7 +322,7 @@ def supervise(plan: Plan) -> int:
             time.sleep(plan.tick / 4)
         node = start_process(plan.supernode, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         seen: list[Watched] = []
-        watcher = threading.Thread(target=lambda: seen.append(_watch(node, quiet)), daemon=True)
+        watcher = threading.Thread(target=lambda: seen.append(_watch(node, quiet, workers.wake)), daemon=True)
         watcher.start()
         while watcher.is_alive():
             if not stopped_by:
