@@ -149,7 +149,7 @@ def _children_map() -> dict[int, list[int]]:
     return out
 
 
-def _descendants(pid: int) -> list[int]:
+def descendants(pid: int) -> list[int]:
     children, out, todo = _children_map(), [], [pid]
     while todo:
         for child in children.get(todo.pop(), []):
@@ -326,7 +326,7 @@ class Coordinator:
         running for 20-30 s, its parent gone)."""
         if self.superlink is None or self.superlink.poll() is not None:
             return
-        groups = {self.superlink.pid} | {g for g in map(_pgid, _descendants(self.superlink.pid)) if g}
+        groups = {self.superlink.pid} | {g for g in map(_pgid, descendants(self.superlink.pid)) if g}
         groups.discard(os.getpgrp())  # (never this process's own)
         _signal_groups(groups, signal.SIGTERM)
         try:

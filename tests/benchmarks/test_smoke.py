@@ -35,6 +35,8 @@ CASES = {
     # a real coordinator (TLS, an enrolled key) and one agent: process starts are most of its ~35 s (2 agents took
     # ~60 s on 2 cores); stock Flower's deployment (~10 s a round) is left out
     "deployment": ["--agents", "1", "--rounds", "2", "--epochs", "1", "--skip", "flower"],
+    # one process emulating 8 enrolled nodes (TLS, node authentication) against a real coordinator: ~35 s
+    "node_emulator": ["--nodes", "8", "--per-round", "3", "--rounds", "2", "--dropout", "0.25", "--poll-s", "1"],
 }
 
 
