@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from coordinator.rundir import CHECKPOINT, CONFIG, METRICS, MODEL, PLOT, SUMMARY
-from coordinator.service import _descendants
+from coordinator.service import descendants
 
 from .deploy import metrics_rows, setup_deployment, start_agent, start_coordinator
 from .procs import wait_for
@@ -85,7 +85,7 @@ def test_coordinator_resumes_from_checkpoint(tmp_path, procs, fedshield_bin):
     for i in range(3):
         start_agent(procs, tmp_path, fedshield_bin, port, i)
     wait_for(lambda: (run_dir / METRICS).is_file() and len(metrics_rows(run_dir)) >= 2, 300, "round 2's checkpoint", 0.1)
-    tree = _descendants(procs.procs["coordinator"].pid)
+    tree = descendants(procs.procs["coordinator"].pid)
     assert any(b"flwr-serverapp" in _cmdline(pid) for pid in tree), "the run's ServerApp process, to be stopped"
     procs.stop("coordinator")  # SIGTERM: the coordinator stops its SuperLink, and the ServerApp Flower started
     assert not [pid for pid in tree if _running(pid)], "every process the coordinator started has stopped"
@@ -152,7 +152,7 @@ def test_a_coordinator_killed_outright_takes_its_superlink_and_serverapp_down(tm
     procs.start("coordinator", [fedshield_bin, "coordinator", "start", "--config", "c.toml", "--insecure"], cwd=tmp_path,
                 env={"FLWR_HOME": str(tmp_path / "flwr-home")})
     pid = procs.procs["coordinator"].pid
-    wait_for(lambda: any(b"flwr-serverapp" in _cmdline(p) for p in _descendants(pid)), 120, "the run's ServerApp")
-    tree = _descendants(pid)
+    wait_for(lambda: any(b"flwr-serverapp" in _cmdline(p) for p in descendants(pid)), 120, "the run's ServerApp")
+    tree = descendants(pid)
     os.kill(pid, signal.SIGKILL)  # the coordinator alone, as the OOM killer would
     wait_for(lambda: not [p for p in tree if _running(p)], 40, "every process it started to stop")
