@@ -50,7 +50,7 @@ from pathlib import Path
 # benchmarks/ must not be on the path: benchmarks/aggregation.py would shadow the package.
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 from clients.cli import free_port  # noqa: E402
-from coordinator.service import group_alive  # noqa: E402
+from coordinator.service import stop_groups  # noqa: E402
 
 CONTENDERS = ("simulate", "fedshield", "flower")
 HIDDEN, BATCH, LR = 128, 16, 0.1  # the digits MLP's hidden width (TaskSpec's default) and SGD's settings
@@ -157,19 +157,7 @@ class Fleet:
         self.trees([])
         groups = {p.pid for p in self.procs.values()}
         groups |= {int(f[2]) for pid, start in self.seen.items() if (f := _stat(pid)) and f[19] == start}
-        groups.discard(os.getpgrp())
-        for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
-            groups = {g for g in groups if group_alive(g)}  # (a group gone a while could be another's by now)
-            for g in groups:
-                try:
-                    os.killpg(g, sig)
-                except (ProcessLookupError, PermissionError):
-                    pass
-            deadline = time.monotonic() + wait
-            while time.monotonic() < deadline and any(group_alive(g) for g in groups):
-                for proc in self.procs.values():
-                    proc.poll()  # reaped: a zombie child keeps its group alive
-                time.sleep(0.1)
+        stop_groups(groups, timeout, lambda: [proc.poll() for proc in self.procs.values()])
         for proc in self.procs.values():
             proc.wait()
 

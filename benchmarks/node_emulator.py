@@ -99,7 +99,8 @@ from typing import Any
 # benchmarks/ must not be on the path: benchmarks/aggregation.py would shadow the package.
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 os.environ.setdefault("FEDSHIELD_TORCH_THREADS", "1")  # the emulated ClientApps: one torch thread (read at import)
-from coordinator.service import descendants, group_alive  # noqa: E402
+from clients.cli import free_port  # noqa: E402
+from coordinator.service import descendants, stop_groups  # noqa: E402
 
 BIN = Path(sys.executable).parent  # the venv's console scripts: fedshield, flwr
 PAGE_MB = os.sysconf("SC_PAGE_SIZE") / 2**20
@@ -222,19 +223,7 @@ class Monitor(threading.Thread):
             self.sample()
         except Exception:  # noqa: BLE001 - the clean-up goes on
             pass
-        groups = set(self.groups)
-        groups.discard(os.getpgrp())
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            groups = {g for g in groups if group_alive(g)}  # (a group gone a while could be another's by now)
-            for g in groups:
-                try:
-                    os.killpg(g, sig)
-                except (ProcessLookupError, PermissionError):
-                    pass
-            deadline = time.monotonic() + (timeout if sig == signal.SIGTERM else 5)
-            while time.monotonic() < deadline and any(group_alive(g) for g in groups):
-                self.root.poll()  # reaped: a zombie would keep its group alive
-                time.sleep(0.1)
+        stop_groups(set(self.groups), timeout, self.root.poll)
         try:
             self.root.wait(timeout=5)
         except subprocess.TimeoutExpired:
@@ -242,14 +231,6 @@ class Monitor(threading.Thread):
 
 
 # --- the deployment -----------------------------------------------------------------------------------
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def setup_deployment(work: Path, a: argparse.Namespace) -> tuple[int, list[str]]:
     """Certificates, N node keys and coordinator.toml in ``work``, as a user makes them; (port, key names)."""

@@ -25,7 +25,7 @@ from pathlib import Path
 from ._errors import ClientError
 from .config import TaskSpec, build_config, renamed_key, resolve_path
 from .data import load_npz, save_npz
-from .supervisor import NODE_FILE, Plan, Watched, _watch, die_with_parent, start_process, stop_group  # noqa: F401
+from .supervisor import NODE_FILE, SECRET, Plan, start_process, stop_group
 from .tasks import load_task
 
 # Flower exit codes (flwr.supercore.exit.ExitCode) a device owner may meet, in words.
@@ -288,7 +288,7 @@ def new_state_dir() -> str:
 
     state_dir = tempfile.mkdtemp(prefix="fedshield-agent-")
     make_dir(Path(state_dir), "the agent's state", ClientError)
-    secret = Path(state_dir) / "secret"
+    secret = Path(state_dir) / SECRET
     secret.write_bytes(secrets.token_bytes(32))
     secret.chmod(0o600)
     return state_dir
@@ -329,7 +329,7 @@ def agent_plan(args: argparse.Namespace, state_dir: str | None = None, task: str
     os.replace(node_file.with_suffix(".tmp"), node_file)
     node = [sys.executable, "-P", str(Path(__file__).with_name("flower_pins.py")), "supernode",
             "--poll-interval", str(poll), *supernode[1:], "--isolation", "process",
-            "--superexec-auth-secret-file", str(Path(state_dir) / "secret")]
+            "--superexec-auth-secret-file", str(Path(state_dir) / SECRET)]
     root_cert = supernode[supernode.index("--root-certificates") + 1] if "--root-certificates" in supernode else ""
     return Plan(supernode=node, worker=worker_command(state_dir, task), state_dir=state_dir,
                 task_timeout=float(task_timeout), coordinator=supernode[supernode.index("--superlink") + 1],

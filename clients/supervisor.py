@@ -19,7 +19,8 @@ import sys
 import threading
 import time
 
-READY, INFLIGHT, NODE_FILE = "ready", "inflight", "node.json"  # as clients.worker
+# The agent's state dir: the worker writes READY and INFLIGHT, the agent SECRET and NODE_FILE (clients.worker, cli)
+READY, INFLIGHT, NODE_FILE, SECRET = "ready", "inflight", "node.json", "secret"
 
 # Flower's own lines: its console prefix ("ERROR :     ", with colours or a timestamp), then the
 # message; an exit's message starts with its whole "Exit Code: N" line. Text that merely contains
@@ -199,7 +200,7 @@ class Workers:
     """The one ClientApp worker: started, restarted when it dies or hangs (never two at once)."""
 
     def __init__(self, plan: Plan) -> None:
-        self.plan, self.proc, self.deaths, self.restarts, self.started_at = plan, None, 0, 0, 0.0
+        self.plan, self.proc, self.deaths, self.started_at = plan, None, 0, 0.0
         self.ready_path = os.path.join(plan.state_dir, READY)
         self.inflight = os.path.join(plan.state_dir, INFLIGHT)
         self.next_start = 0.0
@@ -236,13 +237,10 @@ class Workers:
                      "(--task-timeout): stopping it; the message gets an error reply and a new worker starts.")
                 stop_group(self.proc, signal.SIGKILL)
                 self.proc.wait()
-                self.proc, self.deaths = None, 0
-                self.restarts += 1
-                self.next_start = now
+                self.proc, self.deaths, self.next_start = None, 0, now
             return
         _mark_inflight(self.inflight, f"the ClientApp worker died ({_status(code)}) on this message")
         self.deaths += 1
-        self.restarts += 1
         delay = min(MAX_BACKOFF, 2.0 ** (self.deaths - 1) - 1.0)
         _say(f"the ClientApp worker died ({_status(code)}); "
              + (f"restarting it in {delay:g} s." if delay else "restarting it."))

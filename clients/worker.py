@@ -26,8 +26,8 @@ from pathlib import Path
 
 from .flower_pins import AUTH_METHOD, patch_worker, pinned
 
-READY, INFLIGHT, SECRET, NODE_FILE = "ready", "inflight", "secret", "node.json"  # as clients.supervisor
-APP_FAB_ID = "fedshield"  # the ClientApp component every fedshield FAB names, checked before it serves a run
+from .supervisor import INFLIGHT, NODE_FILE, READY, SECRET
+
 CLIENTAPP = "clients.client_app:app"
 IDLE_POLL = 1.0  # seconds between an idle worker's task requests (a message wakes it at once)
 
@@ -90,7 +90,11 @@ class Worker:
             proto = pinned("flwr.proto.message_pb2", "Message").FromString(base64.b64decode(record["message"]))
             message = pinned("flwr.common.serde", "message_from_proto")(proto)
             message.metadata.__dict__["_message_id"] = record["message_id"]
-            self._finish(record["token"], message, None, record.get("reason", "the ClientApp worker died"))
+            client = self._client(record["token"])
+            try:
+                self._finish(client, message, None, record.get("reason", "the ClientApp worker died"))
+            finally:
+                client.close()
             _log(f"answered the {message.metadata.message_type} message the previous worker held with an "
                  f"error reply ({record.get('reason', 'it died')}).")
         except Exception as exc:  # noqa: BLE001  (its token may have expired: the SuperNode then replies itself)
@@ -98,23 +102,21 @@ class Worker:
                  "Flower's task expiry answers it.")
         path.unlink(missing_ok=True)
 
-    def _finish(self, token: str, message, context, reason: str | None, reply=None) -> None:
-        """Push ``reply`` (an error reply when ``reason``) and the task's final status and context."""
+    @staticmethod
+    def _finish(client, message, context, reason: str | None, reply=None) -> None:
+        """Push ``reply`` (an error reply when ``reason``) and the task's final status and context, through
+        ``client`` (bound to the task's token)."""
         from flwr.app import Message
         from flwr.app.error import Error
 
         sub = pinned("flwr.common.constant", "SubStatus")
-        client = self._client(token)
-        try:
-            if reason is not None:
-                code = pinned("flwr.common.constant", "ErrorCode").CLIENT_APP_RAISED_EXCEPTION
-                reply = Message(Error(code=code, reason=reason), reply_to=message)
-            pinned("flwr.supernode.runtime.run_clientapp", "push_message")(
-                client, reply, context if context is not None else _context_of(message))
-            pinned("flwr.supernode.runtime.run_clientapp", "push_task_output")(
-                client, context, sub.FAILED if reason is not None else sub.COMPLETED, reason or "")
-        finally:
-            client.close()
+        if reason is not None:
+            code = pinned("flwr.common.constant", "ErrorCode").CLIENT_APP_RAISED_EXCEPTION
+            reply = Message(Error(code=code, reason=reason), reply_to=message)
+        pinned("flwr.supernode.runtime.run_clientapp", "push_message")(
+            client, reply, context if context is not None else _context_of(message))
+        pinned("flwr.supernode.runtime.run_clientapp", "push_task_output")(
+            client, context, sub.FAILED if reason is not None else sub.COMPLETED, reason or "")
 
     def serve(self, token: str) -> None:
         """One task: pull its message and context, run the ClientApp here, push the reply and context."""
@@ -136,7 +138,7 @@ class Worker:
                 reason = f"{type(exc).__name__}: {exc}"
                 _log(f"the ClientApp raised {reason}")
                 reply = None
-            self._finish(token, message, context, reason, reply)
+            self._finish(client, message, context, reason, reply)
         finally:
             heartbeat.stop()
             client.close()
@@ -184,10 +186,16 @@ def _context_of(message):
                    state=RecordDict(), run_config={})
 
 
+_FAB_APPS: dict[str, object] = {}  # FAB hash -> the ClientApp it names (unzipped once per run, not per message)
+
+
 def _check_fab(fab) -> None:
     """The run's FAB must name fedshield's ClientApp: this worker runs only that, whatever the FAB holds."""
-    config = pinned("flwr.common.config", "get_fab_config")(fab.content)
-    named = config.get("tool", {}).get("flwr", {}).get("app", {}).get("components", {}).get("clientapp")
+    if fab.hash_str not in _FAB_APPS:
+        config = pinned("flwr.common.config", "get_fab_config")(fab.content)
+        _FAB_APPS[fab.hash_str] = config.get("tool", {}).get("flwr", {}).get("app", {}).get(
+            "components", {}).get("clientapp")
+    named = _FAB_APPS[fab.hash_str]
     if named != CLIENTAPP:
         raise RuntimeError(f"this agent runs fedshield's ClientApp ({CLIENTAPP}) only. Found a run whose app names "
                            f"{str(named)[:200]!r}.")

@@ -175,6 +175,23 @@ def group_alive(pgid: int) -> bool:
         return True
 
 
+def stop_groups(groups: set[int], timeout: float, reap=lambda: None) -> None:
+    """SIGTERM to each live process group (never this process's), up to ``timeout`` s for them to end
+    (``reap()`` each tick: a zombie child keeps its group alive), then SIGKILL to those left, 5 s more."""
+    groups = set(groups) - {os.getpgrp()}
+    for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
+        groups = {g for g in groups if group_alive(g)}  # (a group gone a while could be another's by now)
+        for g in groups:
+            try:
+                os.killpg(g, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and any(group_alive(g) for g in groups):
+            reap()
+            time.sleep(0.1)
+
+
 def _signal_groups(groups: set[int], sig: int) -> None:
     for g in groups:
         try:
