@@ -10,8 +10,9 @@ accountant (fedshield's default) and under RDP (orders 1.1 to 1024), and each is
 with every seed: the table gives both multipliers, the mean final accuracy under each (and
 per seed), and the ratios RDP / PLD. Then the accountant's own cost on the hot path: a
 run's per-round work (the budget check, "epsilon if one more round ran", and the charge
-after it) timed over 200 rounds, per event, and per event for a local-DP ledger (one
-client round = thousands of DP-SGD steps, one event per step, one composition per round).
+after it) timed over 200 rounds at q = 0.2 and 500 at q = 0.01, against dp-accounting's own
+PLD accountant charged the same events; then per event for a local-DP ledger (one client
+round = hundreds of DP-SGD steps, one composition per round). --hot-path-only skips training.
 """
 
 from __future__ import annotations
@@ -63,21 +64,61 @@ def utility(rep: Report, eps: float, clients: int, rounds: int, seeds: int) -> N
             f"with RDP's z (mean of {seeds})", mean["rdp"], ratio=mean["pld"] / mean["rdp"] if mean["rdp"] else None)
 
 
+# (q, z, rounds): the utility runs' setting, and a cross-device one (small q: a finer interval, a longer PLD)
+HOT_PATH_CASES = ((Q, 1.0, 200), (0.01, 1.0, 500))
+
+
+def dp_accounting_round_times(q: float, z: float, rounds: int, interval: float) -> list[float]:
+    """The baseline: dp-accounting's own PLD accountant charged one event a round and asked epsilon after each (a
+    budget check would need one more composition on a copy; it is not counted)."""
+    import dp_accounting
+    from dp_accounting.pld import pld_privacy_accountant
+
+    acc = pld_privacy_accountant.PLDAccountant(value_discretization_interval=interval)
+    event = dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z))
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        acc.compose(event)
+        acc.get_epsilon(DELTA)
+        times.append(time.perf_counter() - start)
+    return times
+
+
 def hot_path(rep: Report, rounds: int = 200, local_rounds: int = 20) -> None:
     """Per-round accountant work as a run does it: check_next (epsilon if one more), compose, epsilon."""
+    from privacy.pld import discretisation_interval
+
+    for q, z, n in HOT_PATH_CASES:
+        n = rounds if (q, z) == (Q, 1.0) else max(rounds, n)
+        times: dict[str, list[float]] = {}
+        for name in ACCOUNTANTS:
+            acc, budget, event = create_accountant(name, DELTA), PrivacyBudget(1e9, DELTA), PrivacyEvent(q, z)
+            times[name] = []
+            for _ in range(n):
+                start = time.perf_counter()
+                budget.check_next(acc, event)
+                acc.compose(event)
+                acc.epsilon()
+                times[name].append(time.perf_counter() - start)
+        # dp-accounting at the interval our ledger ended on (one interval for its whole run: its cheapest case)
+        interval = discretisation_interval(((q, z, n),), DELTA)
+        base = dp_accounting_round_times(q, z, n, interval)
+        first = times["pld"][0] * 1e3  # imports, the one-event PLD: once a run
+        pld_mean = statistics.mean(times["pld"][1:]) * 1e3
+        rep.add(f"pld: time per central-DP round, q={q:g} z={z:g}, rounds 2-{n}", pld_mean, "ms",
+                "dp-accounting's PLD accountant", statistics.mean(base[1:]) * 1e3, "< 1 ms", pld_mean < 1.0)
+        rep.add("pld: its slowest round (an interval change)", max(times["pld"][1:]) * 1e3, "ms")
+        rep.add(f"pld: first round, q={q:g} (imports, one-event PLD; once a run)", first, "ms")
+        rep.add(f"rdp: time per central-DP round, q={q:g} z={z:g}", statistics.mean(times["rdp"][1:]) * 1e3, "ms")
     for name in ACCOUNTANTS:
-        acc, budget, event = create_accountant(name, DELTA), PrivacyBudget(1e9, DELTA), PrivacyEvent(Q, 1.0)
-        start = time.perf_counter()
-        for _ in range(rounds):
-            budget.check_next(acc, event)
-            acc.compose(event)
-            acc.epsilon()
-        per_round = (time.perf_counter() - start) / rounds * 1e3
+        acc, event = create_accountant(name, DELTA), PrivacyEvent(Q, 1.0)
+        acc.compose(event)
+        acc.epsilon()
         start = time.perf_counter()
         for _ in range(1000):  # the same state asked again (a report, the summary): cached
             acc.epsilon()
         cached = (time.perf_counter() - start) / 1000 * 1e3
-        rep.add(f"{name}: accountant time per central-DP round (1 event)", per_round, "ms")
         rep.add(f"{name}: accountant time per repeated question (cached)", cached, "ms", "", None, "<< 1 ms",
                 cached < 1.0)
     for name in ACCOUNTANTS:  # local DP: a client round of 4 epochs x 150 steps at q = 1/150 charges 600 events
@@ -98,12 +139,16 @@ def main() -> None:
     p.add_argument("--clients", type=int, default=100)
     p.add_argument("--epsilons", default="1,3,8")
     p.add_argument("--hot-path-rounds", type=int, default=200, help="central-DP rounds timed on the hot path")
+    p.add_argument("--hot-path-only", action="store_true", help="time the accountants only (no training)")
     p.add_argument("--local-rounds", type=int, default=20, help="local-DP client rounds timed on the hot path")
     p.add_argument("--json")
     a = p.parse_args()
     print(f"# digits, {a.clients} clients Dirichlet(0.3), central DP at q = {Q}, clip {CLIP}, delta {DELTA:g}, "
           f"{a.rounds} rounds, seeds 0..{a.seeds - 1}, in-process engine", flush=True)
     rep = Report("dp_utility")
+    if a.hot_path_only:
+        hot_path(rep, a.hot_path_rounds, a.local_rounds)
+        return rep.write_json(a.json)
     base = [train(a.clients, a.rounds, seed)["final_test_accuracy"] for seed in range(a.seeds)]
     rep.add(f"non-private final accuracy (mean of {a.seeds})", statistics.mean(base), "acc")
     for eps in (float(e) for e in a.epsilons.split(",")):

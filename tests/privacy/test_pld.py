@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 
 import dp_accounting
 import pytest
@@ -167,3 +168,61 @@ def test_budget_with_pld_stops_before_the_round_that_would_pass_the_target():
         rounds += 1
     assert acc.epsilon() <= 2.0 < acc.epsilon_if(event) and rounds > 1
 
+
+
+# -- the hot path: incremental composition, the vectorised epsilon, the exact Gaussian ------------------------------
+@pytest.mark.parametrize(("q", "z"), [(0.2, 1.0), (0.01, 1.0), (0.003, 3.7), (0.05, 0.6)])
+def test_a_ledger_charged_round_by_round_equals_one_composed_at_once(q, z, monkeypatch):
+    """The run's path (one composition per round on the kept PLD) against a fresh self-composition: equal within
+    rounding, and never below it by more than rounding (the dropped tails only add to delta)."""
+    import privacy.pld as pld
+
+    pld._latest.clear()
+    steps, real = [], pld._compose
+    monkeypatch.setattr(pld, "_compose", lambda a, b: steps.append(1) or real(a, b))
+    acc, event = PldAccountant(1e-6), PrivacyEvent(q, z)
+    for _ in range(150):
+        acc.epsilon_if(event)
+        acc.compose(event)
+    by_round = acc.epsilon()
+    assert len(steps) > 140  # one composition a round, but where the discretisation interval changed
+    pld._latest.clear()
+    at_once = pld.pld_epsilon.__wrapped__(((q, z, 150),), 1e-6)
+    assert by_round == pytest.approx(at_once, rel=1e-8) and by_round >= at_once * (1 - 1e-12)
+    assert at_once == pytest.approx(pld_reference(q, z, 150, 1e-6), rel=0.01)
+
+
+@pytest.mark.parametrize("delta", [0.9, 0.3, 1e-3, 1e-7, 1e-12, 1e-30])
+@pytest.mark.parametrize(("q", "z", "steps"), [(0.2, 1.0, 30), (0.01, 0.5, 200), (0.5, 8.0, 3), (1.0, 0.3, 1)])
+def test_vectorised_epsilon_is_dp_accountings_answer(q, z, steps, delta):
+    """Our one-pass epsilon against dp-accounting's loop on the same PLD: the same sums in the same order, so equal
+    but for rounding, including the answers 0 (a huge delta) and inf (delta below the infinite loss's mass)."""
+    from dp_accounting.pld import privacy_loss_distribution
+
+    import privacy.pld as pld
+
+    built = privacy_loss_distribution.from_gaussian_mechanism(standard_deviation=z, value_discretization_interval=1e-3,
+                                                            sampling_prob=q).self_compose(steps)
+    ours, theirs = pld._epsilon_for_delta(built, delta), max(0.0, built.get_epsilon_for_delta(delta))
+    assert ours == pytest.approx(theirs, rel=1e-10, abs=1e-12)
+
+
+@pytest.mark.parametrize(("z", "delta"), [(0.5, 1e-10), (1.0, 1e-5), (3.0, 1e-6), (20.0, 1e-5), (0.1, 1e-8)])
+def test_the_gaussian_has_its_exact_epsilon(z, delta):
+    """A ledger of q = 1 events only: the Gaussian mechanism's exact epsilon (Balle & Wang 2018), at or below
+    dp-accounting's pessimistic PLD and within 1% of it, and it meets delta (dp-accounting's exact delta)."""
+    from dp_accounting.pld import privacy_loss_mechanism
+
+    from privacy.pld import gaussian_epsilon
+
+    eps = gaussian_epsilon(z, delta)
+    exact_delta = privacy_loss_mechanism.GaussianPrivacyLoss(z).get_delta_for_epsilon(eps)
+    assert exact_delta <= delta * (1 + 1e-9)
+    assert privacy_loss_mechanism.GaussianPrivacyLoss(z).get_delta_for_epsilon(eps * (1 - 1e-6)) > delta
+    reference = pld_reference(1.0, z, 1, delta)
+    assert eps <= reference and eps == pytest.approx(reference, rel=0.01)
+    # groups of q = 1 at different multipliers compose as one Gaussian: 1/z^2 adds up
+    acc = PldAccountant(delta)
+    acc.compose(PrivacyEvent(1.0, z * 2, steps=2))
+    acc.compose(PrivacyEvent(1.0, z * math.sqrt(2)))
+    assert acc.epsilon() == pytest.approx(eps, rel=1e-9)
