@@ -38,7 +38,7 @@ METRIC_FIELDS = [
     "sim_time_s", "mean_staleness", "secagg_degree", "secagg_threshold", "secagg_survivors", "secagg_dropped",
     "secagg_server_s", "secagg_shares_left_out", "secagg_stage_s", "secagg_pipelined", "secagg_failure", "late_accepted", "reduced_work",
     "too_few_updates", "non_finite_aggregate", "fed_eval_nodes", "fed_eval_missing", "fed_eval_examples",
-    "fed_eval_loss", "fed_eval_accuracy", "fed_eval_rejected",
+    "fed_eval_loss", "fed_eval_accuracy", "fed_eval_rejected", "weight_total",
 ]
 EPSILON_PLOT = "epsilon.png"
 TIME_PLOT = "accuracy_vs_time.png"

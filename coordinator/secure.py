@@ -347,7 +347,9 @@ class SecureRound:
         subset = shared_subset(cur.subset_seed, numel, st.secagg_sparse_ratio)
         dp = wf.dp if isinstance(wf.dp, DistributedDp) else None
         weights: dict[int, float] = {}  # what each survivor's weight must be (public: uniform, or its example count)
+        counts: dict[int, int] = {}  # its example count (1 each under uniform weighting): the round's total weight
         update = None
+        weight_total = 0.0
         reason = ""
         timeout = st.secagg_stage_timeout
         by_examples = st.secagg_weighting == "num-examples" and dp is None
@@ -379,10 +381,10 @@ class SecureRound:
                 if len(array.data) > max_bytes:
                     raise SecAggRejected(node, "oversized", f"masked input must be <= {max_bytes} bytes; "
                                                             f"found {len(array.data)}")
-                weight = 1.0
+                weight, count = 1.0, 1
                 if by_examples:  # the count is public (it weights the mean); the coordinator checks the sum of them
-                    weight = secagg_weight(check_num_examples(node, metrics, wf.cfg.server.max_examples),
-                                           st.secagg_max_weight)
+                    count = check_num_examples(node, metrics, wf.cfg.server.max_examples)
+                    weight = secagg_weight(count, st.secagg_max_weight)
                 check_base_version(node, metrics, wf.version)
                 try:
                     vector = array.numpy()
@@ -391,7 +393,7 @@ class SecureRound:
                 unopened = record_of(reply.content, SECAGG_UNOPENED, ConfigRecord)  # shares it could not open
                 unopened = () if unopened is None else self._node_map(unopened, SECAGG_UNOPENED, node)
                 server.add_masked(node, vector, unopened)
-                weights[node] = weight
+                weights[node], counts[node] = weight, count
 
             contents = {n: RecordDict({SECAGG: ConfigRecord({"stage": "masked-input", "round": rnd}),
                                        SECAGG_SHARES: ConfigRecord({str(u): ct for u, ct in cts.items()}), **train})
@@ -468,6 +470,7 @@ class SecureRound:
             else:
                 update[subset.to(wf.device)] = mean
             survivors, dropped = result.survivors, result.dropped
+            weight_total = float(sum(counts[u] for u in result.survivors))  # (their number, if uniform)
         except SecAggAborted as exc:
             if nxt is not None:  # this round ended before the next one's share-keys could ride on its unmask
                 self._drop(nxt, stats, "this round failed before its unmask stage")
@@ -487,6 +490,7 @@ class SecureRound:
             "secagg_server_s": round(sum(stats["server_s"].values()), 4),
             "secagg_stage_s": dict(stats["stage_s"]),  # each stage's time, from sending to its last reply
             "secagg_pipelined": cur.pipelined,  # its setup and share-keys rode on the previous round's messages
+            "weight_total": weight_total,
         }
         if reason:
             row["secagg_failure"] = reason

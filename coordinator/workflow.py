@@ -427,6 +427,7 @@ class SyncWorkflow:
         local_eps: list[float] = []
         rejected: Counter[str] = Counter()
         loss, bytes_up, update_bytes, replies = LossMean(), 0, 0, 0
+        weight_total = 0.0  # the weights added (examples, staleness-scaled): an edge aggregator's weight upward
         pending = dict.fromkeys(sent)  # ordered: in-process engines then add in send order
         deadline = sent_at + s.round_timeout
         late_in, stalenesses, closed_early = 0, [], False
@@ -463,10 +464,11 @@ class SyncWorkflow:
                 batch.append((reply, late_exp, ok, weight, ok_exp))
             # the norm rules, checked while adding: this pull's replies in one pass over the sum
             added = add_replies(acc, [(ok, weight, ok_exp) for _, _, ok, weight, ok_exp in batch])
-            for (reply, late_exp, _, _, _), ok in zip(batch, added, strict=True):
+            for (reply, late_exp, _, weight, _), ok in zip(batch, added, strict=True):
                 if isinstance(ok, RejectedReply):
                     reject(ok)
                     continue
+                weight_total += weight
                 if late_exp is not None:
                     stalenesses.append(self.version - late_exp.version)
                     late_in += 1
@@ -504,6 +506,7 @@ class SyncWorkflow:
             self._step(rnd, self.dp.release(acc, self.dp_divisor, rnd), extra)
             self.dp.after_round(self._rate, norms, self.dp_divisor)
             extra["epsilon"] = self.dp.epsilon
+            weight_total = float(self.dp_divisor)  # the noised sum was divided by this public count
         elif acc.count >= need:
             self._step(rnd, acc.result(), extra)
         elif acc.count:  # (Krum's rules, the trimmed mean: fewer updates than it needs, after rejections or dropouts)
@@ -518,7 +521,7 @@ class SyncWorkflow:
             extra["reduced_work"] = sum(1 for n in sent.values() if self._epochs[n] < self.cfg.train.local_epochs)
         if stalenesses:
             extra.update({"late_accepted": late_in, "mean_staleness": sum(stalenesses) / len(stalenesses)})
-        return {**extra, "replies": replies, "accepted": acc.count, "rejected": sum(rejected.values()), "late": len(pending),
+        return {**extra, "weight_total": weight_total, "replies": replies, "accepted": acc.count, "rejected": sum(rejected.values()), "late": len(pending),
                 "rejected_by_rule": dict(rejected), "bytes_up": bytes_up, "update_bytes_up": update_bytes,
                 "train_loss": loss.value}
 

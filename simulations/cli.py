@@ -145,7 +145,8 @@ def _check_same_run(scn, ckpt: dict, run_dir: Path) -> None:
     """CoordinatorError naming each setting in which ``run_dir``'s checkpoint differs from ``scn``."""
     from coordinator.workflow import check_resumable
 
-    check_resumable(scn.run, ckpt, run_dir, scn.sim.num_supernodes, scn.sim.engine)  # (as every engine's)
+    # (as every engine's; with edge aggregators the coordinator's nodes are the sites, each checking its own clients)
+    check_resumable(scn.run, ckpt, run_dir, scn.sim.sites or scn.sim.num_supernodes, scn.sim.engine)
 
 
 def _in_file(path: str | None, name_it: bool, fn, *args):

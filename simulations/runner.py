@@ -391,14 +391,25 @@ def run_inprocess_engine(scn: Scenario, on_round: RoundCallback | None) -> dict[
 
     from .batched_grid import BatchedGrid
 
-    grid = (BatchedGrid if scn.sim.batched else InProcessGrid)(client_app, scn.sim.num_supernodes, _node_config(scn))
+    kind = BatchedGrid if scn.sim.batched else InProcessGrid
+    if scn.sim.sites:  # edge aggregators: the coordinator's nodes are the sites, each with its clients' grid
+        from .hierarchy import site_grid
+
+        grid = site_grid(scn.site, scn.sim.num_supernodes, scn.sim.sites, scn.run.server.run_dir, _node_config(scn), kind)
+    else:
+        grid = kind(client_app, scn.sim.num_supernodes, _node_config(scn))
     return make_workflow(scn.run, grid, RunDirectory(scn.run.server.run_dir), on_round=on_round).run()
+
+
+def uses_local_dp(scn: Scenario) -> bool:
+    """Whether the scenario's clients train by DP-SGD: asked by the coordinator, or by their edge aggregators."""
+    return "local" in (scn.run.privacy.dp, scn.site.privacy.dp if scn.site is not None else "none")
 
 
 def _node_config(scn: Scenario) -> Callable[[int], dict[str, Any]]:
     """Simulated node ``i``'s node config: its partition and, under local DP, a state directory in the
     run directory for its ledger (as an agent's --state-dir): the epsilon it spent outlives a resume."""
-    n, local = scn.sim.num_supernodes, scn.run.privacy.dp == "local"
+    n, local = scn.sim.num_supernodes, uses_local_dp(scn)
     ledgers = Path(scn.run.server.run_dir) / "clients"
 
     def config(i: int) -> dict[str, Any]:
@@ -460,7 +471,7 @@ def run_scenario(scn: Scenario, run_dir: str | Path, show_progress: bool = True)
     if done >= scn.run.server.num_rounds and summary.is_file():  # finished: nothing to train, no engine to start
         return json.loads(summary.read_text())
     check_partitions(scn)
-    if done and scn.run.privacy.dp == "local":
+    if done and uses_local_dp(scn):
         check_local_dp_resume(scn, Path(run_dir))
     engine = {"flower": run_flower_engine, "inprocess": run_inprocess_engine, "virtual": run_virtual_engine}[scn.sim.engine]
     if not show_progress:

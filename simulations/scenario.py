@@ -31,6 +31,7 @@ class SimulationSettings:
     ray_num_cpus: int = 0
     ray_address: str = ""
     batched: bool = True  # the in-process engine trains a round's clients together where the task allows
+    sites: int = 0  # edge aggregators between the coordinator and the clients (0: none, clients report directly)
 
     def __post_init__(self) -> None:
         check(bool(self.name) and "/" not in self.name, "name", "be a non-empty name without '/'", self.name)
@@ -39,6 +40,8 @@ class SimulationSettings:
         check(self.client_cpus > 0, "client-cpus", "be > 0", self.client_cpus)
         check(0 <= self.client_gpus <= 1, "client-gpus", "be in [0, 1]", self.client_gpus)
         check(self.ray_num_cpus >= 0, "ray-num-cpus", "be >= 0 (0: all)", self.ray_num_cpus)
+        check(0 <= self.sites <= self.num_supernodes, "sites", "be in [0, num-supernodes] (0: no edge aggregators)",
+              self.sites)
 
 
 TIER_KEYS = {"name": "tier", "fraction": None, "compute-s-per-example": "compute_s_per_example",
@@ -79,14 +82,15 @@ class Scenario:
     sim: SimulationSettings
     run: RunConfig
     tiers: tuple[tuple[float, DeviceProfile], ...] = ()  # the virtual engine's device tiers (default: DEFAULT_TIERS)
+    site: RunConfig | None = None  # each edge aggregator's settings (simulation.sites > 0): see site_config
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any], source: str = "scenario") -> "Scenario":
-        unknown = sorted(set(data) - {"simulation", "run", "tiers"})
+        unknown = sorted(set(data) - {"simulation", "run", "tiers", "site"})
         if unknown:
             raise ConfigError(f"{source}: [{shown_key(unknown[0])}] is not a known table. Known tables: [simulation], [run], "
-                              "[[tiers]].")
-        for table in ("simulation", "run"):
+                              "[[tiers]], [site].")
+        for table in ("simulation", "run", "site"):
             check(isinstance(data.get(table, {}), Mapping), f"{source}: [{table}]", "be a table", data.get(table))
         sim = build_config(SimulationSettings, data.get("simulation", {}), "simulation")
         run = RunConfig.from_mapping(data.get("run", {}))
@@ -106,7 +110,47 @@ class Scenario:
             check(sim.engine == "flower", f"{source}: simulation.engine",
                   "be 'flower' when simulation.ray-address is set (only Flower's engine runs on a Ray cluster; "
                   "use --engine flower, or remove ray-address)", sim.engine)
-        return cls(sim=sim, run=run, tiers=tiers)
+        site = None
+        if sim.sites:
+            check(sim.engine == "inprocess", f"{source}: simulation.engine", "be 'inprocess' when simulation.sites > 0 "
+                  "(edge aggregators are simulated in-process)", sim.engine)
+            check(run.server.min_nodes <= sim.sites, f"{source}: run.min-nodes", f"be <= simulation.sites={sim.sites} "
+                  "(the coordinator's nodes are the sites)", run.server.min_nodes)
+            check(not run.secure.enabled and run.asynchrony.workflow == "sync", f"{source}: run",
+                  "use neither secure-aggregation nor workflow = 'fedbuff' above the sites (SecAgg+ runs inside a "
+                  "site: set it in [site])", run.to_mapping())
+            site = site_config(run, data.get("site", {}))
+            smallest = sim.num_supernodes // sim.sites
+            check(site.server.min_nodes <= smallest, f"{source}: site.min-nodes", f"be <= {smallest}, the clients of the "
+                  f"smallest site ({sim.num_supernodes} clients over {sim.sites} sites)", site.server.min_nodes)
+        elif "site" in data:
+            raise ConfigError(f"{source}: [site] must come with simulation.sites > 0 (it sets the edge aggregators).")
+        return cls(sim=sim, run=run, tiers=tiers, site=site)
+
+
+# The coordinator's message sets these for every site (its task, model and the clients' training)
+_SITE_FROM_ABOVE = ("task", "seed", "num-rounds", "run-dir")
+
+
+def site_config(run: RunConfig, table: Mapping[str, Any]) -> RunConfig:
+    """An edge aggregator's settings: the ``[site]`` table's keys over these defaults: the coordinator's task (and
+    its data keys) and round timeout, every client of the site asked each round (``fraction-train = 1``,
+    ``min-nodes = 1``). The task, the clients' training and the seed come from the coordinator's message;
+    a site runs synchronous rounds and no federated evaluation of its own."""
+    from clients.config import TaskSpec, TrainSettings, config_keys, to_mapping
+
+    fixed = sorted(k for k in table if k in _SITE_FROM_ABOVE or k in config_keys(TaskSpec)
+                   or k in config_keys(TrainSettings))
+    if fixed:
+        raise ConfigError(f"site.{fixed[0]} is set by the coordinator for every site (its task, model, seed and the "
+                          "clients' training come with each round's message): remove it from [site].")
+    base = {**to_mapping(run.task), **to_mapping(run.train), "seed": run.server.seed, "min-nodes": 1,
+            "fraction-train": 1.0, "round-timeout": run.server.round_timeout, "num-rounds": run.server.num_rounds}
+    cfg = RunConfig.from_mapping({**base, **table}, where="site")
+    check(cfg.asynchrony.workflow == "sync" and not cfg.server.federated_eval_every, "site.workflow",
+          "be 'sync' with federated-eval-every = 0 (a site answers the coordinator's round with one round of its own)",
+          cfg.asynchrony.workflow)
+    return cfg
 
 
 def load_scenario(path: str | Path | None = None, overrides: Mapping[str, Any] | None = None) -> Scenario:
