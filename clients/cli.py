@@ -258,13 +258,14 @@ def supernode_command(args: argparse.Namespace) -> list[str]:
             raise ClientError("--key must be given (from `fedshield keys new DIR/NAME`) unless --insecure. Found none.")
         cmd += ["--root-certificates", str(check_ca_certificate(args.root_cert).resolve()),
                 "--auth-supernode-private-key", str(check_node_private_key(args.key).resolve())]
-    node_config = _data_config(args)
+    site = getattr(args, "site_socket", None)
+    node_config = "aggregator=1" if site else _data_config(args)  # an aggregator's site has the data
     link = getattr(args, "link_mbps", 0.0) or 0.0
     if link:
         if not (math.isfinite(link) and link > 0):
             raise ClientError(f"--link-mbps must be a finite number of Mbit/s > 0. Found {link!r}.")
         node_config += f" link-mbps={float(link)}"
-    node_config += _ledger_config(args)
+    node_config += "" if site else _ledger_config(args)
     cmd += ["--node-config", node_config]
     if args.port:  # checked here: Flower would print its usage, or a traceback for a port in use
         if not 0 < args.port < 65536:
@@ -325,7 +326,8 @@ def agent_plan(args: argparse.Namespace, state_dir: str | None = None, task: str
     runtime = f"127.0.0.1:{supernode[supernode.index('--port') + 1]}"
     node_config = supernode[supernode.index("--node-config") + 1]
     node_file = Path(state_dir) / NODE_FILE
-    node_file.with_suffix(".tmp").write_text(json.dumps({"runtime": runtime, "node-config": node_config}))
+    node_file.with_suffix(".tmp").write_text(json.dumps({"runtime": runtime, "node-config": node_config,
+                                                         "site-socket": getattr(args, "site_socket", None) or ""}))
     os.replace(node_file.with_suffix(".tmp"), node_file)
     node = [sys.executable, "-P", str(Path(__file__).with_name("flower_pins.py")), "supernode",
             "--poll-interval", str(poll), *supernode[1:], "--isolation", "process",

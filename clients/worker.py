@@ -57,8 +57,9 @@ def warm_up(node_config: dict) -> None:
 
 
 class Worker:
-    def __init__(self, runtime: str, state_dir: Path, poll: float) -> None:
+    def __init__(self, runtime: str, state_dir: Path, poll: float, site_socket: str = "") -> None:
         self.runtime, self.dir, self.poll = runtime, state_dir, poll
+        self.site_socket = site_socket  # an edge aggregator's: messages go to its site ServerApp (coordinator.site)
         self.secret = (state_dir / SECRET).read_bytes()
         self.client = self._client()
 
@@ -133,7 +134,15 @@ class Worker:
             reason = None
             try:
                 _check_fab(fab)
-                reply = app(message=message, context=context)
+                if self.site_socket:
+                    from coordinator.site import forward
+
+                    if message.metadata.message_type != "train":
+                        raise RuntimeError(f"an edge aggregator answers train messages only. Found "
+                                           f"{message.metadata.message_type[:60]!r}.")
+                    reply = forward(self.site_socket, message)
+                else:
+                    reply = app(message=message, context=context)
             except Exception as exc:  # noqa: BLE001  (as flwr-clientapp: an error reply, the node goes on)
                 reason = f"{type(exc).__name__}: {exc}"
                 _log(f"the ClientApp raised {reason}")
@@ -226,9 +235,10 @@ def main(argv: list[str] | None = None) -> int:
 
     node_config = parse_config_args([plan["node-config"]]) if plan["node-config"] else {}
     patch_worker()
-    worker = Worker(plan["runtime"], args.state_dir, args.poll)
+    worker = Worker(plan["runtime"], args.state_dir, args.poll, plan.get("site-socket", ""))
     worker.answer_lost()  # a predecessor's message first: it needs flwr only, not the task
-    warm_up(node_config)
+    if not worker.site_socket:  # (an aggregator's worker trains nothing: its site's clients do)
+        warm_up(node_config)
     worker.run()
     return 0
 

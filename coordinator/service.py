@@ -84,7 +84,9 @@ class CoordinatorFile:
         return resolve_path(p, key, self.base)
 
 
-def load_coordinator_config(path: str | os.PathLike, run_dir: str | None = None) -> CoordinatorFile:
+def load_coordinator_config(path: str | os.PathLike, run_dir: str | None = None,
+                            tables: tuple[str, ...] = ()) -> CoordinatorFile:
+    """``[coordinator]`` and ``[run]`` of the file at ``path`` (and ``tables`` left to the caller), checked."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"--config must be an existing TOML file. Found {str(p)!r} "
@@ -95,9 +97,10 @@ def load_coordinator_config(path: str | os.PathLike, run_dir: str | None = None)
         raise ConfigError(f"--config {str(p)!r} must be UTF-8 text (TOML). Found byte 0x{exc.object[exc.start]:02x} at "
                           f"offset {exc.start}.") from None
     data = parse_toml(text, str(p))
-    unknown = sorted(set(data) - {"coordinator", "run"})
+    unknown = sorted(set(data) - {"coordinator", "run", *tables})
     if unknown:
-        raise ConfigError(f"{p}: [{shown_key(unknown[0])}] is not a known table. Known tables: [coordinator], [run].")
+        known = ", ".join(f"[{t}]" for t in ("coordinator", "run", *tables))
+        raise ConfigError(f"{p}: [{shown_key(unknown[0])}] is not a known table. Known tables: {known}.")
     service = build_config(ServiceSettings, data.get("coordinator", {}), "coordinator")
     run_map = data.get("run", {})
     if not isinstance(run_map, dict):
@@ -121,16 +124,18 @@ def _flwr_env(home: Path) -> dict[str, str]:
     return env
 
 
-def write_app_dir(app_dir: Path, run: RunConfig) -> Path:
-    """A Flower app directory whose pyproject points at the installed fedshield apps."""
+def write_app_dir(app_dir: Path, run: RunConfig, serverapp: str = "coordinator.server_app:app",
+                  extra: dict[str, Any] | None = None) -> Path:
+    """A Flower app directory whose pyproject points at the installed fedshield apps (``serverapp``: an edge
+    aggregator's site app instead; ``extra``: run config keys beside the run's)."""
     app_dir.mkdir(parents=True, exist_ok=True)
     doc = {
         "project": {"name": "fedshield-app", "version": "0.1.0", "description": "fedshield coordinator run",
                     "license": "Apache-2.0"},
         "tool": {"flwr": {"app": {
             "publisher": "fedshield",
-            "components": {"serverapp": "coordinator.server_app:app", "clientapp": "clients.client_app:app"},
-            "config": run.to_mapping(),
+            "components": {"serverapp": serverapp, "clientapp": "clients.client_app:app"},
+            "config": {**run.to_mapping(), **(extra or {})},
         }}},
     }
     (app_dir / "pyproject.toml").write_text(tomli_w.dumps(doc))

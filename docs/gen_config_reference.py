@@ -159,6 +159,12 @@ DESCRIPTIONS: dict[str, dict[str, str]] = {
         "start-timeout": "seconds to wait for the started SuperLink to answer",
         "status-port": "the run's status page (and `status.json`) on 127.0.0.1: 0 a free port, printed at start; -1 none",
     },
+    "upstream": {
+        "coordinator": "HOST:PORT of the coordinator above (`fedshield aggregator start`)",
+        "root-cert": "the coordinator above's CA certificate (its `ca.crt`)",
+        "key": "this aggregator's node private key (`fedshield keys new`); its `.pub` enrolled at the coordinator above",
+        "poll-interval": "seconds between the upward node's requests for work while idle",
+    },
     "tiers": {
         "name": "tier name",
         "fraction": "share of the simulated nodes in this tier (normalised to sum to 1)",
@@ -294,6 +300,7 @@ def generate() -> str:
     from clients.config import TaskSpec, TrainSettings
     from coordinator.config import (AggregationSettings, AsyncSettings, PrivacySettings, RunConfig, SecureAggSettings,
                                     ServerSettings)
+    from coordinator.aggregator import UpstreamSettings
     from coordinator.service import ServiceSettings
     from simulations.scenario import SimulationSettings
 
@@ -313,7 +320,8 @@ def generate() -> str:
         "",
         "Scenario files (`fedshield simulate`) have `[simulation]`, `[run]`, for the virtual engine `[[tiers]]`, and "
         "with edge aggregators `[site]`.",
-        "The coordinator config (`fedshield coordinator start --config`) has `[coordinator]` and `[run]`.",
+        "The coordinator config (`fedshield coordinator start --config`) has `[coordinator]` and `[run]`; an edge "
+        "aggregator's (`fedshield aggregator start --config`) also `[upstream]`.",
         "`[run]` keys are also Flower's `run_config` keys (`pyproject.toml`'s `[tool.flwr.app.config]`).",
         "Keys are kebab-case; an unknown key is an error that names the closest known one. On the command",
         "line, `--set run.KEY=VALUE` or `--set simulation.KEY=VALUE` (the value is read as TOML: quote strings,",
@@ -346,6 +354,12 @@ def generate() -> str:
               "`RUN_DIR/sites/site-K/metrics.csv`. Above the sites: no SecAgg+ nor FedBuff, `min-nodes <= sites`.", ""]
     lines += ["## [coordinator]", "", f"`{ServiceSettings.__module__}.ServiceSettings`. Relative paths are relative to "
               "the config file.", "", *_table([ServiceSettings], "coordinator"), ""]
+    lines += ["## [upstream]", "", "An edge aggregator's config (`fedshield aggregator start --config`) is a coordinator "
+              "config, `[coordinator]` (the site's SuperLink, its agents' enrolled keys) and `[run]` (the site's round, "
+              "as `[site]` above, but naming the coordinator's task; the clients' training and the seed come with the "
+              "coordinator's message), with "
+              f"this table for the coordinator above (`{UpstreamSettings.__module__}.UpstreamSettings`; paths relative "
+              "to the config file).", "", *_table([UpstreamSettings], "upstream"), ""]
     lines += ["## Environment variables", "",
               "| variable | effect |", "|---|---|",
               "| `FEDSHIELD_DEVICE` | `cpu` or `cuda`: the device for aggregation and in-process clients (overrides `device`) |",

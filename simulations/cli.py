@@ -195,6 +195,12 @@ def _coordinator_start(args: argparse.Namespace) -> int:
     return start_coordinator(args.config, insecure=args.insecure, run_dir=args.run_dir)
 
 
+def _aggregator_start(args: argparse.Namespace) -> int:
+    from coordinator.aggregator import start_aggregator
+
+    return start_aggregator(args.config, insecure=args.insecure)
+
+
 def _agent_start(args: argparse.Namespace) -> int:
     from clients.cli import start_agent
 
@@ -307,6 +313,15 @@ def build_parser() -> argparse.ArgumentParser:
     cs.add_argument("--run-dir", type=_path, help="override [run] run-dir (relative to the working directory)")
     cs.set_defaults(func=_coordinator_start)
 
+    agg = sub.add_parser("aggregator", help="an edge aggregator between the coordinator and a site's agents"
+                         ).add_subparsers(dest="action", required=True, parser_class=_Parser)
+    ags = agg.add_parser("start", help="a site SuperLink for its agents, one node to the coordinator above")
+    ags.add_argument("--config", required=True, type=_path, help="aggregator TOML: [coordinator] (the site's SuperLink), "
+                     "[run] (the site's round), [upstream] (the coordinator above)")
+    ags.add_argument("--insecure", action="store_true", help="NO TLS and no node authentication, above and below "
+                     "(testing only)")
+    ags.set_defaults(func=_aggregator_start)
+
     ag = sub.add_parser("agent", help="the client agent").add_subparsers(dest="action", required=True, parser_class=_Parser)
     ast = ag.add_parser("start", help="start a SuperNode running fedshield's ClientApp")
     ast.add_argument("--coordinator", required=True, metavar="HOST:PORT")
@@ -335,6 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
     ast.add_argument("--task-timeout", type=float, default=1800.0, metavar="S",
                      help="a message handled longer than this is answered with an error and the ClientApp "
                           "worker restarted (default: %(default)s)")
+    ast.add_argument("--site-socket", help=argparse.SUPPRESS)  # an edge aggregator's upward agent (aggregator start)
     ast.set_defaults(func=_agent_start)
 
     priv = sub.add_parser("privacy", help="differential privacy planning").add_subparsers(dest="action", required=True,

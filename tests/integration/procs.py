@@ -76,6 +76,14 @@ class Procs:
             self.stop(name, sig, timeout)
 
 
+def running(pid: int) -> bool:
+    """Alive and not a zombie."""
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def wait_for(predicate, timeout: float, what: str, interval: float = 0.5) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

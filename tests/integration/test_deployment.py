@@ -16,7 +16,7 @@ from coordinator.rundir import CHECKPOINT, CONFIG, METRICS, MODEL, PLOT, SUMMARY
 from coordinator.service import descendants
 
 from .deploy import metrics_rows, setup_deployment, start_agent, start_coordinator
-from .procs import wait_for
+from .procs import running, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -69,13 +69,6 @@ def _cmdline(pid: int) -> bytes:
         return b""
 
 
-def _running(pid: int) -> bool:
-    """Alive and not a zombie."""
-    try:
-        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
 
 @pytest.mark.timeout(600)
 def test_coordinator_resumes_from_checkpoint(tmp_path, procs, fedshield_bin):
@@ -88,7 +81,7 @@ def test_coordinator_resumes_from_checkpoint(tmp_path, procs, fedshield_bin):
     tree = descendants(procs.procs["coordinator"].pid)
     assert any(b"flwr-serverapp" in _cmdline(pid) for pid in tree), "the run's ServerApp process, to be stopped"
     procs.stop("coordinator")  # SIGTERM: the coordinator stops its SuperLink, and the ServerApp Flower started
-    assert not [pid for pid in tree if _running(pid)], "every process the coordinator started has stopped"
+    assert not [pid for pid in tree if running(pid)], "every process the coordinator started has stopped"
     for i in range(3):
         procs.stop(f"agent{i}")
     saved = torch.load(run_dir / CHECKPOINT, weights_only=True)
@@ -155,4 +148,4 @@ def test_a_coordinator_killed_outright_takes_its_superlink_and_serverapp_down(tm
     wait_for(lambda: any(b"flwr-serverapp" in _cmdline(p) for p in descendants(pid)), 120, "the run's ServerApp")
     tree = descendants(pid)
     os.kill(pid, signal.SIGKILL)  # the coordinator alone, as the OOM killer would
-    wait_for(lambda: not [p for p in tree if _running(p)], 40, "every process it started to stop")
+    wait_for(lambda: not [p for p in tree if running(p)], 40, "every process it started to stop")

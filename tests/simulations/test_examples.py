@@ -23,5 +23,12 @@ def test_example_coordinator_config_loads():
     assert len(cfg.service.enrolled_keys) == 3 and cfg.run.server.min_nodes == 3
 
 
+def test_example_aggregator_config_loads():
+    from coordinator.aggregator import load_aggregator_config
+
+    cfg, up = load_aggregator_config(EXAMPLES / "aggregator.toml")
+    assert cfg.run.secure.enabled and up.coordinator == "127.0.0.1:9092" and up.key == "keys/aggregator-0"
+
+
 def test_packaged_default_scenario_equals_the_example():
     assert load_scenario(None) == load_scenario(EXAMPLES / "scenarios" / "default.toml")
