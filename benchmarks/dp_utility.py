@@ -64,8 +64,9 @@ def utility(rep: Report, eps: float, clients: int, rounds: int, seeds: int) -> N
             f"with RDP's z (mean of {seeds})", mean["rdp"], ratio=mean["pld"] / mean["rdp"] if mean["rdp"] else None)
 
 
-# (q, z, rounds): the utility runs' setting, and a cross-device one (small q: a finer interval, a longer PLD)
-HOT_PATH_CASES = ((Q, 1.0, 200), (0.01, 1.0, 500))
+# (q, z, rounds as a multiple of --hot-path-rounds): the utility runs' setting, and a cross-device one (small q: a
+# finer interval, a longer PLD)
+HOT_PATH_CASES = ((Q, 1.0, 1.0), (0.01, 1.0, 2.5))
 
 
 def dp_accounting_round_times(q: float, z: float, rounds: int, interval: float) -> list[float]:
@@ -89,8 +90,8 @@ def hot_path(rep: Report, rounds: int = 200, local_rounds: int = 20) -> None:
     """Per-round accountant work as a run does it: check_next (epsilon if one more), compose, epsilon."""
     from privacy.pld import discretisation_interval
 
-    for q, z, n in HOT_PATH_CASES:
-        n = rounds if (q, z) == (Q, 1.0) else max(rounds, n)
+    for q, z, share in HOT_PATH_CASES:
+        n = max(2, round(rounds * share))
         times: dict[str, list[float]] = {}
         for name in ACCOUNTANTS:
             acc, budget, event = create_accountant(name, DELTA), PrivacyBudget(1e9, DELTA), PrivacyEvent(q, z)

@@ -34,3 +34,12 @@ def _task_identity() -> None:
     from simulations.inprocess import ensure_task_identity
 
     ensure_task_identity()
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Under pytest-xdist (``--dist loadgroup``): the tests that start real processes (integration, benchmark
+    smoke runs) run one after another on one worker, each with the machine's other core for the unit tests
+    beside it; two of them at once on 2 cores would starve each other's process starts."""
+    for item in items:
+        if item.get_closest_marker("integration") or "tests/benchmarks/" in item.nodeid.replace("\\", "/"):
+            item.add_marker(pytest.mark.xdist_group("processes"))

@@ -93,14 +93,14 @@ def test_a_worker_that_crashes_or_hangs_is_a_failed_reply_and_a_new_worker(tmp_p
 
 @pytest.mark.timeout(420)
 def test_a_device_slower_than_flowers_claim_window_still_trains(tmp_path, procs, fedshield_bin):
-    """Its task takes 45 s to import (Flower gives a claimed task 30 s to check in): the node joins once its
+    """Its task takes 35 s to import (Flower gives a claimed task 30 s to check in): the node joins once its
     worker is warm, and a worker restarted mid-run takes its messages when ready (they wait, unclaimed)."""
     port = _setup(tmp_path, fedshield_bin, num_rounds=2, round_timeout=150.0, wait_nodes_timeout=300.0)
     plan = tmp_path / "plan.txt"
-    plan.write_text("crash")  # round 1: the slow device's worker dies; round 2 waits for its 45 s restart
+    plan.write_text("crash")  # round 1: the slow device's worker dies; round 2 waits for its 35 s restart
     start_coordinator(procs, tmp_path, fedshield_bin, "coordinator", nodes=2)
     _agent(procs, tmp_path, fedshield_bin, port, 0)
-    slow = _agent(procs, tmp_path, fedshield_bin, port, 1, env={"SLOW_IMPORT_S": "45", "FLAKY_PLAN": str(plan)})
+    slow = _agent(procs, tmp_path, fedshield_bin, port, 1, env={"SLOW_IMPORT_S": "35", "FLAKY_PLAN": str(plan)})
     assert procs.wait("coordinator", timeout=400) == 0, procs.log("coordinator")[-3000:]
     rows = metrics_rows(tmp_path / "runs" / "deploy")
     assert [int(r["accepted"]) for r in rows] == [1, 2], rows
