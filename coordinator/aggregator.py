@@ -121,6 +121,10 @@ def start_aggregator(config: str, insecure: bool = False) -> int:
         print(f"fedshield aggregator: site ready; connecting to {up.coordinator}", file=sys.stderr, flush=True)
         agent = start_process(agent_cmd)
         while run.is_alive():
+            if agent.poll() == 0:  # the coordinator above ended its run after this site answered: done too
+                print("fedshield aggregator: the coordinator above is gone after its run; stopping the site",
+                      file=sys.stderr, flush=True)
+                return 0
             if agent.poll() is not None:
                 raise CoordinatorError(f"the upward agent must keep running. Found it ended with exit code "
                                        f"{agent.returncode}; see its lines above.")

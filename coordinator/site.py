@@ -40,6 +40,7 @@ from clients.client_app import encode_with_feedback
 from clients.protocol import (
     CLIENT_TIME,
     CODEC,
+    MESSAGE_TYPE_TRAIN,
     WEIGHTS,
     codec_from_record,
     parse_train_message,
@@ -116,6 +117,9 @@ class SiteWorkflow(SyncWorkflow):
 
     def answer(self, msg: Message, context: Context) -> Message:
         """One round on the site's clients for the coordinator's train message ``msg``; the site's reply."""
+        if msg.metadata.message_type != MESSAGE_TYPE_TRAIN:
+            raise ClientError(f"{self.name} answers train messages only (it holds no data of its own to evaluate "
+                              f"on). Found {msg.metadata.message_type[:60]!r}.")
         instr, weights = self._instruction(msg)
         codec = codec_from_record(record_of(msg.content, CODEC, ConfigRecord))
         self.weights, self.version = weights.to(self.device), instr.version

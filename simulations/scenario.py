@@ -116,9 +116,11 @@ class Scenario:
                   "(edge aggregators are simulated in-process)", sim.engine)
             check(run.server.min_nodes <= sim.sites, f"{source}: run.min-nodes", f"be <= simulation.sites={sim.sites} "
                   "(the coordinator's nodes are the sites)", run.server.min_nodes)
-            check(not run.secure.enabled and run.asynchrony.workflow == "sync", f"{source}: run",
-                  "use neither secure-aggregation nor workflow = 'fedbuff' above the sites (SecAgg+ runs inside a "
-                  "site: set it in [site])", run.to_mapping())
+            check(not run.secure.enabled and run.asynchrony.workflow == "sync" and not run.server.federated_eval_every,
+                  f"{source}: run", "use neither secure-aggregation, workflow = 'fedbuff' nor federated-eval-every above "
+                  "the sites (SecAgg+ runs inside a site: set it in [site]; a site holds no data to evaluate on)",
+                  {k: v for k, v in run.to_mapping().items()
+                   if k in ("secure-aggregation", "workflow", "federated-eval-every")})
             site = site_config(run, data.get("site", {}))
             smallest = sim.num_supernodes // sim.sites
             check(site.server.min_nodes <= smallest, f"{source}: site.min-nodes", f"be <= {smallest}, the clients of the "

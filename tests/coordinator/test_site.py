@@ -111,7 +111,19 @@ def test_scenario_sites_and_site_table(tmp_path):
                        ({"simulation": {"engine": "inprocess", "num-supernodes": N}, "site": {}},
                         r"\[site\] must come with simulation.sites > 0"),
                        ({"run": {"min-nodes": 3}}, r"run.min-nodes must be <= simulation.sites=2"),
-                       ({"site": {"min-nodes": 4}}, r"site.min-nodes must be <= 3, the clients of the smallest site")):
+                       ({"site": {"min-nodes": 4}}, r"site.min-nodes must be <= 3, the clients of the smallest site"),
+                       ({"run": {"min-nodes": 2, "federated-eval-every": 1}}, "nor federated-eval-every above the sites")):
         data = {"simulation": {"engine": "inprocess", "num-supernodes": N, "sites": 2}, "run": {"min-nodes": 2}, **bad}
         with pytest.raises(ConfigError, match=match):
             Scenario.from_mapping(data)
+
+
+def test_a_site_answers_train_messages_only(tmp_path):
+    from flwr.app import Message, RecordDict
+
+    from clients import ClientError
+
+    top = top_cfg(tmp_path, "tiered")
+    site = site_grid(site_config(top, {}), N, 2, top.server.run_dir, flat_config)._client.__self__.workflows[0]
+    with pytest.raises(ClientError, match="answers train messages only"):
+        site.answer(Message(RecordDict(), dst_node_id=1001, message_type="evaluate"), None)
