@@ -12,7 +12,8 @@ fedshield's batched in-process engine trains as one computation (BatchNorm model
 
 - fedshield: ``simulations.simulate(engine="inprocess")`` (its fastest engine: no vectorized engine exists),
   each round's wall time from the run's metrics.csv (``wall_time_s`` differences: training, wire records,
-  aggregation, the per-round central evaluation on the test set and the checkpoint);
+  aggregation, the checkpoint, and the central evaluation on the test set after the last round, as pfl
+  evaluates once: ``--central-eval-every 1`` evaluates every round, fedshield's default);
 - pfl 0.6 with its PyTorch backend: ``FederatedAveraging`` over ``SimulatedBackend`` and a
   ``FederatedDataset`` of the same per-client arrays, timed per central iteration by a callback
   (pfl averages trainable parameters only; BatchNorm statistics stay in its one module);
@@ -23,7 +24,9 @@ fedshield's batched in-process engine trains as one computation (BatchNorm model
   one after another in this process (``Task.train``, the loop the others' clients run), timed at the start
   and at the end of the run (the median of both).
 
-Each round time is the median of the rounds after the first; per-client overhead = (round - floor) /
+Contenders run in turns, ``--repeat`` times each (A, B, A, B, ...: a drifting machine speed, common on a shared
+VM, hits each alike); a round time is the median of every run's rounds after its first (and, for fedshield
+evaluating after its last round only, before its last: each contender's one evaluation is left out); per-client overhead = (round - floor) /
 clients. Goal from the issue: fedshield faster than pfl and >= 5x faster than Flower's engine.
 
 pfl is not a fedshield dependency, and pfl 0.6.0 pins dp-accounting<0.6 (fedshield uses 0.6): install it
@@ -144,14 +147,15 @@ def run_floor(spec: TaskSpec, clients: int, rounds: int, settings: TrainSettings
 # --- fedshield ----------------------------------------------------------------------------------------
 
 def run_fedshield(spec: TaskSpec, clients: int, rounds: int, settings: TrainSettings,
-                  run_dir: Path) -> tuple[list[float], float]:
-    """(seconds per round, the whole call's seconds) of ``simulate(engine="inprocess")``."""
+                  run_dir: Path, central_eval_every: int = 0) -> tuple[list[float], float]:
+    """(seconds per round, the whole call's seconds) of ``simulate(engine="inprocess")``; the test set is
+    evaluated after the last round only by default (pfl evaluates once too, before its first round)."""
     from simulations import simulate
 
     t0 = time.perf_counter()
     simulate(spec.task, run_dir=run_dir, engine="inprocess", num_supernodes=clients, num_rounds=rounds,
              min_nodes=clients, local_epochs=settings.local_epochs, batch_size=settings.batch_size, lr=settings.lr,
-             momentum=settings.momentum, partitioning="iid")
+             momentum=settings.momentum, partitioning="iid", central_eval_every=central_eval_every)
     total = time.perf_counter() - t0
     with open(run_dir / "metrics.csv", newline="") as f:
         walls = [float(row["wall_time_s"]) for row in csv.DictReader(f)]
@@ -307,11 +311,17 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--flower-actors", type=int, default=1,
                    help="Flower's client actors (1: one core, as every other contender has; 2 fills 2 cores)")
+    p.add_argument("--central-eval-every", type=int, default=0,
+                   help="fedshield's central-eval-every (0: the test set after the last round only, as pfl evaluates "
+                        "once; 1: every round, fedshield's default)")
+    p.add_argument("--repeat", type=int, default=3, help="runs of each contender, in turns (their rounds after the "
+                   "first pooled: the median)")
     p.add_argument("--skip", default="", help="comma-separated contenders not to run: pfl, flower")
     p.add_argument("--json")
     a = p.parse_args()
-    if a.clients < 2 or a.rounds < 2 or a.examples < 1:
-        p.error(f"--clients and --rounds must be >= 2, --examples >= 1. Found {a.clients}, {a.rounds}, {a.examples}.")
+    if a.clients < 2 or a.rounds < 2 or a.examples < 1 or a.repeat < 1:
+        p.error(f"--clients and --rounds must be >= 2, --examples and --repeat >= 1. Found {a.clients}, {a.rounds}, "
+                f"{a.examples}, {a.repeat}.")
     skip = {s.strip() for s in a.skip.split(",") if s.strip()}
     if skip - set(CONTENDERS[1:]):
         p.error(f"--skip takes pfl and flower. Found {sorted(skip - set(CONTENDERS[1:]))}.")
@@ -334,21 +344,32 @@ def main() -> None:
     print(f"# floor (plain torch loop): rounds {[round(t, 2) for t in floor]} s", flush=True)
     per_round: dict[str, float] = {}
     first: dict[str, float] = {}
+    later: dict[str, list[float]] = {}  # every repeat's rounds after its first
     tmp = Path(tempfile.mkdtemp(prefix="vs_pfl-"))
     try:
+        ready = []
         for name in CONTENDERS:
             why = "skipped by --skip" if name in skip else missing(name)
             if why:
                 print(f"# {name}: skipped ({why})", flush=True)
-                continue
-            if name == "fedshield":
-                times, total = run_fedshield(spec, a.clients, a.rounds, settings, tmp / "run")
-            elif name == "pfl":
-                times, total = run_pfl(spec, a.clients, a.rounds, settings)
             else:
-                times, total = run_flower(spec, a.clients, a.rounds, settings, a.flower_actors)
-            per_round[name], first[name] = median_after_first(times), times[0]
-            print(f"# {name}: rounds {[round(t, 2) for t in times]} s; whole run {total:.1f} s", flush=True)
+                ready.append(name)
+        for rep_i in range(a.repeat):  # in turns (A, B, A, B): a drifting machine speed hits every contender alike
+            for name in ready:
+                if name == "fedshield":
+                    times, total = run_fedshield(spec, a.clients, a.rounds, settings, tmp / f"run-{rep_i}",
+                                                 a.central_eval_every)
+                elif name == "pfl":
+                    times, total = run_pfl(spec, a.clients, a.rounds, settings)
+                else:
+                    times, total = run_flower(spec, a.clients, a.rounds, settings, a.flower_actors)
+                # each contender's one evaluation round is left out: pfl's first, fedshield's last (with
+                # --central-eval-every 0; its other rounds evaluate nothing)
+                evaluated_last = name == "fedshield" and a.central_eval_every == 0 and len(times) > 2
+                later.setdefault(name, []).extend(times[1:-1] if evaluated_last else times[1:])
+                first.setdefault(name, times[0])
+                print(f"# {name}: rounds {[round(t, 2) for t in times]} s; whole run {total:.1f} s", flush=True)
+        per_round = {name: statistics.median(ts) for name, ts in later.items()}
         floor += run_floor(spec, a.clients, a.rounds, settings)[1:]  # again, after the others: same load
         eval_s = central_eval_time(spec)
     finally:
@@ -370,8 +391,8 @@ def main() -> None:
                 "floor per client, ms", floor_s / n * 1e3, ratio=(t - floor_s) / floor_s)
         rep.add(f"{label}: first round", first[name], "s", "floor s per round", floor_s, ratio=first[name] / floor_s)
     if ours is not None:
-        rep.add("  of which: fedshield's central evaluation per round", eval_s * 1e3, "ms",
-                "fedshield s per round, in ms", ours * 1e3, ratio=eval_s / ours)
+        rep.add(f"  fedshield's central evaluation, in every {a.central_eval_every or a.rounds}th round", eval_s * 1e3,
+                "ms", "fedshield s per round, in ms", ours * 1e3, ratio=eval_s / ours)
         if "pfl" in per_round:
             r = per_round["pfl"] / ours
             rep.add("fedshield vs pfl: s per round (ratio = pfl / ours)", ours, "s", "pfl 0.6 s per round",

@@ -303,7 +303,7 @@ class BufferedAsyncWorkflow(SyncWorkflow):
         extra: dict[str, Any] = {}
         self._step(self.round + 1, acc.result().mul(acc.total_weight / window["examples"]), extra)
         self.round += 1
-        test_acc, test_loss = self.evaluate()
+        test_acc, test_loss = self.evaluate_at(self.round)
         now = self.clock.now()
         rejected: Counter[str] = window["rejected"]
         row: dict[str, Any] = {

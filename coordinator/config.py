@@ -48,6 +48,7 @@ class ServerSettings:
     selection: str = "uniform"
     fairness: float = 2.0
     federated_eval_every: int = 0  # rounds between federated evaluations (and after the last round); 0: none
+    central_eval_every: int = 1  # rounds between evaluations on the task's test set (and after the last); 0: last only
     clients_per_round: int = 0  # nodes asked each round (0: fraction-train of those online, at least min-nodes)
 
     def effective_server_lr(self) -> float | None:
@@ -103,6 +104,9 @@ class ServerSettings:
               "be left at 1.0 when clients-per-round is given (one of them sets the sample)", self.fraction_train)
         check(0 <= self.federated_eval_every <= 1_000_000, "federated-eval-every",
               "be in [0, 1000000] (rounds between federated evaluations; 0: none)", self.federated_eval_every)
+        check(0 <= self.central_eval_every <= 1_000_000, "central-eval-every",
+              "be in [0, 1000000] (rounds between evaluations on the test set; 0: after the last round only)",
+              self.central_eval_every)
         check(math.isfinite(self.fairness) and self.fairness >= 1, "fairness",
               "be a finite number >= 1 (every client's participation stays >= fair share / fairness)", self.fairness)
         check(self.device in ("auto", "cpu") or re.fullmatch(r"cuda(:[0-9]{1,3})?", self.device) is not None, "device",

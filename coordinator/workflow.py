@@ -556,7 +556,7 @@ class SyncWorkflow:
         else:
             sent, row["bytes_down"] = self._send(rnd, selected)
             row.update(self._collect(rnd, sent))
-        row["test_accuracy"], row["test_loss"] = self.evaluate()
+        row["test_accuracy"], row["test_loss"] = self.evaluate_at(rnd)
         every = self.cfg.server.federated_eval_every
         if every and (rnd % every == 0 or rnd == self.cfg.server.num_rounds):
             from .evaluation import federated_evaluate
@@ -566,6 +566,13 @@ class SyncWorkflow:
         row["round_time_s"] = self.clock.now() - start
         row.update(self._run_times(row["round_time_s"]))
         return row
+
+    def evaluate_at(self, rnd: int) -> tuple[float, float]:
+        """``evaluate`` in the rounds ``central-eval-every`` asks for (and the last); (nan, nan) in the others."""
+        every = self.cfg.server.central_eval_every
+        if rnd >= self.cfg.server.num_rounds or (every and rnd % every == 0):
+            return self.evaluate()
+        return float("nan"), float("nan")
 
     def evaluate(self) -> tuple[float, float]:
         """(accuracy, loss) of the global model on the task's test data (accuracy nan if the task has none)."""
@@ -633,6 +640,9 @@ class SyncWorkflow:
             if self.cfg.privacy.dp != "none":
                 self.run_dir.plot_epsilon(self.history, f"{self.cfg.task.label}: privacy spent ({self.cfg.privacy.dp} DP)")
         last = self.history[-1] if self.history else {}
+        if last and not math.isfinite(float(last.get("test_accuracy", math.nan))):  # (a run stopped early)
+            last["test_accuracy"], last["test_loss"] = self.evaluate()
+            self.run_dir.write_metrics(self.history)
         summary = {
             "status": self.status, "rounds": self.round, "version": self.version, "task": self.cfg.task.task,
             "final_test_accuracy": last.get("test_accuracy"), "final_test_loss": last.get("test_loss"),

@@ -60,6 +60,8 @@ DESCRIPTIONS: dict[str, dict[str, str]] = {
         "fairness": "the bound `fast-fair` keeps every node's participation within",
         "clients-per-round": "nodes asked each round (at least `min-nodes`); 0: `fraction-train` of those online "
                              "decides. Refused under central DP and FedBuff",
+        "central-eval-every": "every N rounds (and after the last) the coordinator evaluates the global model on the "
+                              "task's test set; other rounds' rows hold nan (0: after the last round only)",
         "federated-eval-every": "every N rounds (and after the last) the round's clients evaluate the global model "
                                 "on their held-out data; 0: off. Refused under local and distributed DP",
         # TaskSpec

@@ -100,7 +100,7 @@ def test_the_device_resident_cases_run_on_any_device():
 # large_model.py with a short update (the ResNet-18's training step and round trip still run at full size).
 MODEL_SCALE_CASES = {
     "vs_pfl": ["--model", "cnn", "--clients", "2", "--rounds", "2", "--examples", "16", "--test-examples", "16",
-               "--skip", "flower"],
+               "--skip", "flower", "--repeat", "1"],
     "large_model": ["--quick"],
 }
 

@@ -591,3 +591,31 @@ def test_a_fedbuff_checkpoint_from_before_the_staleness_discount_is_refused_nami
     with pytest.raises(CoordinatorError, match=r"Found fedbuff-release = '\(unset\)' there"):
         check_fingerprint({"fingerprint": before}, now, tmp_path)
     assert "fedbuff-release" not in run_fingerprint(cfg(), 100)
+
+
+def test_central_eval_every_evaluates_those_rounds_and_the_last(tmp_path):
+    import math
+
+    wf = SyncWorkflow(cfg(**{"num-rounds": 5, "central-eval-every": 2}), InProcessGrid(run_train_app(), 3),
+                      RunDirectory(tmp_path))
+    summary = wf.run()
+    evaluated = [r["round"] for r in wf.history if math.isfinite(r["test_accuracy"])]
+    assert evaluated == [2, 4, 5] and summary["final_test_accuracy"] == wf.history[-1]["test_accuracy"]
+    only_last = SyncWorkflow(cfg(**{"num-rounds": 3, "central-eval-every": 0}), InProcessGrid(run_train_app(), 3),
+                             RunDirectory(tmp_path / "b"))
+    only_last.run()
+    assert [math.isfinite(r["test_accuracy"]) for r in only_last.history] == [False, False, True]
+    every_round = SyncWorkflow(cfg(**{"num-rounds": 3}), InProcessGrid(run_train_app(), 3), RunDirectory(tmp_path / "c"))
+    every_round.run()
+    assert torch.equal(only_last.weights, every_round.weights)  # evaluation changes the rows, not the model
+
+
+def test_a_run_stopped_by_its_budget_before_an_evaluated_round_is_evaluated_at_its_end(tmp_path):
+    import math
+
+    wf = SyncWorkflow(cfg(**{"num-rounds": 50, "central-eval-every": 0, "dp": "central", "dp-noise-multiplier": 1.0,
+                              "dp-clip": 0.5, "target-epsilon": 8.0}), InProcessGrid(run_train_app(), 3),
+                      RunDirectory(tmp_path))
+    summary = wf.run()
+    assert summary["status"] == "budget-exhausted" and summary["rounds"] < 50
+    assert math.isfinite(summary["final_test_accuracy"]) and math.isfinite(wf.history[-1]["test_accuracy"])
