@@ -81,7 +81,7 @@ class SiteWorkflow(SyncWorkflow):
     site's clients from the coordinator's weights and returns the reply a client would send.
 
     The site's own evaluation is skipped (the coordinator evaluates the global model). Its run directory keeps
-    its rows (``metrics.csv``), a checkpoint per round (central DP's ledger, its clients' state) and its plots.
+    its rows (``metrics.csv``) and a checkpoint per round (central DP's ledger, its clients' state).
     """
 
     def __init__(self, cfg, grid, run_dir, clock=None, name: str = "site") -> None:
@@ -99,6 +99,16 @@ class SiteWorkflow(SyncWorkflow):
 
     def evaluate(self) -> tuple[float, float]:
         return float("nan"), float("nan")
+
+    def fingerprint(self) -> dict[str, Any]:
+        """The site's own settings only: the clients' training, the seed and the rounds come from the coordinator
+        each round (a restarted aggregator resumes its site whatever they were)."""
+        from clients.config import TrainSettings, config_keys
+
+        out = super().fingerprint()
+        for key in [*config_keys(TrainSettings), "seed", "num-rounds"]:
+            out.pop(key, None)
+        return out
 
     def _instruction(self, msg: Message):
         """The coordinator's instruction and weights, checked against the site's task and model."""

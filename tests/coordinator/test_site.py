@@ -127,3 +127,16 @@ def test_a_site_answers_train_messages_only(tmp_path):
     site = site_grid(site_config(top, {}), N, 2, top.server.run_dir, flat_config)._client.__self__.workflows[0]
     with pytest.raises(ClientError, match="answers train messages only"):
         site.answer(Message(RecordDict(), dst_node_id=1001, message_type="evaluate"), None)
+
+
+def test_a_restarted_site_resumes_whatever_training_the_coordinator_asked_for(tmp_path):
+    """The site's checkpoint fingerprints its own settings only: the clients' training and the seed come with each
+    message, so a site restarted with its config's defaults resumes (its round count and rows go on)."""
+    top = top_cfg(tmp_path, "tiered", **{"num-rounds": 1, "lr": 0.05, "local-epochs": 2})
+    two_level(tmp_path, top).run()
+    site_cfg = site_config(top_cfg(tmp_path, "tiered"), {}).replace(
+        run_dir=str(tmp_path / "tiered" / "sites" / "site-0"))  # lr 0.1, 1 epoch: not what the coordinator sent
+    from coordinator.site import SiteWorkflow
+
+    again = SiteWorkflow(site_cfg, InProcessGrid(app, 4, flat_config), RunDirectory(site_cfg.server.run_dir))
+    assert again.round == 1 and len(again.history) == 1
