@@ -36,10 +36,15 @@ def _task_identity() -> None:
     ensure_task_identity()
 
 
+# benchmark smoke runs that start Flower processes (a coordinator, agents, a SuperLink); the others are one
+# Python process each, as a unit test is
+_PROCESS_BENCHMARKS = ("[deployment]", "[node_emulator]")
+
+
 def pytest_collection_modifyitems(config, items) -> None:
-    """Under pytest-xdist (``--dist loadgroup``): the tests that start real processes (integration, benchmark
-    smoke runs) run one after another on one worker, each with the machine's other core for the unit tests
-    beside it; two of them at once on 2 cores would starve each other's process starts."""
+    """Under pytest-xdist (``--dist loadgroup``): the tests that start real Flower processes (integration tests,
+    two benchmark smoke runs) run one after another on one worker, with the machine's other core for the rest
+    beside them; two of them at once on 2 cores would starve each other's process starts."""
     for item in items:
-        if item.get_closest_marker("integration") or "tests/benchmarks/" in item.nodeid.replace("\\", "/"):
+        if item.get_closest_marker("integration") or item.nodeid.endswith(_PROCESS_BENCHMARKS):
             item.add_marker(pytest.mark.xdist_group("processes"))
