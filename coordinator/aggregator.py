@@ -30,9 +30,8 @@ from clients.config import ConfigError, build_config, check, parse_toml
 from clients.supervisor import start_process
 
 from ._errors import CoordinatorError
-from .service import (Coordinator, CoordinatorFile, _pgid, descendants, load_coordinator_config, stop_groups,
-                      write_app_dir)
-from .site import SOCKET_KEY
+from .service import Coordinator, CoordinatorFile, load_coordinator_config, stop_groups, tree_groups, write_app_dir
+from .site import SOCKET_KEY, check_site_config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,24 +59,25 @@ def load_aggregator_config(path: str | os.PathLike) -> tuple[CoordinatorFile, Up
                           "key). Found " + ("none." if table is None else f"{type(table).__name__}."))
     up = build_config(UpstreamSettings, table, "upstream")
     parse_address(up.coordinator)
-    run = cfg.run
-    check(run.asynchrony.workflow == "sync" and not run.server.federated_eval_every, "run.workflow",
-          "be 'sync' with federated-eval-every = 0 (a site answers each round from above with one of its own)",
-          run.asynchrony.workflow)
+    check_site_config(cfg.run, "run")
     return cfg, up
 
 
-def _agent_command(cfg: CoordinatorFile, up: UpstreamSettings, socket_path: Path, insecure: bool) -> list[str]:
-    """``fedshield agent start`` for the upward node, in forwarding mode; its task timeout outlasts a site round."""
+def _agent_command(cfg: CoordinatorFile, up: UpstreamSettings, insecure: bool) -> list[str]:
+    """``fedshield agent start`` for the upward node (forwarding mode: its --site-socket comes last); its task timeout
+    outlasts a site round."""
     cmd = [sys.executable, "-c", "import sys; from simulations.cli import entry; sys.exit(entry())", "agent", "start",
-           "--coordinator", up.coordinator, "--site-socket", str(socket_path), "--poll-interval", str(up.poll_interval),
+           "--coordinator", up.coordinator, "--poll-interval", str(up.poll_interval),
            "--task-timeout", str(2 * cfg.run.server.round_timeout + cfg.run.server.wait_nodes_timeout + 60)]
     if insecure:
         return [*cmd, "--insecure"]
-    for flag, value, key in (("--root-cert", up.root_cert, "upstream.root-cert"), ("--key", up.key, "upstream.key")):
+    from privacy import check_ca_certificate, check_node_private_key
+
+    for flag, value, key, checked in (("--root-cert", up.root_cert, "upstream.root-cert", check_ca_certificate),
+                                      ("--key", up.key, "upstream.key", check_node_private_key)):
         if not value:
             raise ConfigError(f"{key} must be given unless --insecure. Found none.")
-        cmd += [flag, str(cfg.path(value, key))]
+        cmd += [flag, str(checked(cfg.path(value, key)))]  # before anything starts: one line, as the agent says it
     return cmd
 
 
@@ -89,10 +89,10 @@ def start_aggregator(config: str, insecure: bool = False) -> int:
     coord = Coordinator(cfg, insecure)
     cfg = coord.cfg
     coord.check_port_free()
-    agent_cmd = _agent_command(cfg, up, Path("/"), insecure)  # (its paths checked before anything starts)
+    agent_cmd = _agent_command(cfg, up, insecure)  # (its paths checked before anything starts)
     sock_dir = Path(tempfile.mkdtemp(prefix="fedshield-site-"))  # 0700; short: a socket path has ~100 bytes
     socket_path = sock_dir / "site.sock"
-    agent_cmd[agent_cmd.index("--site-socket") + 1] = str(socket_path)
+    agent_cmd += ["--site-socket", str(socket_path)]
     mode = "INSECURE" if insecure else "TLS + node authentication"
     print(f"fedshield aggregator: site SuperLink on {coord.address} ({mode}), reporting to {up.coordinator}; site rows "
           f"in {cfg.run.server.run_dir}", file=sys.stderr)
@@ -132,9 +132,7 @@ def start_aggregator(config: str, insecure: bool = False) -> int:
         raise CoordinatorError("the site's run must keep serving. Found it ended; see the log above.")
     finally:
         if agent is not None:
-            groups = {agent.pid} | {g for g in (_pgid(p) for p in descendants(agent.pid)) if g}
-            groups.discard(os.getpgrp())
-            stop_groups(groups, 15.0, agent.poll)
+            stop_groups(tree_groups(agent.pid), 15.0, agent.poll)
         coord.stop()
         shutil.rmtree(sock_dir, ignore_errors=True)
 

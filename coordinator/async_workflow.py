@@ -317,10 +317,7 @@ class BufferedAsyncWorkflow(SyncWorkflow):
         }
         if window["local_eps"]:
             row["local_epsilon_max"] = max(window["local_eps"])
-        self.rejections.update(rejected)
-        self.history.append(row)
-        self._checkpoint()
-        self.live.round(row)
+        self.record(self.round, row)
         log(INFO, "[fedshield] %s  staleness %.2f", format_row(row, self.cfg.server.num_rounds), row["mean_staleness"])
         if self.on_round:
             self.on_round(row)

@@ -347,7 +347,6 @@ class SecureRound:
         subset = shared_subset(cur.subset_seed, numel, st.secagg_sparse_ratio)
         dp = wf.dp if isinstance(wf.dp, DistributedDp) else None
         weights: dict[int, float] = {}  # what each survivor's weight must be (public: uniform, or its example count)
-        counts: dict[int, int] = {}  # its example count (1 each under uniform weighting): the round's total weight
         update = None
         weight_total = 0.0
         reason = ""
@@ -381,10 +380,10 @@ class SecureRound:
                 if len(array.data) > max_bytes:
                     raise SecAggRejected(node, "oversized", f"masked input must be <= {max_bytes} bytes; "
                                                             f"found {len(array.data)}")
-                weight, count = 1.0, 1
+                weight = 1.0
                 if by_examples:  # the count is public (it weights the mean); the coordinator checks the sum of them
-                    count = check_num_examples(node, metrics, wf.cfg.server.max_examples)
-                    weight = secagg_weight(count, st.secagg_max_weight)
+                    weight = secagg_weight(check_num_examples(node, metrics, wf.cfg.server.max_examples),
+                                           st.secagg_max_weight)
                 check_base_version(node, metrics, wf.version)
                 try:
                     vector = array.numpy()
@@ -393,7 +392,7 @@ class SecureRound:
                 unopened = record_of(reply.content, SECAGG_UNOPENED, ConfigRecord)  # shares it could not open
                 unopened = () if unopened is None else self._node_map(unopened, SECAGG_UNOPENED, node)
                 server.add_masked(node, vector, unopened)
-                weights[node], counts[node] = weight, count
+                weights[node] = weight
 
             contents = {n: RecordDict({SECAGG: ConfigRecord({"stage": "masked-input", "round": rnd}),
                                        SECAGG_SHARES: ConfigRecord({str(u): ct for u, ct in cts.items()}), **train})
@@ -470,7 +469,8 @@ class SecureRound:
             else:
                 update[subset.to(wf.device)] = mean
             survivors, dropped = result.survivors, result.dropped
-            weight_total = float(sum(counts[u] for u in result.survivors))  # (their number, if uniform)
+            # the weight the mean carries: the survivors' (capped) example counts, or their number if uniform
+            weight_total = expected * (st.secagg_max_weight if by_examples else 1)
         except SecAggAborted as exc:
             if nxt is not None:  # this round ended before the next one's share-keys could ride on its unmask
                 self._drop(nxt, stats, "this round failed before its unmask stage")

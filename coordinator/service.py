@@ -170,6 +170,12 @@ def _pgid(pid: int) -> int | None:
         return None
 
 
+def tree_groups(pid: int) -> set[int]:
+    """The process groups of ``pid`` (a session leader we started) and of everything it started, but this process's:
+    Flower's superexec, the SuperNode and the workers each run in a session of their own."""
+    return ({pid} | {g for g in map(_pgid, descendants(pid)) if g}) - {os.getpgrp()}
+
+
 def group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
@@ -348,8 +354,7 @@ class Coordinator:
         running for 20-30 s, its parent gone)."""
         if self.superlink is None or self.superlink.poll() is not None:
             return
-        groups = {self.superlink.pid} | {g for g in map(_pgid, descendants(self.superlink.pid)) if g}
-        groups.discard(os.getpgrp())  # (never this process's own)
+        groups = tree_groups(self.superlink.pid)
         _signal_groups(groups, signal.SIGTERM)
         try:
             self.superlink.wait(timeout=15)

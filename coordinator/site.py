@@ -37,6 +37,7 @@ from flwr.common.logger import log
 from aggregation import AggregationError, array_to_tensor
 from clients import ClientError
 from clients.client_app import encode_with_feedback
+from clients.config import check
 from clients.protocol import (
     CLIENT_TIME,
     CODEC,
@@ -53,6 +54,21 @@ from .workflow import SyncWorkflow, no_updates_reason
 SITE_WEIGHT = "weight_total"  # a row's total weight of its aggregate: what the site reports upward as num-examples
 SOCKET_KEY = "site-socket"  # the site ServerApp's run config: where it serves its upward agent
 MAX_FRAME = 4 << 30  # a framed message on the site socket (a model of up to ~1G float32 parameters)
+
+
+def from_above() -> tuple[str, ...]:
+    """The run keys the coordinator's message sets for a site every round: the clients' training, the seed, the
+    round. A site's config cannot set them, nor does its checkpoint's fingerprint hold them."""
+    from clients.config import TrainSettings, config_keys
+
+    return (*config_keys(TrainSettings), "seed", "num-rounds")
+
+
+def check_site_config(cfg: Any, where: str) -> None:
+    """A site runs synchronous rounds and evaluates nothing itself: one clear line otherwise."""
+    check(cfg.asynchrony.workflow == "sync" and not cfg.server.federated_eval_every, f"{where}.workflow",
+          "be 'sync' with federated-eval-every = 0 (a site answers each round from above with one round of its own)",
+          cfg.asynchrony.workflow)
 
 
 def send_frame(sock: socket.socket, payload: bytes) -> None:
@@ -103,10 +119,8 @@ class SiteWorkflow(SyncWorkflow):
     def fingerprint(self) -> dict[str, Any]:
         """The site's own settings only: the clients' training, the seed and the rounds come from the coordinator
         each round (a restarted aggregator resumes its site whatever they were)."""
-        from clients.config import TrainSettings, config_keys
-
         out = super().fingerprint()
-        for key in [*config_keys(TrainSettings), "seed", "num-rounds"]:
+        for key in from_above():
             out.pop(key, None)
         return out
 
@@ -138,10 +152,7 @@ class SiteWorkflow(SyncWorkflow):
                                        server=dataclasses.replace(self.cfg.server, seed=instr.seed))
         self._delta = None
         row = self.run_round(instr.round)
-        self.rejections.update(row["rejected_by_rule"])
-        self.history.append(row)
-        self.round = instr.round
-        self._checkpoint()
+        self.record(instr.round, row)
         self.run_dir.write_metrics(self.history)
         log(INFO, "[fedshield] %s: round %d: %d/%d updates aggregated, %d rejected, weight %g up, %.2f MB in, %.2f s",
             self.name, instr.round, row["accepted"], row["selected"], row["rejected"], row.get(SITE_WEIGHT, 0),
@@ -163,7 +174,6 @@ class SiteWorkflow(SyncWorkflow):
         if math.isfinite(loss):
             metrics["train-loss"] = float(loss)
         return Message(train_reply_content(encoded, metrics), reply_to=msg)
-
 
     def serve(self, path: str | os.PathLike, stop: Any = None) -> None:
         """Answer the upward agent's messages on the Unix socket ``path`` (its directory must be the aggregator's,
@@ -258,4 +268,5 @@ def make_site_app():
 
 app = make_site_app()
 
-__all__ = ["SITE_WEIGHT", "SOCKET_KEY", "SiteWorkflow", "app", "forward", "recv_frame", "send_frame"]
+__all__ = ["SITE_WEIGHT", "SOCKET_KEY", "SiteWorkflow", "app", "check_site_config", "forward", "from_above", "recv_frame",
+           "send_frame"]

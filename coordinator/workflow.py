@@ -606,6 +606,14 @@ class SyncWorkflow:
             times["sim_time_s"] = self._spent("sim_time_s") + round_time_s
         return times
 
+    def record(self, rnd: int, row: dict[str, Any]) -> None:
+        """Round ``rnd`` done: its row in the history, its refusals counted, the checkpoint and the live state."""
+        self.rejections.update(row["rejected_by_rule"])
+        self.history.append(row)
+        self.round = rnd
+        self._checkpoint()
+        self.live.round(row)
+
     @recorded
     def run(self) -> dict[str, Any]:
         """Run the remaining rounds; write the run directory; return the summary."""
@@ -618,17 +626,17 @@ class SyncWorkflow:
                 self.status = "budget-exhausted"
                 log(WARNING, "[fedshield] stopping before round %d: %s", rnd, exc)
                 break
-            self.rejections.update(row["rejected_by_rule"])
-            self.history.append(row)
-            self.round = rnd
-            self._checkpoint()
-            self.live.round(row)
+            self.record(rnd, row)
             log(INFO, "[fedshield] %s", format_row(row, total))
             if self.on_round:
                 self.on_round(row)
         return self.finish()
 
     def finish(self) -> dict[str, Any]:
+        last = self.history[-1] if self.history else {}
+        if last and not math.isfinite(float(last.get("test_accuracy", math.nan))):
+            # stopped between central-eval-every's rounds (its budget): the last row is evaluated, before the plots
+            last["test_accuracy"], last["test_loss"] = self.evaluate()
         # metrics.csv again: a run stopped between its last checkpoint and this file's write had nothing left
         # to train when resumed, and its last row stayed missing
         self.run_dir.write_metrics(self.history)
@@ -639,10 +647,6 @@ class SyncWorkflow:
             self.run_dir.plot_accuracy_vs_time({self.run_dir.path.name: self.history}, f"{self.cfg.task.label}: accuracy over time")
             if self.cfg.privacy.dp != "none":
                 self.run_dir.plot_epsilon(self.history, f"{self.cfg.task.label}: privacy spent ({self.cfg.privacy.dp} DP)")
-        last = self.history[-1] if self.history else {}
-        if last and not math.isfinite(float(last.get("test_accuracy", math.nan))):  # (a run stopped early)
-            last["test_accuracy"], last["test_loss"] = self.evaluate()
-            self.run_dir.write_metrics(self.history)
         summary = {
             "status": self.status, "rounds": self.round, "version": self.version, "task": self.cfg.task.task,
             "final_test_accuracy": last.get("test_accuracy"), "final_test_loss": last.get("test_loss"),

@@ -43,14 +43,17 @@ class Sites:
             offset += size
 
     def client(self, msg: Message, context: Context) -> Message:
-        return self.workflows[context.node_id - 1001].answer(msg, context)
+        return self.workflows[context.node_config["site"]].answer(msg, context)
 
 
 def site_grid(site_cfg: RunConfig, clients: int, sites: int, run_dir: str | Path,
               node_config: Callable[[int], dict[str, Any]], grid_type: type = InProcessGrid) -> InProcessGrid:
-    """The coordinator's Grid over ``sites`` simulated edge aggregators of ``clients`` clients in all."""
-    return InProcessGrid(Sites(site_cfg, clients, sites, run_dir, node_config, grid_type).client, sites,
-                         lambda k: {"site": k})
+    """The coordinator's Grid over ``sites`` simulated edge aggregators of ``clients`` clients in all (``.sites``:
+    their ``Sites``)."""
+    held = Sites(site_cfg, clients, sites, run_dir, node_config, grid_type)
+    grid = InProcessGrid(held.client, sites, lambda k: {"site": k})
+    grid.sites = held
+    return grid
 
 
 __all__ = ["Sites", "site_grid", "site_sizes"]

@@ -130,28 +130,23 @@ class Scenario:
         return cls(sim=sim, run=run, tiers=tiers, site=site)
 
 
-# The coordinator's message sets these for every site (its task, model and the clients' training)
-_SITE_FROM_ABOVE = ("task", "seed", "num-rounds", "run-dir")
-
-
 def site_config(run: RunConfig, table: Mapping[str, Any]) -> RunConfig:
     """An edge aggregator's settings: the ``[site]`` table's keys over these defaults: the coordinator's task (and
     its data keys) and round timeout, every client of the site asked each round (``fraction-train = 1``,
     ``min-nodes = 1``). The task, the clients' training and the seed come from the coordinator's message;
     a site runs synchronous rounds and no federated evaluation of its own."""
-    from clients.config import TaskSpec, TrainSettings, config_keys, to_mapping
+    from clients.config import TaskSpec, config_keys, to_mapping
+    from coordinator.site import check_site_config, from_above
 
-    fixed = sorted(k for k in table if k in _SITE_FROM_ABOVE or k in config_keys(TaskSpec)
-                   or k in config_keys(TrainSettings))
+    # the site's run-dir is the coordinator's RUN_DIR/sites/site-K; its task is the coordinator's
+    fixed = sorted(k for k in table if k in (*from_above(), *config_keys(TaskSpec), "run-dir"))
     if fixed:
         raise ConfigError(f"site.{fixed[0]} is set by the coordinator for every site (its task, model, seed and the "
                           "clients' training come with each round's message): remove it from [site].")
     base = {**to_mapping(run.task), **to_mapping(run.train), "seed": run.server.seed, "min-nodes": 1,
             "fraction-train": 1.0, "round-timeout": run.server.round_timeout, "num-rounds": run.server.num_rounds}
     cfg = RunConfig.from_mapping({**base, **table}, where="site")
-    check(cfg.asynchrony.workflow == "sync" and not cfg.server.federated_eval_every, "site.workflow",
-          "be 'sync' with federated-eval-every = 0 (a site answers the coordinator's round with one round of its own)",
-          cfg.asynchrony.workflow)
+    check_site_config(cfg, "site")
     return cfg
 
 

@@ -49,7 +49,7 @@ def test_two_level_fedavg_equals_flat_fedavg(tmp_path, optimizer):
     assert summary["final_test_accuracy"] == pytest.approx(flat_summary["final_test_accuracy"], abs=1 / 360)
     # each site's rows: all its clients, and the weight it reported upward (its clients' examples)
     for k, size in enumerate(site_sizes(N, 2)):
-        rows = tiered.grid._client.__self__.workflows[k].history
+        rows = tiered.grid.sites.workflows[k].history
         assert [r["accepted"] for r in rows] == [size, size] and all(r["weight_total"] > 0 for r in rows)
         assert (tmp_path / "tiered" / "sites" / f"site-{k}" / "metrics.csv").is_file()
 
@@ -59,7 +59,7 @@ def test_a_site_whose_clients_are_all_refused_is_a_dropped_client_and_the_round_
     and applies site 0's update alone: its weights equal a run with site 0's clients only."""
     top = top_cfg(tmp_path, "tiered", **{"num-rounds": 1, "min-nodes": 1})
     grid = site_grid(site_config(top, {}), N, 2, top.server.run_dir, flat_config)
-    sites = grid._client.__self__.workflows
+    sites = grid.sites.workflows
     sites[1].cfg = sites[1].cfg.replace(max_update_norm=1e-9)
     wf = SyncWorkflow(top, grid, RunDirectory(top.server.run_dir))
     wf.run()
@@ -82,7 +82,7 @@ def test_secagg_inside_each_site_gives_the_flat_mean_within_the_rings_rounding(t
     tiered = two_level(tmp_path, top_cfg(tmp_path, "tiered", **{"num-rounds": 1}),
                        {"secure-aggregation": "secagg+", "min-nodes": 3})
     tiered.run()
-    sites = tiered.grid._client.__self__.workflows
+    sites = tiered.grid.sites.workflows
     assert [s.history[0]["secagg_survivors"] for s in sites] == site_sizes(N, 2)
     delta_flat, delta = flat.weights - flat.task.init_weights(3, False), tiered.weights - flat.task.init_weights(3, False)
     assert torch.linalg.vector_norm(delta - delta_flat) <= 1e-3 * torch.linalg.vector_norm(delta_flat)
@@ -92,7 +92,7 @@ def test_central_dp_in_a_site_weighs_its_noised_sum_by_its_public_count(tmp_path
     tiered = two_level(tmp_path, top_cfg(tmp_path, "tiered", **{"num-rounds": 1}),
                        {"dp": "central", "dp-noise-multiplier": 1.0, "dp-clip": 0.5, "min-nodes": 3})
     tiered.run()
-    for site, size in zip(tiered.grid._client.__self__.workflows, site_sizes(N, 2), strict=True):
+    for site, size in zip(tiered.grid.sites.workflows, site_sizes(N, 2), strict=True):
         row = site.history[0]
         assert row["epsilon"] > 0 and row["weight_total"] == site.dp_divisor == size
 
@@ -124,7 +124,7 @@ def test_a_site_answers_train_messages_only(tmp_path):
     from clients import ClientError
 
     top = top_cfg(tmp_path, "tiered")
-    site = site_grid(site_config(top, {}), N, 2, top.server.run_dir, flat_config)._client.__self__.workflows[0]
+    site = site_grid(site_config(top, {}), N, 2, top.server.run_dir, flat_config).sites.workflows[0]
     with pytest.raises(ClientError, match="answers train messages only"):
         site.answer(Message(RecordDict(), dst_node_id=1001, message_type="evaluate"), None)
 
