@@ -31,6 +31,7 @@ from clients.supervisor import start_process
 
 from ._errors import CoordinatorError
 from .service import Coordinator, CoordinatorFile, load_coordinator_config, stop_groups, tree_groups, write_app_dir
+from .rundir import check_run_dir
 from .site import SOCKET_KEY, check_site_config
 
 
@@ -89,6 +90,7 @@ def start_aggregator(config: str, insecure: bool = False) -> int:
     coord = Coordinator(cfg, insecure)
     cfg = coord.cfg
     coord.check_port_free()
+    check_run_dir(Path(cfg.run.server.run_dir), "run.run-dir")  # a file in the way, an unreadable checkpoint: now
     agent_cmd = _agent_command(cfg, up, insecure)  # (its paths checked before anything starts)
     sock_dir = Path(tempfile.mkdtemp(prefix="fedshield-site-"))  # 0700; short: a socket path has ~100 bytes
     socket_path = sock_dir / "site.sock"

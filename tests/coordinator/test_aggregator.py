@@ -36,6 +36,8 @@ min-nodes = 1
     ('coordinator = "127.0.0.1:9092"\nbogus = 1', "", "upstream.bogus"),
     ('coordinator = "127.0.0.1:9092"', 'workflow = "fedbuff"\nbuffer-size = 1\nconcurrency = 1',
      "run.workflow must be 'sync'"),
+    ('coordinator = "127.0.0.1:9092"\nroot-cert = "site-certs/ca.crt"\nkey = "keys/c0"', 'run-dir = "site.toml/run"',
+     "run.run-dir must be a directory"),
 ])
 def test_bad_aggregator_input_is_one_line_before_anything_starts(tmp_path, capsys, monkeypatch, upstream, run, message):
     import coordinator.service as service
