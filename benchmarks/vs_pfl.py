@@ -69,7 +69,7 @@ _CifarResNet = task_class(f"{ROOT / 'examples' / 'tasks' / 'cifar_resnet.py'}:Ci
 _cifar = sys.modules[_CifarResNet.__module__]
 # The data's size reaches every process (Ray's actors too) through the environment.
 TRAIN_ENV, TEST_ENV = "FEDSHIELD_VS_PFL_TRAIN", "FEDSHIELD_VS_PFL_TEST"
-CONTENDERS = ("fedshield", "pfl", "flower")
+CONTENDERS = ("fedshield", "pfl", "pfl-cl", "flower")
 
 
 def small_cnn() -> nn.Module:
@@ -176,8 +176,10 @@ def central_eval_time(spec: TaskSpec) -> float:
 
 # --- pfl ----------------------------------------------------------------------------------------------
 
-def run_pfl(spec: TaskSpec, clients: int, rounds: int, settings: TrainSettings) -> tuple[list[float], float]:
-    """(seconds per central iteration, the whole run's seconds) of pfl's FedAvg, PyTorch backend."""
+def run_pfl(spec: TaskSpec, clients: int, rounds: int, settings: TrainSettings,
+            channels_last: bool = False) -> tuple[list[float], float]:
+    """(seconds per central iteration, the whole run's seconds) of pfl's FedAvg, PyTorch backend; with
+    ``channels_last`` the module is put in channels-last memory format by hand (pfl does not by itself)."""
     from pfl.aggregate.simulate import SimulatedBackend
     from pfl.algorithm import FederatedAveraging, NNAlgorithmParams
     from pfl.callback.base import TrainingProcessCallback
@@ -223,6 +225,8 @@ def run_pfl(spec: TaskSpec, clients: int, rounds: int, settings: TrainSettings) 
     fed = FederatedDataset.from_slices(data, get_user_sampler("minimize_reuse", list(data)))
     torch.manual_seed(0)
     net = PflModule(task.build())
+    if channels_last:
+        net.to(memory_format=torch.channels_last)
     model = PyTorchModel(net, local_optimizer_create=torch.optim.SGD,
                          central_optimizer=torch.optim.SGD(net.parameters(), lr=1.0))
     # evaluation_frequency past the run: pfl evaluates only at iteration 0 (the first round, left out)
@@ -293,7 +297,8 @@ def run_flower(spec: TaskSpec, clients: int, rounds: int, settings: TrainSetting
 
 def missing(contender: str) -> str | None:
     """Why a contender cannot run here (its package is missing), or None."""
-    need = {"pfl": ("pfl", "multiprocess", "prv_accountant"), "flower": ("ray",)}.get(contender, ())
+    pfl = ("pfl", "multiprocess", "prv_accountant")
+    need = {"pfl": pfl, "pfl-cl": pfl, "flower": ("ray",)}.get(contender, ())
     gone = [m for m in need if importlib.util.find_spec(m) is None]
     return f"{', '.join(gone)} not installed" if gone else None
 
@@ -316,7 +321,8 @@ def main() -> None:
                         "once; 1: every round, fedshield's default)")
     p.add_argument("--repeat", type=int, default=3, help="runs of each contender, in turns (their rounds after the "
                    "first pooled: the median)")
-    p.add_argument("--skip", default="", help="comma-separated contenders not to run: pfl, flower")
+    p.add_argument("--skip", default="", help="comma-separated contenders not to run: pfl, pfl-cl (pfl with its "
+                   "model in channels-last memory format by hand), flower")
     p.add_argument("--json")
     a = p.parse_args()
     if a.clients < 2 or a.rounds < 2 or a.examples < 1 or a.repeat < 1:
@@ -324,7 +330,7 @@ def main() -> None:
                 f"{a.examples}, {a.repeat}.")
     skip = {s.strip() for s in a.skip.split(",") if s.strip()}
     if skip - set(CONTENDERS[1:]):
-        p.error(f"--skip takes pfl and flower. Found {sorted(skip - set(CONTENDERS[1:]))}.")
+        p.error(f"--skip takes pfl, pfl-cl and flower. Found {sorted(skip - set(CONTENDERS[1:]))}.")
 
     os.environ["FEDSHIELD_TORCH_THREADS"] = "1"
     os.environ[TRAIN_ENV], os.environ[TEST_ENV] = str(a.clients * a.examples), str(a.test_examples)
@@ -359,8 +365,8 @@ def main() -> None:
                 if name == "fedshield":
                     times, total = run_fedshield(spec, a.clients, a.rounds, settings, tmp / f"run-{rep_i}",
                                                  a.central_eval_every)
-                elif name == "pfl":
-                    times, total = run_pfl(spec, a.clients, a.rounds, settings)
+                elif name in ("pfl", "pfl-cl"):
+                    times, total = run_pfl(spec, a.clients, a.rounds, settings, channels_last=name == "pfl-cl")
                 else:
                     times, total = run_flower(spec, a.clients, a.rounds, settings, a.flower_actors)
                 # each contender's one evaluation round is left out: pfl's first, fedshield's last (with
@@ -384,7 +390,8 @@ def main() -> None:
         if name not in per_round:
             continue
         t = per_round[name]
-        label = {"fedshield": "fedshield inprocess", "pfl": "pfl 0.6 PyTorch", "flower": "Flower Ray FedAvg"}[name]
+        label = {"fedshield": "fedshield inprocess", "pfl": "pfl 0.6 PyTorch", "flower": "Flower Ray FedAvg",
+                 "pfl-cl": "pfl 0.6, model channels-last by hand"}[name]
         rep.add(f"{label}: s per round (ratio = round / floor)", t, "s", "floor s per round", floor_s,
                 ratio=t / floor_s)
         rep.add(f"{label}: per-client overhead over the floor", (t - floor_s) / n * 1e3, "ms",
@@ -397,6 +404,10 @@ def main() -> None:
             r = per_round["pfl"] / ours
             rep.add("fedshield vs pfl: s per round (ratio = pfl / ours)", ours, "s", "pfl 0.6 s per round",
                     per_round["pfl"], "faster than pfl", r > 1, ratio=r)
+        if "pfl-cl" in per_round:
+            r = per_round["pfl-cl"] / ours
+            rep.add("fedshield vs pfl, its model channels-last by hand (ratio = pfl / ours)", ours, "s",
+                    "pfl 0.6 (channels-last) s per round", per_round["pfl-cl"], ratio=r)
         if "flower" in per_round:
             r = per_round["flower"] / ours
             rep.add("fedshield vs Flower Ray: s per round (ratio = Flower / ours)", ours, "s",

@@ -183,7 +183,7 @@ def global_model(msg: Message, context: Context, private: bool):
 
 def global_model_from(task: Task, layout, weights: torch.Tensor, context: Context, private: bool):
     """The task's model on the training device, loaded with ``weights`` and the node's kept entries."""
-    model = task.build(private).to(get_device())
+    model = task.build(private).to(get_device()) if private else task.working_model(get_device())
     layout.load(model, weights)
     kept = record_of(context.state, LOCAL_STATE, ArrayRecord)
     if layout.local and kept is not None:

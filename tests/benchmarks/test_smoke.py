@@ -130,4 +130,4 @@ def test_vs_pfl_refuses_an_unknown_contender_in_one_line(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "vs_pfl.py"), "--skip", "tff"], cwd=tmp_path,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "--skip takes pfl and flower" in proc.stderr.strip().splitlines()[-1]
+    assert "--skip takes pfl, pfl-cl and flower" in proc.stderr.strip().splitlines()[-1]

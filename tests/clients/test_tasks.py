@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 import numpy as np
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 import clients.tasks.synthetic as synthetic_mod
-from clients import ClientError, Dataset, TaskSpec, get_task
+from clients import ClientError, Dataset, Task, TaskSpec, get_task
 from clients.tasks import DigitsTask, SyntheticTask
 from clients.tasks.synthetic import CLASSES, DIM, NUM_SOURCES, PER_SOURCE, synthetic
 
@@ -195,3 +196,129 @@ def test_check_data_rejects_non_numeric_arrays(task, which):
         data = Dataset(np.full((2, d), "a"), np.array([0, 1]))
     with pytest.raises(ClientError):
         task.check_data(data, "node.npz")
+
+
+# --- the default loops' memory format (Task.channels_last) ---------------------------------------------
+
+class _ImageTask(Task):
+    """A BatchNorm CNN on 3x8x8 images; ``view`` picks a forward that ``.view``s its conv output."""
+
+    view = False
+
+    def build_model(self):
+        view = self.view
+
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+                self.bn = torch.nn.BatchNorm2d(8)
+                self.fc = torch.nn.Linear(8 * 8 * 8, 4)
+
+            def forward(self, x):
+                h = torch.relu(self.bn(self.conv(x)))
+                return self.fc(h.view(len(h), -1) if view else h.flatten(1))
+
+        return Net()
+
+    def load_data(self):
+        rng = np.random.default_rng(0)
+        x, y = rng.normal(size=(96, 3, 8, 8)).astype(np.float32), rng.integers(0, 4, 96)
+        return Dataset(x[:64], y[:64]), Dataset(x[64:], y[64:])
+
+
+def _trained(task, seed=0):
+    from clients import TrainSettings
+
+    torch.manual_seed(seed)
+    model = task.build()
+    stats = task.train(model, task.train_set, TrainSettings(local_epochs=2, batch_size=16, lr=0.1, momentum=0.9),
+                       torch.Generator().manual_seed(seed))
+    return model, stats
+
+
+def test_channels_last_trains_and_evaluates_as_the_default_format_and_leaves_the_model_as_built():
+    auto, fixed = _ImageTask(), type("Nchw", (_ImageTask,), {"channels_last": False})()
+    (m_auto, s_auto), (m_fixed, s_fixed) = _trained(auto), _trained(fixed)
+    assert auto._channels_last_verdicts and all(auto._channels_last_verdicts.values())  # auto chose it
+    for (name, a), (_, b) in zip(m_auto.state_dict().items(), m_fixed.state_dict().items(), strict=True):
+        assert a.is_contiguous(), name  # back in the default format: layouts, records and numpy see no strides
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
+    assert s_auto["train-loss"] == pytest.approx(s_fixed["train-loss"], rel=1e-5)
+    assert not torch.equal(m_auto.conv.weight, auto.build().conv.weight)  # it trained
+    ev_auto, ev_fixed = auto.evaluate(m_auto, auto.test_set), fixed.evaluate(m_fixed, fixed.test_set)
+    assert ev_auto == pytest.approx(ev_fixed, rel=1e-4)
+
+
+def test_a_forward_that_views_a_channels_last_activation_keeps_the_default_format():
+    task = type("Viewing", (_ImageTask,), {"view": True})()
+    model = task.build()
+    with pytest.raises(RuntimeError, match="view"):  # what auto must avoid
+        model.to(memory_format=torch.channels_last)(torch.zeros(2, 3, 8, 8))
+    model.to(memory_format=torch.contiguous_format)
+    model, stats = _trained(task)
+    assert list(task._channels_last_verdicts.values()) == [False] and np.isfinite(stats["train-loss"])
+    reference, _ = _trained(type("Nchw", (_ImageTask,), {"view": True, "channels_last": False})())
+    for a, b in zip(model.state_dict().values(), reference.state_dict().values(), strict=True):
+        assert torch.equal(a, b)  # the very same arithmetic as without the feature
+
+
+def test_the_probe_changes_no_state_and_models_without_2d_convolutions_are_not_probed():
+    task = _ImageTask()
+    model = task.build()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    task.evaluate(model, task.test_set)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k  # eval mode, no grad: BatchNorm's statistics untouched
+    mlp = DigitsTask()
+    mlp.evaluate(mlp.build(), mlp.test_set)
+    assert list(mlp._channels_last_verdicts.values()) == [False]
+
+
+def test_a_working_model_is_reused_and_reset_to_its_built_state_outside_the_layout():
+    task = type("FedBN", (_ImageTask,), {"federate_buffers": False})()
+    first = task.working_model(torch.device("cpu"))
+    built = {k: v.clone() for k, v in first.state_dict().items()}
+    assert set(task.layout().local) == {"bn.running_mean", "bn.running_var", "bn.num_batches_tracked"}
+    from clients import TrainSettings
+
+    task.train(first, task.train_set, TrainSettings(local_epochs=1, batch_size=16, lr=0.1), torch.Generator())
+    assert not torch.equal(first.bn.running_mean, built["bn.running_mean"]) and first.conv.weight.grad is not None
+    again = task.working_model(torch.device("cpu"))
+    assert again is first and again.conv.weight.grad is None
+    for name in task.layout().local:  # the last client's statistics are not the next one's
+        assert torch.equal(again.state_dict()[name], built[name]), name
+
+
+def test_a_task_with_its_own_loop_gets_a_fresh_model_each_time():
+    class OwnLoop(_ImageTask):
+        def train(self, model, data, settings, generator):
+            model.extra = torch.nn.Linear(1, 1)  # a loop may change its module
+            return {}
+
+    task = OwnLoop()
+    assert task.working_model(torch.device("cpu")) is not task.working_model(torch.device("cpu"))
+
+
+class _FedBN(_ImageTask):
+    federate_buffers = False
+
+
+def test_a_reused_model_trains_every_node_as_a_fresh_one_would(tmp_path, monkeypatch):
+    """FedBN nodes (each keeps its BatchNorm statistics, and its federated evaluation reads them) in a simulated
+    run: the same run, to the bit, whether each node's model is the last node's, reset, or one built for it."""
+    from simulations import simulate
+
+    def run(name):
+        return simulate(_FedBN, run_dir=tmp_path / name, engine="inprocess", num_supernodes=3, num_rounds=2,
+                        min_nodes=3, partitioning="iid", local_epochs=1, lr=0.1, federated_eval_every=1)
+
+    reused = run("reused")
+    monkeypatch.setattr(_FedBN, "working_model", lambda self, device: self.build().to(device))
+    fresh = run("fresh")
+    assert reused["final_test_loss"] == fresh["final_test_loss"] and math.isfinite(fresh["final_test_loss"])
+    rows = [(tmp_path / name / "metrics.csv").read_text().splitlines() for name in ("reused", "fresh")]
+    head = rows[0][0].split(",")
+    for a, b in zip(rows[0][1:], rows[1][1:], strict=True):  # the clients' own evaluation on their statistics
+        fed = {h: (x, y) for h, x, y in zip(head, a.split(","), b.split(","), strict=True) if h.startswith("fed")}
+        assert fed and all(x == y and x for x, y in fed.values()), fed
