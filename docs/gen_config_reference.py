@@ -34,8 +34,9 @@ DESCRIPTIONS: dict[str, dict[str, str]] = {
                           "under central DP",
         "min-nodes": "nodes that must be online before a round starts, and the fewest a round samples",
         "wait-nodes-timeout": "seconds to wait for `min-nodes` nodes before the run fails",
-        "round-timeout": "a round closes when all replies are in or at this deadline (seconds); FedBuff: a message's "
-                         "time to live",
+        "round-timeout": "a round closes when all replies are in or at this deadline (seconds, counted from before "
+                         "the push to a SuperLink; in simulations, from after the push that trained); FedBuff: a "
+                         "message's time to live",
         "close-after-replies": "over-selection: close a round once this many updates are in (0: wait for all or the "
                                "deadline); refused under central DP and SecAgg+",
         "late-replies": "`drop` late replies, or `carry` them into a later round weighted by `staleness` (not under "

@@ -88,6 +88,7 @@ class InProcessGrid(Grid):
     """
 
     ENGINE = "inprocess"  # what a checkpoint records (coordinator.workflow.engine_of)
+    computes_replies_at_push = True  # the workflow's round-timeout then counts from after the push
 
     def __init__(self, client: ClientFn, num_nodes: int,
                  node_config: Callable[[int], dict[str, Any]] | None = None, run_id: int = 1) -> None:

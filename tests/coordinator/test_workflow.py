@@ -619,3 +619,77 @@ def test_a_run_stopped_by_its_budget_before_an_evaluated_round_is_evaluated_at_i
     summary = wf.run()
     assert summary["status"] == "budget-exhausted" and summary["rounds"] < 50
     assert math.isfinite(summary["final_test_accuracy"]) and math.isfinite(wf.history[-1]["test_accuracy"])
+
+
+class _SlowRemoteGrid(InProcessGrid):
+    """A grid as slow as a busy SuperLink, on a fake clock: a push takes ``push_s``, each pull ``pull_s``
+    (the replies are made at once; only the clock says how long the transport took)."""
+
+    computes_replies_at_push = False  # as Flower's grid: the replies arrive after the push
+
+    def __init__(self, client, num_nodes, clock, push_s, pull_s):
+        super().__init__(client, num_nodes)
+        self.clock, self.push_s, self.pull_s, self.asks = clock, push_s, pull_s, []
+
+    def push_messages(self, messages):
+        ids = super().push_messages(messages)
+        self.clock.t += self.push_s
+        return ids
+
+    def pull_messages(self, message_ids):
+        ids = list(message_ids)
+        self.asks.append(len(ids))
+        self.clock.t += self.pull_s
+        return super().pull_messages(ids)
+
+
+@pytest.mark.parametrize(("timeout", "accepted", "asks"), [
+    (25.0, 4, [4]),  # push 0-20 s, first ask 20-30 s: past the deadline of 25 s, counted from before the push
+    (45.0, 12, [4, 4, 4]),  # asks end at 30, 40, 50 s: the fourth is not made
+    (99.0, 16, [4, 4, 4, 4]),
+])
+def test_a_remote_grids_deadline_counts_from_the_push_and_is_checked_between_bounded_pulls(
+        tmp_path, monkeypatch, timeout, accepted, asks):
+    """Before, the deadline counted from after the push and one pull asked for every reply: through a busy
+    SuperLink a 60 s round-timeout gave 85-107 s rounds."""
+    import coordinator.workflow as workflow
+
+    class FakeClock:
+        t = 0.0
+
+        def now(self):
+            return self.t
+
+        def sleep(self, s):
+            self.t += s
+
+    monkeypatch.setattr(workflow, "PULL_CHUNK", 4)
+    clock = FakeClock()
+    grid = _SlowRemoteGrid(run_train_app(), 16, clock, push_s=20.0, pull_s=10.0)
+    wf = SyncWorkflow(cfg(**{"num-rounds": 1, "min-nodes": 16, "round-timeout": timeout, "poll-interval": 1.0}), grid,
+                      RunDirectory(tmp_path), clock=clock)
+    wf.run()
+    row = wf.history[0]
+    assert (row["accepted"], row["late"], grid.asks) == (accepted, 16 - accepted, asks)
+    assert row["round_time_s"] <= 20.0 + 10.0 * len(asks) + 1e-9
+
+
+def test_an_in_process_grids_deadline_counts_from_after_the_push_that_trained(tmp_path):
+    """The in-process engines train while they push: however long that took, every reply is in the round."""
+
+    class Clock:
+        t = 0.0
+
+        def now(self):
+            return self.t
+
+        def sleep(self, s):
+            self.t += s
+
+    clock = Clock()
+    grid = _SlowRemoteGrid(run_train_app(), 6, clock, push_s=500.0, pull_s=0.0)
+    grid.computes_replies_at_push = True
+    wf = SyncWorkflow(cfg(**{"num-rounds": 1, "min-nodes": 6, "round-timeout": 10.0}), grid, RunDirectory(tmp_path),
+                      clock=clock)
+    wf.run()
+    assert wf.history[0]["accepted"] == 6 and grid.asks == [6]
