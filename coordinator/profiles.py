@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from ._errors import CoordinatorError
@@ -200,9 +200,14 @@ class ProfileRegistry:
                 self.observe_missed(node, entry["missed-epoch-s"], 1)
 
 
+def ascending(ids: Iterable[int]) -> Sequence[int]:
+    """``ids`` sorted; an ascending ``range`` (an in-process grid's million nodes) as it is, not listed."""
+    return ids if isinstance(ids, range) and ids.step > 0 else sorted(ids)
+
+
 def select_uniform(nodes: Sequence[int], k: int, seed: int, rnd: int) -> list[int]:
     """A seeded uniform sample of ``k`` of ``nodes`` (sorted)."""
-    return sorted(random.Random(f"{seed}:{rnd}").sample(sorted(nodes), k))
+    return sorted(random.Random(f"{seed}:{rnd}").sample(ascending(nodes), k))
 
 
 def select_fast_fair(nodes: Sequence[int], k: int, registry: ProfileRegistry, fairness: float, seed: int,

@@ -35,7 +35,7 @@ from privacy import BudgetExhausted, PrivacyError
 from .config import IGNORABLE_KEYS, RunConfig
 from .live import NO_LIVE, recorded
 from .privacy_policy import CentralDp, DistributedDp
-from .profiles import ProfileRegistry, select_fast_fair, select_uniform
+from .profiles import ProfileRegistry, ascending, select_fast_fair, select_uniform
 from .progress import accuracy_text, format_row
 from .rundir import CONFIG as CONFIG_FILE
 from .rundir import SUMMARY, RunDirectory, weights_sha256
@@ -340,7 +340,7 @@ class SyncWorkflow:
         s = self.cfg.server
         deadline = self.clock.now() + s.wait_nodes_timeout
         while True:
-            nodes = sorted(self.grid.get_node_ids())
+            nodes = ascending(self.grid.get_node_ids())
             self.live.waiting(len(nodes), s.min_nodes, self.round + 1)  # status.json: written when either changes
             if len(nodes) >= s.min_nodes:
                 return nodes
@@ -548,7 +548,7 @@ class SyncWorkflow:
         start = self.clock.now()
         nodes = self._wait_for_nodes()
         busy = {e.sent[m] for m, e in self._late.items()}  # still training for an earlier round
-        idle = [n for n in nodes if n not in busy]
+        idle = [n for n in nodes if n not in busy] if busy else nodes
         # Under secagg-pipeline the round's nodes were picked, and set up, during the previous round;
         # one gone offline since is a dropout the protocol recovers from.
         selected = self.secure.planned(rnd) if self.secure is not None else None

@@ -76,9 +76,13 @@ class LazyContexts(dict):
     def __len__(self) -> int:
         return self._n - len(self._gone)
 
-    def __iter__(self):
+    def ids(self) -> range | list[int]:
+        """Every node's id, ascending: a ``range`` while none has left."""
         ids = range(1001, 1001 + self._n)
-        return iter(ids) if not self._gone else (n for n in ids if n not in self._gone)
+        return ids if not self._gone else [n for n in ids if n not in self._gone]
+
+    def __iter__(self):
+        return iter(self.ids())
 
 
 class InProcessGrid(Grid):
@@ -142,7 +146,8 @@ class InProcessGrid(Grid):
         return Message(content, dst_node_id=dst_node_id, message_type=message_type, group_id=group_id, ttl=ttl)
 
     def get_node_ids(self) -> Iterable[int]:
-        return list(self.contexts)
+        """The nodes, ascending: a ``range`` while none has left (a million ids are then not listed each round)."""
+        return self.contexts.ids()
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
         ids = []
