@@ -1,7 +1,7 @@
 """Population scale: seconds per round, per-client overhead and peak memory of fedshield's in-process engine.
 
     python benchmarks/simulation_scale.py [--populations 1000,100000,1000000] [--per-round 100,1000,10000]
-                                          [--rounds 3] [--json FILE]
+                                          [--rounds 3] [--skip pfl,flower] [--json FILE]
 
 The digits MLP (9,610 parameters), partitioning "sample" (each client draws 20 examples with replacement,
 its own Dirichlet(0.5) class mix: a population larger than the data), 1 local epoch, batch 16, SGD lr 0.1
@@ -16,9 +16,16 @@ same clients' data:
 
 Per-client overhead = (round time - batched compute) / clients: what the round logic, messages, codecs and
 validation cost above the training itself. Goals from the issue: overhead <= 0.4 ms per client; 1M clients
-with 10k per round under 8 GB; a round faster than pfl's on the same work (pfl's per-client overhead was
-0.4-0.5 ms, so a round below the one-by-one floor beats it whatever its overhead: the ratio to the floor).
-Flower's Ray engine and pfl are not run here (benchmarks/vs_pfl.py runs both on a CNN).
+with 10k per round under 8 GB; a round faster than pfl's on the same work.
+
+The peers, each case in a process of its own, on the same task, data (``Task.client_data`` of the same
+population), clients per round, local epoch, batch, learning rate and momentum (``simulations.bench``):
+
+- pfl-research 0.6, PyTorch backend (``pfl_rounds``: its users' data made when sampled, so a million users
+  fit), every case; installed beside the project (see benchmarks/vs_pfl.py), skipped with one line if not;
+- Flower 1.42's Ray engine, a stock FedAvg and a torch ClientApp, one actor (``flower_rounds``), for
+  populations up to ``--flower-max-population`` and rounds up to ``--flower-max-per-round`` (its engine builds
+  every supernode up front, and a client costs it ~17-37 ms: a 10,000-client round would take minutes).
 """
 
 from __future__ import annotations
@@ -76,12 +83,35 @@ def one_case(population: int, per_round: int, rounds: int) -> dict:
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
+def peer_case(peer: str, population: int, per_round: int, rounds: int) -> dict:
+    """One case on a peer (``pfl`` or ``flower``), in this process; its figures as a dict."""
+    import torch
+
+    torch.set_num_threads(1)
+    from coordinator import RunConfig
+    from simulations import bench
+
+    cfg = RunConfig.from_mapping({"num-rounds": rounds, "clients-per-round": per_round, "partitioning": "sample",
+                                  "local-epochs": 1, "seed": 0, "min-nodes": 2})
+    run = bench.pfl_rounds if peer == "pfl" else bench.flower_rounds
+    times, _ = run(cfg.task, population, per_round, rounds, cfg.train)
+    return {"round_s": statistics.median(times[1:] or times), "first_round_s": times[0],
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
 def _messages(wf, nodes: list[int]) -> list:
     """The train messages the workflow would send ``nodes`` (not pushed)."""
     from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict
 
     from aggregation import tensor_to_array
-    from clients.protocol import ARRAYS, CODEC, CONFIG, MESSAGE_TYPE_TRAIN, WEIGHTS, TrainInstruction
+    from clients.protocol import (
+        ARRAYS,
+        CODEC,
+        CONFIG,
+        MESSAGE_TYPE_TRAIN,
+        WEIGHTS,
+        TrainInstruction,
+    )
 
     instr = TrainInstruction(round=1, version=wf.version, seed=0, task=wf.cfg.task, train=wf.cfg.train).to_record()
     content = RecordDict({ARRAYS: ArrayRecord({WEIGHTS: tensor_to_array(wf.weights)}), CONFIG: instr,
@@ -94,11 +124,18 @@ def main() -> int:
     p.add_argument("--populations", default="1000,100000,1000000")
     p.add_argument("--per-round", default="100,1000,10000")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--skip", default="", help="comma-separated peers not to run: pfl, flower")
+    p.add_argument("--flower-max-population", type=int, default=1000)
+    p.add_argument("--flower-max-per-round", type=int, default=100)
     p.add_argument("--json", metavar="FILE")
     p.add_argument("--one", nargs=3, type=int, metavar=("POP", "K", "ROUNDS"), help=argparse.SUPPRESS)
+    p.add_argument("--one-peer", nargs=4, metavar=("PEER", "POP", "K", "ROUNDS"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one:
         print(json.dumps(one_case(*args.one)))
+        return 0
+    if args.one_peer:
+        print(json.dumps(peer_case(args.one_peer[0], *map(int, args.one_peer[1:]))))
         return 0
     try:
         pops = [int(x) for x in args.populations.split(",")]
@@ -107,20 +144,36 @@ def main() -> int:
         p.error("--populations and --per-round take comma-separated integers")
     if args.rounds < 2 or min(pops + ks) < 1:
         p.error("--rounds must be >= 2 and every count >= 1")
-    from simulations.bench import Report
+    skip = {x.strip() for x in args.skip.split(",") if x.strip()}
+    if skip - {"pfl", "flower"}:
+        p.error(f"--skip takes pfl and flower. Found {sorted(skip - {'pfl', 'flower'})}.")
+    from simulations.bench import Report, missing
+
+    peers = []
+    for peer in ("pfl", "flower"):
+        why = "skipped by --skip" if peer in skip else missing(peer)
+        if why:
+            print(f"# {peer}: skipped ({why})", flush=True)
+        else:
+            peers.append(peer)
 
     rep = Report("simulation scale")
     cases = [(n, k) for n in pops for k in ks if k <= n]
     env = {**os.environ, "FEDSHIELD_DEVICE": os.environ.get("FEDSHIELD_DEVICE", "cpu")}
+    def case(what: list[str], label: str) -> dict | None:
+        out = subprocess.run([sys.executable, __file__, *what, str(args.rounds)], env=env, capture_output=True,
+                             text=True, check=False)
+        if out.returncode != 0:
+            print(f"# {label}: failed: {out.stderr.strip().splitlines()[-1:]}", flush=True)
+            return None
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
     for i, (n, k) in enumerate(cases, 1):
         print(f"# case {i}/{len(cases)}: population {n:,}, {k:,} per round", flush=True)
-        out = subprocess.run([sys.executable, __file__, "--one", str(n), str(k), str(args.rounds)], env=env,
-                             capture_output=True, text=True)
-        if out.returncode != 0:
-            print(f"# population {n:,} / {k:,}: failed: {out.stderr.strip().splitlines()[-1:]}")
-            continue
-        r = json.loads(out.stdout.strip().splitlines()[-1])
         tag = f"{n:,} / {k:,}"
+        r = case(["--one", str(n), str(k)], f"fedshield {tag}")
+        if r is None:
+            continue
         rep.add(f"{tag}: s per round (ratio = one-by-one loop / round)", r["round_s"], "s", "plain torch loop s",
                 r["loop_s"])
         over = (r["round_s"] - r["batched_s"]) / k * 1e3
@@ -131,6 +184,19 @@ def main() -> int:
                 "< 8 GB" if (n, k) == (1_000_000, 10_000) else "",
                 r["peak_rss_mb"] < 8192 if (n, k) == (1_000_000, 10_000) else None)
         print(f"#   first round {r['first_round_s']:.2f} s; contexts made {r['contexts_made']:,} of {n:,}")
+        for peer in peers:
+            if peer == "flower" and (n > args.flower_max_population or k > args.flower_max_per_round):
+                continue
+            q = case(["--one-peer", peer, str(n), str(k)], f"{peer} {tag}")
+            if q is None:
+                continue
+            name = {"pfl": "pfl 0.6", "flower": "Flower Ray"}[peer]
+            rep.add(f"{tag}: {name} s per round (ratio = {peer} / ours)", r["round_s"], "s",
+                    f"{name} s per round", q["round_s"], *(("faster than pfl", q["round_s"] > r["round_s"])
+                                                             if peer == "pfl" else ()))
+            if peer == "pfl":  # (Flower's figure would be its driver's alone: its Ray actors are other processes)
+                rep.add(f"{tag}: {name} peak RSS", q["peak_rss_mb"], "MB", "fedshield peak RSS MB",
+                        r["peak_rss_mb"], ratio=q["peak_rss_mb"] / r["peak_rss_mb"])
     rep.write_json(args.json)
     return 0
 

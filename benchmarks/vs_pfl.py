@@ -16,10 +16,13 @@ fedshield's batched in-process engine trains as one computation (BatchNorm model
   evaluates once: ``--central-eval-every 1`` evaluates every round, fedshield's default);
 - pfl 0.6 with its PyTorch backend: ``FederatedAveraging`` over ``SimulatedBackend`` and a
   ``FederatedDataset`` of the same per-client arrays, timed per central iteration by a callback
-  (pfl averages trainable parameters only; BatchNorm statistics stay in its one module);
+  (pfl averages trainable parameters only; BatchNorm statistics stay in its one module); ``pfl-cl`` is the
+  same with its module put in channels-last memory format by hand (fedshield's default loop does that itself
+  on CPU; pfl does not);
 - Flower: a stock ``flwr.serverapp.strategy.FedAvg`` ServerApp and a torch ClientApp under
   ``flwr.simulation.run_simulation`` (Ray, one CPU per actor, ``--flower-actors`` actors: 1 by default, so
-  that it computes on one core as the others do), timed per round by ``evaluate_fn``;
+  that it computes on one core as the others do), timed per round by ``evaluate_fn`` (both peers' runners are
+  ``simulations.bench.pfl_rounds`` / ``flower_rounds``, shared with benchmarks/simulation_scale.py);
 - the floor: a plain torch loop that loads the global weights into one model and trains the same clients
   one after another in this process (``Task.train``, the loop the others' clients run), timed at the start
   and at the end of the run (the median of both).
@@ -43,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import importlib.util
 import logging
 import os
 import shutil
@@ -51,10 +53,8 @@ import statistics
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -174,134 +174,7 @@ def central_eval_time(spec: TaskSpec) -> float:
     return statistics.median(ts)
 
 
-# --- pfl ----------------------------------------------------------------------------------------------
-
-def run_pfl(spec: TaskSpec, clients: int, rounds: int, settings: TrainSettings,
-            channels_last: bool = False) -> tuple[list[float], float]:
-    """(seconds per central iteration, the whole run's seconds) of pfl's FedAvg, PyTorch backend; with
-    ``channels_last`` the module is put in channels-last memory format by hand (pfl does not by itself)."""
-    from pfl.aggregate.simulate import SimulatedBackend
-    from pfl.algorithm import FederatedAveraging, NNAlgorithmParams
-    from pfl.callback.base import TrainingProcessCallback
-    from pfl.data.federated_dataset import FederatedDataset
-    from pfl.data.sampling import get_user_sampler
-    from pfl.hyperparam import NNTrainHyperParams
-    from pfl.metrics import Metrics, Weighted
-    from pfl.model.pytorch import PyTorchModel
-
-    task = get_task(spec)
-
-    class PflModule(nn.Module):
-        def __init__(self, net: nn.Module) -> None:
-            super().__init__()
-            self.net = net
-
-        def forward(self, x):
-            return self.net(x)
-
-        def loss(self, x, y, eval=False):  # noqa: A002 - pfl's signature
-            self.eval() if eval else self.train()
-            return task.loss(self(x), y.long())  # pfl hands over every array as float32
-
-        @torch.no_grad()
-        def metrics(self, x, y, eval=False):  # noqa: A002
-            self.eval() if eval else self.train()
-            return {"loss": Weighted(task.loss(self(x), y.long()).item() * len(y), len(y))}
-
-    class Stopwatch(TrainingProcessCallback):
-        def __init__(self) -> None:
-            self.marks: list[float] = []
-
-        def on_train_begin(self, *, model):
-            self.marks.append(time.perf_counter())
-            return Metrics()
-
-        def after_central_iteration(self, aggregate_metrics, model, *, central_iteration):
-            self.marks.append(time.perf_counter())
-            return False, Metrics()
-
-    parts = {i: task.partition(i, clients) for i in range(clients)}
-    data = {i: [d.x, d.y] for i, d in parts.items()}
-    fed = FederatedDataset.from_slices(data, get_user_sampler("minimize_reuse", list(data)))
-    torch.manual_seed(0)
-    net = PflModule(task.build())
-    if channels_last:
-        net.to(memory_format=torch.channels_last)
-    model = PyTorchModel(net, local_optimizer_create=torch.optim.SGD,
-                         central_optimizer=torch.optim.SGD(net.parameters(), lr=1.0))
-    # evaluation_frequency past the run: pfl evaluates only at iteration 0 (the first round, left out)
-    algo_params = NNAlgorithmParams(central_num_iterations=rounds, evaluation_frequency=rounds + 1,
-                                    train_cohort_size=clients, val_cohort_size=0)
-    train_params = NNTrainHyperParams(local_num_epochs=settings.local_epochs, local_learning_rate=settings.lr,
-                                      local_batch_size=settings.batch_size)
-    watch = Stopwatch()
-    t0 = time.perf_counter()
-    FederatedAveraging().run(algorithm_params=algo_params, backend=SimulatedBackend(training_data=fed, val_data=fed),
-                             model=model, model_train_params=train_params, callbacks=[watch],
-                             send_metrics_to_platform=False)  # (else pfl prints every iteration's metrics)
-    total = time.perf_counter() - t0
-    return [b - a for a, b in zip(watch.marks, watch.marks[1:])], total
-
-
-# --- Flower's Ray simulation, stock FedAvg ------------------------------------------------------------
-
-def run_flower(spec: TaskSpec, clients: int, rounds: int, settings: TrainSettings,
-               actors: int) -> tuple[list[float], float]:
-    """(seconds per round, the whole run's seconds incl. Ray's start) of a stock Flower app on Ray with
-    ``actors`` client actors (Ray CPUs, one per actor)."""
-    os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")
-    from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
-    from flwr.clientapp import ClientApp
-    from flwr.serverapp import Grid, ServerApp
-    from flwr.serverapp.strategy import FedAvg
-    from flwr.simulation import run_simulation
-
-    client_app = ClientApp()
-
-    @client_app.train()
-    def train(msg: Message, context: Context) -> Message:
-        torch.set_num_threads(1)
-        task = get_task(spec)  # cached per actor: data made once
-        model = task.build()
-        model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
-        data = task.partition(int(context.node_config["partition-id"]), clients)
-        task.train(model, data, settings, torch.Generator().manual_seed(int(context.node_id) % 2**31))
-        return Message(RecordDict({"arrays": ArrayRecord(model.state_dict()),
-                                   "metrics": MetricRecord({"num-examples": len(data)})}), reply_to=msg)
-
-    marks: list[float] = []
-    server_app = ServerApp()
-
-    @server_app.main()
-    def main(grid: Grid, context: Context) -> None:
-        torch.manual_seed(0)
-        strategy = FedAvg(fraction_train=1.0, fraction_evaluate=0.0, min_train_nodes=clients,
-                          min_evaluate_nodes=0, min_available_nodes=clients)
-        strategy.start(grid, ArrayRecord(get_task(spec).build().state_dict()), num_rounds=rounds,
-                       evaluate_fn=lambda rnd, arrays: marks.append(time.perf_counter()))
-
-    t0 = time.perf_counter()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        run_simulation(server_app=server_app, client_app=client_app, num_supernodes=clients,
-                       backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0},
-                                       "init_args": {"num_cpus": actors, "logging_level": logging.WARNING,
-                                                     "log_to_driver": False}})
-    total = time.perf_counter() - t0
-    if len(marks) != rounds + 1:
-        raise RuntimeError(f"Flower's run must time {rounds} rounds. Found {max(len(marks) - 1, 0)}.")
-    return [b - a for a, b in zip(marks, marks[1:])], total
-
-
 # --- the report ---------------------------------------------------------------------------------------
-
-def missing(contender: str) -> str | None:
-    """Why a contender cannot run here (its package is missing), or None."""
-    pfl = ("pfl", "multiprocess", "prv_accountant")
-    need = {"pfl": pfl, "pfl-cl": pfl, "flower": ("ray",)}.get(contender, ())
-    gone = [m for m in need if importlib.util.find_spec(m) is None]
-    return f"{', '.join(gone)} not installed" if gone else None
-
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -355,7 +228,7 @@ def main() -> None:
     try:
         ready = []
         for name in CONTENDERS:
-            why = "skipped by --skip" if name in skip else missing(name)
+            why = "skipped by --skip" if name in skip else _report.missing(name)
             if why:
                 print(f"# {name}: skipped ({why})", flush=True)
             else:
@@ -366,9 +239,11 @@ def main() -> None:
                     times, total = run_fedshield(spec, a.clients, a.rounds, settings, tmp / f"run-{rep_i}",
                                                  a.central_eval_every)
                 elif name in ("pfl", "pfl-cl"):
-                    times, total = run_pfl(spec, a.clients, a.rounds, settings, channels_last=name == "pfl-cl")
+                    times, total = _report.pfl_rounds(spec, a.clients, a.clients, a.rounds, settings,
+                                                      channels_last=name == "pfl-cl")
                 else:
-                    times, total = run_flower(spec, a.clients, a.rounds, settings, a.flower_actors)
+                    times, total = _report.flower_rounds(spec, a.clients, a.clients, a.rounds, settings,
+                                                         a.flower_actors)
                 # each contender's one evaluation round is left out: pfl's first, fedshield's last (with
                 # --central-eval-every 0; its other rounds evaluate nothing)
                 evaluated_last = name == "fedshield" and a.central_eval_every == 0 and len(times) > 2

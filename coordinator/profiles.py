@@ -31,6 +31,46 @@ INTEGER_KEYS = ("profile-cpus", "profile-cuda")
 MAX_TIME_S = 1.0e7  # an observed round trip above this is not a measurement
 
 
+def _entries_of_nodes(nodes: Any) -> Iterable[tuple[int, Mapping[str, Any]]]:
+    """(node, entry) from an older checkpoint's ``{"<node>": {"count": ..., "profile": {...}, ...}}``."""
+    for key, entry in (nodes.items() if isinstance(nodes, Mapping) else ()):
+        try:
+            node = int(key)
+        except (TypeError, ValueError):
+            continue
+        if isinstance(entry, Mapping):
+            yield node, entry
+
+
+def _entries_of_columns(cols: Mapping[str, Any]) -> list[tuple[int, dict[str, Any]]]:
+    """(node, entry) from :meth:`ProfileRegistry.state_dict`'s columns; none if a column is damaged (missing,
+    not a 1-D tensor of its dtype, or of another length than ``node``)."""
+    import numpy as np
+    import torch
+
+    ids = cols.get("node")
+    if not (isinstance(ids, torch.Tensor) and ids.dtype == torch.int64 and ids.dim() == 1):
+        return []
+    n = len(ids)
+    floats = ("ema-time-s", "ema-epoch-s", "missed-epoch-s", *PROFILE_RANGES)
+    for name, dtype in (("count", torch.int64), *((f, torch.float64) for f in floats)):
+        t = cols.get(name)
+        if not (isinstance(t, torch.Tensor) and t.dtype == dtype and t.shape == (n,)):
+            return []
+    nodes = ids.numpy().view(np.uint64).tolist()
+    counts = cols["count"].tolist()
+    values = {f: cols[f].tolist() for f in floats}
+    out = []
+    for i, node in enumerate(nodes):
+        entry: dict[str, Any] = {"count": counts[i], "profile": {k: values[k][i] for k in PROFILE_RANGES
+                                                                  if not math.isnan(values[k][i])}}
+        for f in ("ema-time-s", "ema-epoch-s", "missed-epoch-s"):
+            if not math.isnan(values[f][i]):
+                entry[f] = values[f][i]
+        out.append((node, entry))
+    return out
+
+
 def _number(x: Any) -> float | None:
     if isinstance(x, bool) or not isinstance(x, int | float):
         return None
@@ -53,6 +93,7 @@ class ProfileRegistry:
         self.ema_epoch: dict[int, float] = {}  # observed seconds per local epoch (round trip / epochs asked)
         self.missed_epoch: dict[int, float] = {}  # a lower bound from missed rounds, until the next reply in time
         self.counts: dict[int, int] = {}
+        self._interned: dict[tuple, dict[str, int | float]] = {}
 
     # -- updates -------------------------------------------------------------
     def update(self, node_id: int, metrics: Mapping[str, Any] | None = None, elapsed_s: float | None = None) -> None:
@@ -63,7 +104,7 @@ class ProfileRegistry:
         node = int(node_id)
         clean = self.clean_profile(metrics or {})
         if clean:
-            self.profiles[node] = {**self.profiles.get(node, {}), **clean}
+            self.profiles[node] = self._shared({**self.profiles.get(node, {}), **clean})
         if elapsed_s is not None:
             self.observe_time(node, elapsed_s)
 
@@ -158,46 +199,59 @@ class ProfileRegistry:
 
     # -- state ---------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Plain ints, floats and str-keyed dicts (loads with ``torch.load(weights_only=True)``)."""
-        nodes = set(self.profiles) | set(self.ema_time) | set(self.counts) | set(self.ema_epoch) | set(self.missed_epoch)
-        out: dict[str, dict[str, Any]] = {}
-        for n in sorted(nodes):
-            entry: dict[str, Any] = {"count": self.counts.get(n, 0), "profile": dict(self.profiles.get(n, {}))}
-            if n in self.ema_time:
-                entry["ema-time-s"] = self.ema_time[n]
-            if n in self.ema_epoch:
-                entry["ema-epoch-s"] = self.ema_epoch[n]
-            if n in self.missed_epoch:
-                entry["missed-epoch-s"] = self.missed_epoch[n]
-            out[str(n)] = entry
-        return {"alpha": self.alpha, "nodes": out}
+        """Columns, one entry per node seen (loads with ``torch.load(weights_only=True)``): ``node`` (the ids'
+        64 bits as int64), ``count``, and float64 columns for the EMAs and each profile value, NaN where a
+        node has none. A million nodes' nested dicts took seconds to pickle each round."""
+        import numpy as np
+        import torch
+
+        nodes = list(set(self.profiles) | set(self.ema_time) | set(self.counts) | set(self.ema_epoch)
+                     | set(self.missed_epoch))
+        nan = math.nan
+
+        def column(values: Iterable[float]) -> torch.Tensor:
+            return torch.tensor(list(values), dtype=torch.float64)
+
+        cols: dict[str, torch.Tensor] = {
+            "node": torch.from_numpy(np.array(nodes, dtype=np.uint64).view(np.int64)),
+            "count": torch.tensor([self.counts.get(n, 0) for n in nodes], dtype=torch.int64),
+            "ema-time-s": column(self.ema_time.get(n, nan) for n in nodes),
+            "ema-epoch-s": column(self.ema_epoch.get(n, nan) for n in nodes),
+            "missed-epoch-s": column(self.missed_epoch.get(n, nan) for n in nodes),
+        }
+        empty: dict[str, int | float] = {}
+        for key in PROFILE_RANGES:
+            cols[key] = column(self.profiles.get(n, empty).get(key, nan) for n in nodes)
+        return {"alpha": self.alpha, "columns": cols}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore from :meth:`state_dict` (values are re-validated)."""
+        """Restore from :meth:`state_dict`, or from the per-node dicts of older checkpoints (values are
+        re-validated; a damaged part restores nothing)."""
         alpha = _number(state.get("alpha"))
         if alpha is not None and 0 < alpha <= 1:
             self.alpha = alpha
         self.profiles, self.ema_time, self.counts, self.ema_epoch, self.missed_epoch = {}, {}, {}, {}, {}
-        nodes = state.get("nodes", {})
-        for key, entry in (nodes.items() if isinstance(nodes, Mapping) else ()):  # (a damaged part: nothing kept)
-            try:
-                node = int(key)
-            except (TypeError, ValueError):
-                continue
-            if not isinstance(entry, Mapping):
-                continue
+        cols = state.get("columns")
+        entries = _entries_of_columns(cols) if isinstance(cols, Mapping) else _entries_of_nodes(state.get("nodes"))
+        for node, entry in entries:
             count = entry.get("count", 0)
             if isinstance(count, int) and not isinstance(count, bool) and count > 0:
                 self.counts[node] = count
             clean = self.clean_profile(entry.get("profile") or {})
             if clean:
-                self.profiles[node] = clean
+                self.profiles[node] = self._shared(clean)
             if "ema-time-s" in entry:
                 self.observe_time(node, entry["ema-time-s"])
             if "ema-epoch-s" in entry:
                 self.observe_epochs(node, entry["ema-epoch-s"], 1)
             if "missed-epoch-s" in entry:
                 self.observe_missed(node, entry["missed-epoch-s"], 1)
+
+    def _shared(self, profile: dict[str, int | float]) -> dict[str, int | float]:
+        """One dict for every node reporting the same profile (a simulated population's nodes all do: a million
+        dicts were ~1 GB). Profiles are replaced, never changed in place."""
+        key = tuple(sorted(profile.items()))
+        return self._interned.setdefault(key, profile) if len(self._interned) < 100_000 else profile
 
 
 def ascending(ids: Iterable[int]) -> Sequence[int]:

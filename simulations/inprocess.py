@@ -24,6 +24,7 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from aggregation.wire import tensor_to_array
 from clients.client_app import RESIDUAL
+from clients.protocol import record_of
 from clients.secure import RESIDUAL as SECAGG_RESIDUAL
 
 KEPT_STATE = (RESIDUAL, SECAGG_RESIDUAL)  # a node's Context records a resumed simulation restores
@@ -112,9 +113,9 @@ class InProcessGrid(Grid):
         keys are not: a resumed run sets its next round up afresh; a local-DP ledger lives in the
         node's state directory). The size is one model per node that has a residual."""
         kept: dict[str, dict[str, torch.Tensor]] = {}
-        for name in KEPT_STATE:
-            for node, ctx in self.contexts.items():
-                rec = ctx.state.array_records.get(name)
+        for node, ctx in self.contexts.items():  # (record_of: Flower's array_records view rebuilds a dict per call)
+            for name in KEPT_STATE:
+                rec = record_of(ctx.state, name, ArrayRecord)
                 if rec is not None and "r" in rec:
                     kept.setdefault(name, {})[str(node)] = torch.from_numpy(rec["r"].numpy().copy())
         return {"client-state": kept}

@@ -38,7 +38,7 @@ def _task_identity() -> None:
 
 # benchmark smoke runs that start Flower processes (a coordinator, agents, a SuperLink); the others are one
 # Python process each, as a unit test is
-_PROCESS_BENCHMARKS = ("[deployment]", "[node_emulator]")
+_PROCESS_BENCHMARKS = ("[deployment]", "[node_emulator]", "test_simulation_scale_times_flowers_ray_engine_on_the_same_clients")
 
 
 def pytest_collection_modifyitems(config, items) -> None:

@@ -73,6 +73,7 @@ def test_registry_state_survives_weights_only_load():
         for _ in range(n - 1000):
             reg.participated(n)
     reg.update(2**63 - 1, {}, elapsed_s=3.0)  # Flower node ids can be large
+    reg.update(2**64 - 5, {"profile-cpus": 2}, elapsed_s=4.0)  # past int64: kept as its 64 bits
     buf = io.BytesIO()
     torch.save({"profiles": reg.state_dict()}, buf)
     buf.seek(0)
@@ -83,6 +84,37 @@ def test_registry_state_survives_weights_only_load():
     assert back.counts == reg.counts and back.ema_time == pytest.approx(reg.ema_time)
     back.load_state_dict({"nodes": {"x": {}, "5": "junk", "6": {"count": -3, "ema-time-s": float("nan")}}})
     assert back.counts == {} and back.ema_time == {}
+    old = {"alpha": 0.25, "nodes": {"7": {"count": 2, "profile": {"profile-cpus": 4}, "ema-time-s": 1.5}}}
+    back.load_state_dict(old)  # a checkpoint from before the columns
+    assert back.counts == {7: 2} and back.profiles == {7: {"profile-cpus": 4}} and back.ema_time == {7: 1.5}
+
+
+@pytest.mark.parametrize("damage", [
+    lambda c: c.pop("count"),
+    lambda c: c.__setitem__("ema-time-s", c["ema-time-s"][:-1]),
+    lambda c: c.__setitem__("node", c["node"].float()),
+    lambda c: c.__setitem__("profile-cpus", "junk"),
+])
+def test_damaged_profile_columns_restore_nothing(damage):
+    reg = ProfileRegistry()
+    for n in (1, 2, 3):
+        reg.update(n, dict(GOOD), elapsed_s=1.0)
+        reg.participated(n)
+    state = reg.state_dict()
+    damage(state["columns"])
+    back = ProfileRegistry()
+    back.load_state_dict(state)
+    assert back.counts == {} and back.profiles == {} and back.ema_time == {}
+
+
+def test_nodes_reporting_the_same_profile_share_one_dict():
+    """A simulated million nodes report one profile: a dict each had been ~1 GB."""
+    reg = ProfileRegistry()
+    for n in range(100):
+        reg.update(n, dict(GOOD))
+    reg.update(5, {"profile-cpus": 99})
+    assert len({id(p) for n, p in reg.profiles.items() if n != 5}) == 1
+    assert reg.profiles[5]["profile-cpus"] == 99 and reg.profiles[4]["profile-cpus"] == GOOD["profile-cpus"]
 
 
 # -- policies ------------------------------------------------------------------------
@@ -209,7 +241,10 @@ def test_fast_fair_end_to_end_on_virtual_grid(tmp_path):
     assert sum(wf.profiles.counts.values()) == sum(r["accepted"] for r in wf.history)
     assert all("profile-step-ms" in wf.profiles.profiles[n] for n in wf.profiles.counts)
     state = torch.load(tmp_path / CHECKPOINT, weights_only=True)
-    assert state["profiles"] == wf.profiles.state_dict()
+    saved = ProfileRegistry()
+    saved.load_state_dict(state["profiles"])
+    assert (saved.counts, saved.profiles) == (wf.profiles.counts, wf.profiles.profiles)
+    assert saved.ema_time == pytest.approx(wf.profiles.ema_time)
     resumed = run(5)  # resumes from round 5 with the registry restored
     assert len(resumed.history) == 5
     assert sum(resumed.profiles.counts.values()) == sum(r["accepted"] for r in resumed.history)
