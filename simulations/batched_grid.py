@@ -39,7 +39,7 @@ class BatchedGrid(InProcessGrid):
         self.batched_messages = 0  # how many train messages were trained batched (tests, reports)
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        ids, groups = [], {}
+        ids, groups, messages = [], {}, list(messages)
         memo: dict = {}  # the messages share their config and weights records: each parsed and checked once
         codecs: dict = {}
         for msg in messages:
@@ -57,6 +57,7 @@ class BatchedGrid(InProcessGrid):
                 groups.setdefault((job[1].task.spec, job[1].instr), []).append((mid, msg, *job))
         for group in groups.values():
             self._train(group)
+        self.contexts.release_empty(m.metadata.dst_node_id for m in messages)
         return ids
 
     def _job(self, msg: Message, ctx: Context, memo: dict, codecs: dict):

@@ -62,9 +62,20 @@ def test_a_population_of_a_hundred_thousand_trains_only_its_sampled_clients(tmp_
     s = wf.run()
     assert s["rounds"] == 2 and [r["accepted"] for r in wf.history] == [200, 200]
     assert [r["nodes_online"] for r in wf.history] == [100_000, 100_000]
-    assert len(grid.contexts.items()) <= 400 and grid.batched_messages == 400
+    assert len(grid.contexts.items()) == 0 and grid.batched_messages == 400  # no node keeps state: none held
     assert len(data_mod._CACHE) <= 150
     assert s["version"] == 2 and bool(wf.weights.isfinite().all())
+
+
+def test_only_the_contexts_that_keep_state_are_held(tmp_path):
+    """Error feedback (top-k) keeps each trained node's residual: those Contexts stay, and only those."""
+    cfg = RunConfig.from_mapping({"num-rounds": 2, "clients-per-round": 30, "partitioning": "sample",
+                                  "codec": "topk", "topk-ratio": 0.1, "local-epochs": 1, "seed": 0})
+    grid = BatchedGrid(app, 10_000)
+    wf = make_workflow(cfg, grid, RunDirectory(tmp_path))
+    wf.run()
+    trained = {n for r in (1, 2) for n in wf.select(list(range(1001, 11_001)), r)}
+    assert set(dict(grid.contexts.items())) == trained and all(len(c.state) for _, c in grid.contexts.items())
 
 
 def test_clients_per_round_is_exclusive_with_fraction_and_central_dp():
