@@ -14,9 +14,12 @@ same clients' data:
   (pfl, Flower) cannot go below;
 - batched compute: ``train_batched`` on the same clients, the training this engine does.
 
-Per-client overhead = (round time - batched compute) / clients: what the round logic, messages, codecs and
-validation cost above the training itself. Goals from the issue: overhead <= 0.4 ms per client; 1M clients
-with 10k per round under 8 GB; a round faster than pfl's on the same work.
+Per-client overhead, two ways: over the plain loop, (round time - plain loop) / clients, the issue's
+definition ("above pure local training compute, measured by a plain torch loop over the same data"; negative
+where batching beats the loop by more than the round logic costs); and over batched compute, (round time -
+batched compute) / clients, what the round logic, messages, codecs and validation cost above this engine's
+own training. Goals from the issue: overhead <= 0.4 ms per client; 1M clients with 10k per round under 8 GB;
+a round faster than pfl's on the same work.
 
 The peers, each case in a process of its own, on the same task, data (``Task.client_data`` of the same
 population), clients per round, local epoch, batch, learning rate and momentum (``simulations.bench``):
@@ -177,8 +180,11 @@ def main() -> int:
             continue
         rep.add(f"{tag}: s per round (ratio = one-by-one loop / round)", r["round_s"], "s", "plain torch loop s",
                 r["loop_s"])
+        plain = (r["round_s"] - r["loop_s"]) / k * 1e3
+        rep.add(f"{tag}: per-client overhead over the plain loop", plain, "ms", "", None, "<= 0.4 ms", plain <= 0.4)
         over = (r["round_s"] - r["batched_s"]) / k * 1e3
-        rep.add(f"{tag}: per-client overhead over batched compute", over, "ms", "", None, "<= 0.4 ms", over <= 0.4)
+        rep.add(f"{tag}: per-client overhead over batched compute", over, "ms", "", None, "<= 0.4 ms (stricter)",
+                over <= 0.4)
         rep.add(f"{tag}: batched compute per client", r["batched_s"] / k * 1e3, "ms", "loop per client ms",
                 r["loop_s"] / k * 1e3)
         rep.add(f"{tag}: peak RSS", r["peak_rss_mb"], "MB", "", None,

@@ -379,21 +379,24 @@ class SyncWorkflow:
             codecs[True] = ConfigRecord(self.slow_link[0].config())
         local_dp = ConfigRecord(self.cfg.privacy.local_record()) if self.cfg.privacy.dp == "local" else None
         records: dict[int, ConfigRecord] = {}  # one per distinct amount of local work
+        contents: dict[tuple[int, bool], RecordDict] = {}  # one per distinct (work, link): nothing writes to them
 
         def content(node: int) -> RecordDict:
             # work-deadline: a node measured as slow gets fewer local epochs, so it finishes in time
             epochs = self.profiles.local_epochs(node, self.cfg.train.local_epochs, self.cfg.server.work_deadline)
             self._epochs[node] = epochs
-            if epochs not in records:
-                train = dataclasses.replace(self.cfg.train, local_epochs=epochs)
-                records[epochs] = TrainInstruction(round=rnd, version=self.version, seed=self.cfg.server.seed,
-                                                   task=self.cfg.task, train=train).to_record()
             slow = self._is_slow_link(node)
             (self._slow_nodes.add if slow else self._slow_nodes.discard)(node)
-            out = RecordDict({ARRAYS: arrays, CONFIG: records[epochs], CODEC: codecs[slow]})
-            if local_dp is not None:
-                out[LOCAL_DP] = local_dp
-            return out
+            if (epochs, slow) not in contents:
+                if epochs not in records:
+                    train = dataclasses.replace(self.cfg.train, local_epochs=epochs)
+                    records[epochs] = TrainInstruction(round=rnd, version=self.version, seed=self.cfg.server.seed,
+                                                       task=self.cfg.task, train=train).to_record()
+                out = contents[epochs, slow] = RecordDict({ARRAYS: arrays, CONFIG: records[epochs],
+                                                           CODEC: codecs[slow]})
+                if local_dp is not None:
+                    out[LOCAL_DP] = local_dp
+            return contents[epochs, slow]
         s = self.cfg.server
         # A carried message stays useful for max-staleness more rounds.
         ttl = s.round_timeout * (1 + (self.cfg.asynchrony.max_staleness if s.late_replies == "carry" else 0)) + 60.0

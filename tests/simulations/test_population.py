@@ -76,6 +76,9 @@ def test_only_the_contexts_that_keep_state_are_held(tmp_path):
     wf.run()
     trained = {n for r in (1, 2) for n in wf.select(list(range(1001, 11_001)), r)}
     assert set(dict(grid.contexts.items())) == trained and all(len(c.state) for _, c in grid.contexts.items())
+    grid.contexts[1001].run_config = {"local-epochs": 1}  # a Context changed by its user (a test, an example) stays
+    grid.contexts.release_empty([1001])
+    assert grid.contexts[1001].run_config == {"local-epochs": 1}
 
 
 def test_clients_per_round_is_exclusive_with_fraction_and_central_dp():
