@@ -150,6 +150,9 @@ DESCRIPTIONS: dict[str, dict[str, str]] = {
                        "starting one",
         "batched": "in-process engine: train a round's clients together where the task allows (else one by one, "
                    "said once in the log)",
+        "batched-shards": "in-process engine, batched: 0 trains in this process; N > 0 shards each round's batched "
+                          "training over N Ray actors (one CPU each) on a Ray instance the run starts (`ray-num-cpus`) "
+                          "or the cluster at `ray-address`; the same results (needs `fedshield[simulation]`)",
         "sites": "in-process engine: edge aggregators between the coordinator and the clients, each holding a "
                  "consecutive block of them and running its own round with the `[site]` table's settings (0: none)",
     },
@@ -206,7 +209,8 @@ Rules that tie several keys together (checked once, when the config is read; the
   must give the rule the updates it needs (Krum 2f + 3, Multi-Krum also m + f, trimmed mean the fewest n with
   floor(`trim-beta` n) >= 1).
 - Scenario: `min-nodes <= num-supernodes`; `[[tiers]]` only with `engine = "virtual"`; `ray-address` only with
-  `engine = "flower"`. Coordinator: `min-nodes` (and FedBuff's `buffer-size` under a robust rule) <= the enrolled
+  `engine = "flower"` or `batched-shards > 0`; `batched-shards > 0` only with `engine = "inprocess"`, `batched = true`
+  and no `sites`. Coordinator: `min-nodes` (and FedBuff's `buffer-size` under a robust rule) <= the enrolled
   keys; at least one enrolled key unless `--insecure`; under central DP with `--insecure`, `dp-expected-clients`
   must be set.
 """

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any
-
-_SIM_KEYS = {"engine", "num_supernodes", "client_cpus", "client_gpus", "ray_num_cpus", "ray_address", "name", "batched"}
 
 
 def simulate(task: Any = "digits", *, run_dir: str | Path | None = None, show_progress: bool = False,
@@ -27,7 +26,9 @@ def simulate(task: Any = "digits", *, run_dir: str | Path | None = None, show_pr
     from clients.tasks import task_name
 
     from .runner import run_scenario
-    from .scenario import Scenario
+    from .scenario import Scenario, SimulationSettings
+
+    sim_keys = {f.name for f in dataclasses.fields(SimulationSettings)}  # every [simulation] key, sites included
 
     name = task if isinstance(task, str) else task_name(task)
     if isinstance(task, type) and settings.get("engine", "inprocess") == "flower" and task.__module__ == "__main__":
@@ -35,8 +36,8 @@ def simulate(task: Any = "digits", *, run_dir: str | Path | None = None, show_pr
 
         raise ConfigError("task must be importable (package.module:Class or file.py:Class) on Flower's engine, whose "
                           f"Ray workers import it by name. Found {name!r}, defined in __main__.")
-    sim = {"engine": "inprocess", **{k.replace("_", "-"): v for k, v in settings.items() if k in _SIM_KEYS}}
-    run = {"task": resolve_task(name), **{k.replace("_", "-"): v for k, v in settings.items() if k not in _SIM_KEYS}}
+    sim = {"engine": "inprocess", **{k.replace("_", "-"): v for k, v in settings.items() if k in sim_keys}}
+    run = {"task": resolve_task(name), **{k.replace("_", "-"): v for k, v in settings.items() if k not in sim_keys}}
     sim.setdefault("name", name.rpartition(":")[2].lower() or "run")
     run.setdefault("min-nodes", min(int(sim.get("num-supernodes", 20)), 2))
     scn = Scenario.from_mapping({"simulation": sim, "run": run}, "simulate()")

@@ -392,6 +392,8 @@ def run_inprocess_engine(scn: Scenario, on_round: RoundCallback | None) -> dict[
     from .batched_grid import BatchedGrid
 
     kind = BatchedGrid if scn.sim.batched else InProcessGrid
+    if scn.sim.batched_shards:
+        return _run_sharded(scn, on_round)
     if scn.sim.sites:  # edge aggregators: the coordinator's nodes are the sites, each with its clients' grid
         from .hierarchy import site_grid
 
@@ -399,6 +401,45 @@ def run_inprocess_engine(scn: Scenario, on_round: RoundCallback | None) -> dict[
     else:
         grid = kind(client_app, scn.sim.num_supernodes, _node_config(scn))
     return make_workflow(scn.run, grid, RunDirectory(scn.run.server.run_dir), on_round=on_round).run()
+
+
+def _run_sharded(scn: Scenario, on_round: RoundCallback | None) -> dict[str, Any]:
+    """The batched in-process engine with its training on ``batched-shards`` Ray actors: on a Ray instance this
+    process starts (``ray-num-cpus``, token-authenticated as Flower's engine's is), or the cluster at
+    ``ray-address``; shut down after the run."""
+    from clients.client_app import app as client_app
+
+    if not ray_installed():
+        raise CoordinatorError(RAY_MISSING.replace("simulation.engine 'flower' runs Flower's simulation engine",
+                                                   "simulation.batched-shards runs the batched training"))
+    hostport = check_ray_address(scn.sim.ray_address, what="simulation.ray-address") if scn.sim.ray_address else None
+    machine = os.cpu_count() or 1
+    if hostport is None and scn.sim.ray_num_cpus > machine:
+        raise CoordinatorError(f"simulation.ray-num-cpus must be <= this machine's {machine} CPUs for a Ray instance "
+                               f"of the run's own. Found {scn.sim.ray_num_cpus}.")
+    import ray
+
+    from .ray_shards import ShardedBatchedGrid
+
+    init: dict[str, Any] = {"logging_level": logging.WARNING, "log_to_driver": False, "include_dashboard": False}
+    if scn.sim.ray_address:
+        init["address"] = scn.sim.ray_address
+    elif scn.sim.ray_num_cpus:
+        init["num_cpus"] = scn.sim.ray_num_cpus
+    with local_ray_auth(hostport is not None), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Tip: In future versions of Ray", category=FutureWarning)
+        ray.init(**init)
+        try:
+            cpus = int(ray.cluster_resources().get("CPU", 0))
+            if scn.sim.batched_shards > cpus:  # the actors past the CPUs would wait, unscheduled, for ever
+                raise CoordinatorError(f"simulation.batched-shards must be <= the {cpus} CPUs of the Ray "
+                                       f"{'cluster' if hostport else 'instance'} it runs on (one actor per CPU). "
+                                       f"Found {scn.sim.batched_shards}.")
+            grid = ShardedBatchedGrid(client_app, scn.sim.num_supernodes, _node_config(scn),
+                                      shards=scn.sim.batched_shards)
+            return make_workflow(scn.run, grid, RunDirectory(scn.run.server.run_dir), on_round=on_round).run()
+        finally:
+            ray.shutdown()
 
 
 def uses_local_dp(scn: Scenario) -> bool:

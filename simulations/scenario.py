@@ -31,6 +31,7 @@ class SimulationSettings:
     ray_num_cpus: int = 0
     ray_address: str = ""
     batched: bool = True  # the in-process engine trains a round's clients together where the task allows
+    batched_shards: int = 0  # >0: the batched training runs on this many Ray actors (one CPU each)
     sites: int = 0  # edge aggregators between the coordinator and the clients (0: none, clients report directly)
 
     def __post_init__(self) -> None:
@@ -40,6 +41,12 @@ class SimulationSettings:
         check(self.client_cpus > 0, "client-cpus", "be > 0", self.client_cpus)
         check(0 <= self.client_gpus <= 1, "client-gpus", "be in [0, 1]", self.client_gpus)
         check(self.ray_num_cpus >= 0, "ray-num-cpus", "be >= 0 (0: all)", self.ray_num_cpus)
+        check(0 <= self.batched_shards <= 4096, "batched-shards", "be in [0, 4096] (0: train in this process)",
+              self.batched_shards)
+        if self.batched_shards:
+            check(self.engine == "inprocess" and self.batched and not self.sites, "batched-shards",
+                  "be 0 unless engine = 'inprocess' with batched = true and no sites (it shards the in-process "
+                  "engine's batched training over Ray actors)", self.batched_shards)
         check(0 <= self.sites <= self.num_supernodes, "sites", "be in [0, num-supernodes] (0: no edge aggregators)",
               self.sites)
 
@@ -106,10 +113,11 @@ class Scenario:
             check(sim.engine == "virtual", f"{source}: simulation.engine",
                   "be 'virtual' when the scenario has [[tiers]] (only the virtual engine simulates device tiers; "
                   "use --engine virtual, or remove the [[tiers]] tables)", sim.engine)
-        if sim.ray_address:  # only Flower's engine runs on Ray: a cluster named for another would be ignored silently
-            check(sim.engine == "flower", f"{source}: simulation.engine",
-                  "be 'flower' when simulation.ray-address is set (only Flower's engine runs on a Ray cluster; "
-                  "use --engine flower, or remove ray-address)", sim.engine)
+        if sim.ray_address:  # only Flower's engine and the sharded batched engine run on Ray: else ignored silently
+            check(sim.engine == "flower" or sim.batched_shards > 0, f"{source}: simulation.engine",
+                  "be 'flower' when simulation.ray-address is set (only Flower's engine, or the in-process engine "
+                  "with batched-shards > 0, runs on a Ray cluster; use --engine flower, or remove ray-address)",
+                  sim.engine)
         site = None
         if sim.sites:
             check(sim.engine == "inprocess", f"{source}: simulation.engine", "be 'inprocess' when simulation.sites > 0 "
