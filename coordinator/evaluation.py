@@ -19,7 +19,7 @@ from aggregation import tensor_to_array
 from clients.protocol import (ARRAYS, CONFIG, EVAL_PREFIX, MESSAGE_TYPE_EVALUATE, METRICS, WEIGHTS, TrainInstruction,
                               message_nbytes, record_of)
 
-from .validation import MAX_SIDE_BYTES, pushed
+from .validation import MAX_SIDE_BYTES, deadline_of, pull_bounded, pushed
 
 MAX_EVAL_METRICS = 32  # a reply's metrics besides num-examples
 MAX_METRIC = 1e30  # |value| past this is no loss or accuracy: refused
@@ -62,10 +62,11 @@ def federated_evaluate(wf: Any, rnd: int, nodes: list[int]) -> dict[str, Any]:
     s = wf.cfg.server
     msgs = [Message(content, dst_node_id=n, message_type=MESSAGE_TYPE_EVALUATE, group_id=f"eval-{rnd}",
                     ttl=s.round_timeout + 60.0) for n in nodes]
+    started = wf.clock.now()
     sent = {mid: m.metadata.dst_node_id for mid, m in pushed(wf.grid, msgs)}
     sums: dict[str, float] = {}
     examples, accepted, rejected = 0, 0, Counter()
-    replies = _receive(wf, sent)
+    replies = _receive(wf, sent, deadline_of(wf.grid, started, wf.clock.now(), s.round_timeout))
     for reply in replies:
         node = sent.get(reply.metadata.reply_to_message_id, -1)
         try:
@@ -83,13 +84,12 @@ def federated_evaluate(wf: Any, rnd: int, nodes: list[int]) -> dict[str, Any]:
             "fed_eval_rejected": dict(rejected)}
 
 
-def _receive(wf: Any, sent: dict[str, int]) -> list[Message]:
-    """The replies to ``sent`` that arrive within the round timeout (polled on the workflow's clock)."""
+def _receive(wf: Any, sent: dict[str, int], deadline: float) -> list[Message]:
+    """The replies to ``sent`` that arrive by ``deadline`` (polled on the workflow's clock)."""
     pending, out = dict(sent), []
     s = wf.cfg.server
-    deadline = wf.clock.now() + s.round_timeout
     while pending:
-        for reply in wf.grid.pull_messages(list(pending)):
+        for reply in pull_bounded(wf.grid, list(pending), wf.clock, deadline):
             if pending.pop(reply.metadata.reply_to_message_id, None) is not None:
                 out.append(reply)
         if not pending or wf.clock.now() >= deadline:

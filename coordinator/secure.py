@@ -73,7 +73,7 @@ from clients._errors import ClientError, ConfigError
 from ._errors import CoordinatorError
 from .privacy_policy import DistributedDp
 from .validation import (MAX_SIDE_BYTES, RejectedReply, check_base_version, check_envelope, check_num_examples,
-                         pushed)
+                         deadline_of, pull_bounded, pushed)
 
 if TYPE_CHECKING:
     from .workflow import SyncWorkflow
@@ -172,9 +172,9 @@ class SecureRound:
         # Messages of this stage keep the exchange open; one sent only to set a node up for the next round does
         # not: a node that has not answered it when this stage is done is left out of the next round.
         mains = {mid for mid, node in sent.items() if asks[node][0].rnd == rnd}
-        deadline = clock.now() + timeout
+        deadline = deadline_of(grid, started, clock.now(), timeout)
         while pending.keys() & mains:
-            for reply in grid.pull_messages(list(pending)):
+            for reply in pull_bounded(grid, list(pending), clock, deadline):
                 mid = reply.metadata.reply_to_message_id
                 if pending.pop(mid, "gone") == "gone":
                     continue  # not ours or already seen: Grid ids are unique, nothing to count

@@ -261,6 +261,30 @@ def pushed(grid: Any, msgs: list[Message]) -> list[tuple[str, Message]]:
     return [(m.metadata.message_id, m) for m in msgs if m.metadata.message_id in taken]
 
 
+# A remote grid is asked for this many replies at a time, the deadline checked between asks: one pull of a
+# hundred replies through a busy SuperLink took tens of seconds, past a 60 s round-timeout.
+PULL_CHUNK = 32
+
+
+def deadline_of(grid: Any, push_started: float, push_ended: float, timeout: float) -> float:
+    """When replies to a push stop counting: ``timeout`` from before the push to a remote grid (a push through a
+    busy SuperLink takes its time too), from after it on an in-process grid (which trains while it pushes)."""
+    return (push_ended if getattr(grid, "computes_replies_at_push", False) else push_started) + timeout
+
+
+def pull_bounded(grid: Any, ids: list[str], clock: Any, deadline: float) -> list[Message]:
+    """The replies to ``ids`` that are in: from a remote grid ``PULL_CHUNK`` ids at a time, stopping between asks
+    once ``deadline`` has passed on ``clock`` (the ids not asked stay pending); an in-process grid in one ask."""
+    if getattr(grid, "computes_replies_at_push", False) or len(ids) <= PULL_CHUNK:
+        return list(grid.pull_messages(ids))
+    out: list[Message] = []
+    for i in range(0, len(ids), PULL_CHUNK):
+        if i and clock.now() >= deadline:
+            break
+        out.extend(grid.pull_messages(ids[i:i + PULL_CHUNK]))
+    return out
+
+
 def staleness_factor(fn: Any, staleness: int, max_staleness: int, node: int) -> float:
     """``fn(staleness)`` for a reply from ``node``; RejectedReply ``too-stale`` past ``max_staleness``
     or when the factor is below MIN_USEFUL_FACTOR (its weight would vanish in float32, and a release

@@ -42,6 +42,8 @@ from .rundir import SUMMARY, RunDirectory, weights_sha256
 from .secure import SecureRound
 from .validation import (
     LossMean,
+    deadline_of,
+    pull_bounded,
     RejectedReply,
     RoundExpectation,
     ValidReply,
@@ -129,9 +131,6 @@ def run_fingerprint(cfg: RunConfig, numel: int, nodes: int | None = None, engine
 
 
 NO_UPDATES = "no-updates"  # a run status: no round aggregated an update
-# A remote grid is asked for this many replies at a time, the round's deadline checked between asks: one pull
-# of a hundred replies through a busy SuperLink took tens of seconds, past a 60 s round-timeout.
-PULL_CHUNK = 32
 
 
 def no_updates_reason(rejected: dict[str, int]) -> str:
@@ -436,10 +435,7 @@ class SyncWorkflow:
         loss, bytes_up, update_bytes, replies = LossMean(), 0, 0, 0
         weight_total = 0.0  # the weights added (examples, staleness-scaled): an edge aggregator's weight upward
         pending = dict.fromkeys(sent)  # ordered: in-process engines then add in send order
-        # A remote grid's deadline counts from before the push (a push through a busy SuperLink takes its time
-        # too); an in-process grid trains while it pushes, so its deadline counts from after.
-        at_push = getattr(self.grid, "computes_replies_at_push", False)
-        deadline = (sent_at if at_push else getattr(self, "_push_started", sent_at)) + s.round_timeout
+        deadline = deadline_of(self.grid, getattr(self, "_push_started", sent_at), sent_at, s.round_timeout)
         late_in, stalenesses, closed_early = 0, [], False
 
         def reject(rej: RejectedReply) -> None:
@@ -448,7 +444,7 @@ class SyncWorkflow:
 
         while pending:
             batch: list[tuple[Message, RoundExpectation | None, ValidReply, float, RoundExpectation]] = []
-            for reply in self._pull(list(pending) + list(self._late), deadline, at_push):
+            for reply in pull_bounded(self.grid, list(pending) + list(self._late), self.clock, deadline):
                 mid = reply.metadata.reply_to_message_id
                 late_exp = self._late.get(mid)
                 asked = (late_exp or exp_for.get(mid, exp)).sent.get(mid)
@@ -534,18 +530,6 @@ class SyncWorkflow:
         return {**extra, "weight_total": weight_total, "replies": replies, "accepted": acc.count, "rejected": sum(rejected.values()), "late": len(pending),
                 "rejected_by_rule": dict(rejected), "bytes_up": bytes_up, "update_bytes_up": update_bytes,
                 "train_loss": loss.value}
-
-    def _pull(self, ids: list[str], deadline: float, at_push: bool) -> list[Message]:
-        """The replies to ``ids`` that are in: from a remote grid ``PULL_CHUNK`` ids at a time, stopping between
-        asks once ``deadline`` has passed (the ids not asked stay pending, and are missing if the round ends)."""
-        if at_push or len(ids) <= PULL_CHUNK:
-            return list(self.grid.pull_messages(ids))
-        out: list[Message] = []
-        for i in range(0, len(ids), PULL_CHUNK):
-            if i and self.clock.now() >= deadline:
-                break
-            out.extend(self.grid.pull_messages(ids[i:i + PULL_CHUNK]))
-        return out
 
     def run_round(self, rnd: int) -> dict[str, Any]:
         start = self.clock.now()

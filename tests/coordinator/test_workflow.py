@@ -652,7 +652,7 @@ def test_a_remote_grids_deadline_counts_from_the_push_and_is_checked_between_bou
         tmp_path, monkeypatch, timeout, accepted, asks):
     """Before, the deadline counted from after the push and one pull asked for every reply: through a busy
     SuperLink a 60 s round-timeout gave 85-107 s rounds."""
-    import coordinator.workflow as workflow
+    import coordinator.validation as validation
 
     class FakeClock:
         t = 0.0
@@ -663,7 +663,7 @@ def test_a_remote_grids_deadline_counts_from_the_push_and_is_checked_between_bou
         def sleep(self, s):
             self.t += s
 
-    monkeypatch.setattr(workflow, "PULL_CHUNK", 4)
+    monkeypatch.setattr(validation, "PULL_CHUNK", 4)
     clock = FakeClock()
     grid = _SlowRemoteGrid(run_train_app(), 16, clock, push_s=20.0, pull_s=10.0)
     wf = SyncWorkflow(cfg(**{"num-rounds": 1, "min-nodes": 16, "round-timeout": timeout, "poll-interval": 1.0}), grid,
@@ -693,3 +693,28 @@ def test_an_in_process_grids_deadline_counts_from_after_the_push_that_trained(tm
                       clock=clock)
     wf.run()
     assert wf.history[0]["accepted"] == 6 and grid.asks == [6]
+
+
+def test_federated_evaluation_keeps_the_same_deadline_and_bounded_pulls(tmp_path, monkeypatch):
+    """Evaluation's pull loop had its own deadline from after its push and one unbounded pull."""
+    import coordinator.validation as validation
+
+    class FakeClock:
+        t = 0.0
+
+        def now(self):
+            return self.t
+
+        def sleep(self, s):
+            self.t += s
+
+    monkeypatch.setattr(validation, "PULL_CHUNK", 4)
+    clock = FakeClock()
+    grid = _SlowRemoteGrid(run_train_app(), 16, clock, push_s=20.0, pull_s=10.0)
+    wf = SyncWorkflow(cfg(**{"num-rounds": 1, "min-nodes": 16, "round-timeout": 45.0, "poll-interval": 1.0,
+                             "federated-eval-every": 1}), grid, RunDirectory(tmp_path), clock=clock)
+    wf.run()
+    row = wf.history[0]
+    # train: push 0-20 s, asks end at 30, 40, 50; evaluation: push 50-70 s (deadline 95), asks end at 80, 90, 100
+    assert row["accepted"] == 12 and row["fed_eval_nodes"] == 12 and row["fed_eval_missing"] == 4
+    assert grid.asks == [4, 4, 4, 4, 4, 4]
