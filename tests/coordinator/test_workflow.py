@@ -312,17 +312,8 @@ def test_waits_for_min_nodes_then_fails_clearly(tmp_path):
     from clients.client_app import app
     from coordinator import CoordinatorError
 
-    class FakeClock:
-        t = 0.0
-
-        def now(self):
-            return self.t
-
-        def sleep(self, s):
-            self.t += s
-
     wf = SyncWorkflow(cfg(**{"min-nodes": 5, "wait-nodes-timeout": 3.0}), InProcessGrid(app, 2), RunDirectory(tmp_path),
-                      clock=FakeClock())
+                      clock=_FakeClock())
     with pytest.raises(CoordinatorError, match="min-nodes=5 nodes must be online"):
         wf.run()
 
@@ -621,6 +612,18 @@ def test_a_run_stopped_by_its_budget_before_an_evaluated_round_is_evaluated_at_i
     assert math.isfinite(summary["final_test_accuracy"]) and math.isfinite(wf.history[-1]["test_accuracy"])
 
 
+class _FakeClock:
+    """A clock that moves only when waited on (or when a test's grid moves it)."""
+
+    t = 0.0
+
+    def now(self):
+        return self.t
+
+    def sleep(self, s):
+        self.t += s
+
+
 class _SlowRemoteGrid(InProcessGrid):
     """A grid as slow as a busy SuperLink, on a fake clock: a push takes ``push_s``, each pull ``pull_s``
     (the replies are made at once; only the clock says how long the transport took)."""
@@ -654,17 +657,8 @@ def test_a_remote_grids_deadline_counts_from_the_push_and_is_checked_between_bou
     SuperLink a 60 s round-timeout gave 85-107 s rounds."""
     import coordinator.validation as validation
 
-    class FakeClock:
-        t = 0.0
-
-        def now(self):
-            return self.t
-
-        def sleep(self, s):
-            self.t += s
-
     monkeypatch.setattr(validation, "PULL_CHUNK", 4)
-    clock = FakeClock()
+    clock = _FakeClock()
     grid = _SlowRemoteGrid(run_train_app(), 16, clock, push_s=20.0, pull_s=10.0)
     wf = SyncWorkflow(cfg(**{"num-rounds": 1, "min-nodes": 16, "round-timeout": timeout, "poll-interval": 1.0}), grid,
                       RunDirectory(tmp_path), clock=clock)
@@ -677,16 +671,7 @@ def test_a_remote_grids_deadline_counts_from_the_push_and_is_checked_between_bou
 def test_an_in_process_grids_deadline_counts_from_after_the_push_that_trained(tmp_path):
     """The in-process engines train while they push: however long that took, every reply is in the round."""
 
-    class Clock:
-        t = 0.0
-
-        def now(self):
-            return self.t
-
-        def sleep(self, s):
-            self.t += s
-
-    clock = Clock()
+    clock = _FakeClock()
     grid = _SlowRemoteGrid(run_train_app(), 6, clock, push_s=500.0, pull_s=0.0)
     grid.computes_replies_at_push = True
     wf = SyncWorkflow(cfg(**{"num-rounds": 1, "min-nodes": 6, "round-timeout": 10.0}), grid, RunDirectory(tmp_path),
@@ -699,17 +684,8 @@ def test_federated_evaluation_keeps_the_same_deadline_and_bounded_pulls(tmp_path
     """Evaluation's pull loop had its own deadline from after its push and one unbounded pull."""
     import coordinator.validation as validation
 
-    class FakeClock:
-        t = 0.0
-
-        def now(self):
-            return self.t
-
-        def sleep(self, s):
-            self.t += s
-
     monkeypatch.setattr(validation, "PULL_CHUNK", 4)
-    clock = FakeClock()
+    clock = _FakeClock()
     grid = _SlowRemoteGrid(run_train_app(), 16, clock, push_s=20.0, pull_s=10.0)
     wf = SyncWorkflow(cfg(**{"num-rounds": 1, "min-nodes": 16, "round-timeout": 45.0, "poll-interval": 1.0,
                              "federated-eval-every": 1}), grid, RunDirectory(tmp_path), clock=clock)
