@@ -1,12 +1,12 @@
 """Population scale: seconds per round, per-client overhead and peak memory of fedshield's in-process engine.
 
     python benchmarks/simulation_scale.py [--populations 1000,100000,1000000] [--per-round 100,1000,10000]
-                                          [--rounds 3] [--skip pfl,flower] [--json FILE]
+                                          [--rounds 5] [--skip pfl,flower] [--json FILE]
 
 The digits MLP (9,610 parameters), partitioning "sample" (each client draws 20 examples with replacement,
 its own Dirichlet(0.5) class mix: a population larger than the data), 1 local epoch, batch 16, SGD lr 0.1
 momentum 0.9, one torch thread. Each (population, clients per round) case runs in a process of its own, so
-its peak RSS is its own: the round logic on the batched in-process engine (``BatchedGrid``: contexts made
+its peak RSS (read before the floors) is the run's own: the round logic on the batched in-process engine (``BatchedGrid``: contexts made
 only for sampled clients, a round's clients trained together), then, in the same process, two floors on the
 same clients' data:
 
@@ -67,6 +67,7 @@ def one_case(population: int, per_round: int, rounds: int) -> dict:
         wf.run()
         times = [r["round_time_s"] for r in wf.history]
         held = len(grid.contexts.items())  # (before the floors make contexts of their own)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # the run's, before the floors' data
         # the floors, on the last round's clients and messages
         nodes = wf.select(sorted(grid.get_node_ids()), rounds)
         memo: dict = {}
@@ -84,7 +85,7 @@ def one_case(population: int, per_round: int, rounds: int) -> dict:
     return {"population": population, "per_round": per_round, "round_s": statistics.median(times[1:] or times),
             "first_round_s": times[0], "loop_s": loop, "batched_s": batched,
             "contexts_held": held,
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+            "peak_rss_mb": peak}
 
 
 def peer_case(peer: str, population: int, per_round: int, rounds: int) -> dict:
@@ -127,7 +128,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--populations", default="1000,100000,1000000")
     p.add_argument("--per-round", default="100,1000,10000")
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=5, help="rounds per case (the median of those after the first)")
     p.add_argument("--skip", default="", help="comma-separated peers not to run: pfl, flower")
     p.add_argument("--flower-max-population", type=int, default=1000)
     p.add_argument("--flower-max-per-round", type=int, default=100)
