@@ -4,7 +4,8 @@
 #   bash benchmarks/gpu_check.sh     # from the repository root; OUT=DIR for the outputs (default runs/gpu-check)
 #
 # 1. the CUDA tests (tests/aggregation/test_cuda.py: every codec, rule, optimizer and the pinned
-#    staging on the real device, against the CPU path and float64 references);
+#    staging on the real device, against the CPU path and float64 references; the batched engine's
+#    training on the GPU against one by one on the CPU, tests/simulations/test_batched.py);
 # 2. python benchmarks/aggregation.py --device cuda (the cases on the GPU, effective GB/s);
 # 3. torch.profiler tables of the CUDA paths (benchmarks/gpu_profile.py; SKIP_PROFILE=1 skips it);
 # 4. short in-process simulations with the coordinator and the clients on the GPU (plain, topk,
@@ -38,7 +39,8 @@ status=0
 } 2>&1 | tee "$OUT/env.txt"
 
 echo "== 1. CUDA tests"
-timeout 150 $PY -m pytest -q -p no:cacheprovider --noconftest tests/aggregation/test_cuda.py 2>&1 | tee "$OUT/test_cuda.txt"
+timeout 150 $PY -m pytest -q -p no:cacheprovider --noconftest tests/aggregation/test_cuda.py \
+    tests/simulations/test_batched.py -k "cuda" 2>&1 | tee "$OUT/test_cuda.txt"
 [ "${PIPESTATUS[0]}" = 0 ] || status=1
 
 echo "== 2. benchmarks/aggregation.py --device cuda"

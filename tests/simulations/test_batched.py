@@ -164,3 +164,19 @@ def test_bad_inputs(digits: Task) -> None:
         train_batched(digits, flat, data, TrainSettings(), [g])
     with pytest.raises(ValueError, match="global_flat must be the task's 9610 float32"):
         train_batched(digits, flat[:-1], data, TrainSettings(), [g, torch.Generator()])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (benchmarks/gpu_check.sh runs it)")
+def test_batched_on_cuda_equals_one_by_one_on_cpu(digits: Task) -> None:
+    """The batched engine on the GPU: the same deltas, losses and generators as each client alone on the CPU."""
+    data = parts(digits, [0, 1, 2, 3, 4, 5])
+    cfg = TrainSettings(local_epochs=2, batch_size=16, lr=0.1, momentum=0.9, proximal_mu=0.1)
+    flat = digits.init_weights(0)
+    seeds = [hash((0, 1, k)) & 0x7FFFFFFF for k in range(len(data))]
+    want, want_loss, want_gens = one_by_one(digits, flat, data, cfg, seeds)
+    gens = [torch.Generator().manual_seed(s) for s in seeds]
+    got, got_loss = train_batched(digits, flat.cuda(), data, cfg, gens)
+    assert got.device.type == "cuda"
+    torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-3)  # (TF32 and other kernels on the GPU)
+    torch.testing.assert_close(got_loss.cpu(), want_loss, atol=1e-4, rtol=1e-3)
+    assert all(torch.equal(g.get_state(), w.get_state()) for g, w in zip(gens, want_gens, strict=True))
