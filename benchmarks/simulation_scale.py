@@ -6,9 +6,9 @@
 The digits MLP (9,610 parameters), partitioning "sample" (each client draws 20 examples with replacement,
 its own Dirichlet(0.5) class mix: a population larger than the data), 1 local epoch, batch 16, SGD lr 0.1
 momentum 0.9, one torch thread. Each (population, clients per round) case runs in a process of its own, so
-its peak RSS (read before the floors) is the run's own: the round logic on the batched in-process engine (``BatchedGrid``: contexts made
-only for sampled clients, a round's clients trained together), then, in the same process, two floors on the
-same clients' data:
+its peak RSS (read before the floors) is the run's own: the round logic on the batched in-process engine
+(``BatchedGrid``: contexts made only for sampled clients, a round's clients trained together), then, in the
+same process, two floors on the same clients' data:
 
 - the plain torch loop: each client trained one after another (``Task.train``), what one-by-one engines
   (pfl, Flower) cannot go below;

@@ -370,7 +370,6 @@ class SyncWorkflow:
         return select_uniform(nodes, k, s.seed, rnd)
 
     def _send(self, rnd: int, selected: list[int]) -> tuple[dict[str, int], int]:
-        self._push_started = self.clock.now()  # a remote grid's round-timeout counts from here
         array = tensor_to_array(self.weights)
         arrays = ArrayRecord({WEIGHTS: array})
         codecs = {False: ConfigRecord(self.codec.config())}
@@ -416,7 +415,8 @@ class SyncWorkflow:
             log(INFO, "[fedshield] node %d's reply to round %d would now be too stale; no longer waited for",
                 e.sent[mid], e.round)
 
-    def _collect(self, rnd: int, sent: dict[str, int]) -> dict[str, Any]:
+    def _collect(self, rnd: int, sent: dict[str, int], pushed_at: float) -> dict[str, Any]:
+        """The round's replies to ``sent`` (pushed from ``pushed_at`` on), checked and added; the row's fields."""
         s = self.cfg.server
         sent_at = self.clock.now()
         exp = RoundExpectation(round=rnd, version=self.version, numel=self.numel, max_examples=s.max_examples,
@@ -435,7 +435,7 @@ class SyncWorkflow:
         loss, bytes_up, update_bytes, replies = LossMean(), 0, 0, 0
         weight_total = 0.0  # the weights added (examples, staleness-scaled): an edge aggregator's weight upward
         pending = dict.fromkeys(sent)  # ordered: in-process engines then add in send order
-        deadline = deadline_of(self.grid, getattr(self, "_push_started", sent_at), sent_at, s.round_timeout)
+        deadline = deadline_of(self.grid, pushed_at, sent_at, s.round_timeout)
         late_in, stalenesses, closed_early = 0, [], False
 
         def reject(rej: RejectedReply) -> None:
@@ -560,8 +560,9 @@ class SyncWorkflow:
             if isinstance(self.dp, DistributedDp):
                 row["epsilon"] = self.dp.epsilon
         else:
+            pushed_at = self.clock.now()  # a remote grid's round-timeout counts from here
             sent, row["bytes_down"] = self._send(rnd, selected)
-            row.update(self._collect(rnd, sent))
+            row.update(self._collect(rnd, sent, pushed_at))
         row["test_accuracy"], row["test_loss"] = self.evaluate_at(rnd)
         every = self.cfg.server.federated_eval_every
         if every and (rnd % every == 0 or rnd == self.cfg.server.num_rounds):

@@ -92,9 +92,10 @@ class BatchedGrid(InProcessGrid):
                 log(INFO, "[fedshield] in-process engine: clients train one at a time: %s", why)
         return self._support[task.spec] is None
 
-    def _compute(self, jobs: list, node_configs: list) -> tuple[torch.Tensor, torch.Tensor]:
-        """(deltas, losses) of ``jobs`` trained together from their global weights, each job's generator
-        advanced as its training drew (``node_configs``: the nodes', for an engine that rebuilds their data)."""
+    def _compute(self, group: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """(deltas, losses) of a group's jobs (``(message id, message, codec, job)`` each) trained together from
+        their global weights, each job's generator advanced as its training drew."""
+        jobs = [job for *_, job in group]
         weights = jobs[0].weights.to(get_device())
         return train_batched(jobs[0].task, weights, [j.data for j in jobs], jobs[0].instr.train,
                              [j.generator for j in jobs], chunk=self.chunk)
@@ -104,8 +105,7 @@ class BatchedGrid(InProcessGrid):
         jobs = [job for *_, job in group]
         start = time.perf_counter()
         try:
-            deltas, losses = self._compute(jobs, [self.contexts[msg.metadata.dst_node_id].node_config
-                                                  for _, msg, *_ in group])
+            deltas, losses = self._compute(group)
         except Exception as exc:  # noqa: BLE001 - a loss that vmap cannot run: the ClientApp, one by one
             log(WARNING, "[fedshield] in-process engine: batched training failed (%r); clients train one at a time", exc)
             self._support[jobs[0].task.spec] = repr(exc)

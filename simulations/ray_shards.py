@@ -41,9 +41,8 @@ class _ShardWorker:
 
 
 class ShardedBatchedGrid(BatchedGrid):
-    """``BatchedGrid`` whose batched training runs on ``shards`` Ray actors (Ray must be initialised)."""
-
-    ENGINE = "inprocess"  # the same engine to a checkpoint: a run may resume with or without shards
+    """``BatchedGrid`` whose batched training runs on ``shards`` Ray actors (Ray must be initialised). Its
+    checkpoints are the in-process engine's: a run may resume with or without shards."""
 
     def __init__(self, client: Any, num_nodes: int, node_config: Any = None, run_id: int = 1,
                  chunk: int = DEFAULT_CHUNK, shards: int = 2) -> None:
@@ -55,9 +54,11 @@ class ShardedBatchedGrid(BatchedGrid):
         worker = ray.remote(num_cpus=1)(_ShardWorker)
         self._workers = [worker.remote() for _ in range(shards)]
 
-    def _compute(self, jobs: list, node_configs: list) -> tuple[torch.Tensor, torch.Tensor]:
+    def _compute(self, group: list) -> tuple[torch.Tensor, torch.Tensor]:
         import ray
 
+        jobs = [job for *_, job in group]
+        node_configs = [self.contexts[msg.metadata.dst_node_id].node_config for _, msg, *_ in group]
         weights = jobs[0].weights.detach().to("cpu", torch.float32).contiguous().numpy()
         spec, settings = jobs[0].task.spec, jobs[0].instr.train
         pieces = [p for p in np.array_split(np.arange(len(jobs)), len(self._workers)) if len(p)]

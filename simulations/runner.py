@@ -187,6 +187,8 @@ def check_ray_address(address: str, timeout: float = 5.0, what: str = "simulatio
 RAY_MISSING = ("simulation.engine 'flower' runs Flower's simulation engine on Ray, which this install lacks (fedshield's "
                "base install leaves Ray out, for edge devices): pip install 'fedshield[simulation]', or run with "
                "--engine inprocess or --engine virtual, which need no Ray.")
+RAY_MISSING_SHARDS = ("simulation.batched-shards runs the batched training on Ray actors, which this install lacks: "
+                      "pip install 'fedshield[simulation]', or set batched-shards = 0 to train in this process.")
 
 
 def ray_installed() -> bool:
@@ -200,14 +202,15 @@ def ray_installed() -> bool:
 
 
 def check_ray_cluster(scn: Scenario) -> str | None:
-    """On Flower's engine: Ray installed (``RAY_MISSING`` otherwise), and the Ray cluster the run would
-    join (``ray-address``, else ``RAY_ADDRESS``, which ``ray.init()`` follows when given no address)
-    answering: ``check_ray_address``. Returns its ``host:port`` (None where the run starts a Ray
-    instance of its own)."""
-    if scn.sim.engine != "flower":
+    """On Flower's engine, or the in-process engine's Ray shards (``batched-shards``): Ray installed
+    (``RAY_MISSING`` otherwise), and the Ray cluster the run would join (``ray-address``, else
+    ``RAY_ADDRESS``, which ``ray.init()`` follows when given no address) answering: ``check_ray_address``.
+    Returns its ``host:port`` (None where the run starts a Ray instance of its own)."""
+    shards = scn.sim.engine == "inprocess" and scn.sim.batched_shards > 0
+    if scn.sim.engine != "flower" and not shards:
         return None
     if not ray_installed():
-        raise CoordinatorError(RAY_MISSING)
+        raise CoordinatorError(RAY_MISSING_SHARDS if shards else RAY_MISSING)
     joining = "ray-address" if scn.sim.ray_address else "RAY_ADDRESS" if os.environ.get("RAY_ADDRESS") else ""
     if joining and scn.sim.ray_num_cpus:  # Ray refuses num_cpus when joining: a traceback from inside Flower's engine
         raise CoordinatorError(f"simulation.ray-num-cpus must be 0 when the run joins a Ray cluster ({joining} is set: the "
@@ -216,7 +219,11 @@ def check_ray_cluster(scn: Scenario) -> str | None:
         return check_ray_address(scn.sim.ray_address)
     if os.environ.get("RAY_ADDRESS"):
         return check_ray_address(os.environ["RAY_ADDRESS"], what="RAY_ADDRESS (from the environment)")
-    check_local_resources(scn)
+    if not shards:
+        check_local_resources(scn)
+    elif scn.sim.ray_num_cpus > (os.cpu_count() or 1):
+        raise CoordinatorError(f"simulation.ray-num-cpus must be <= this machine's {os.cpu_count() or 1} CPUs for a "
+                               f"Ray instance of the run's own. Found {scn.sim.ray_num_cpus}.")
     return None
 
 
@@ -391,9 +398,9 @@ def run_inprocess_engine(scn: Scenario, on_round: RoundCallback | None) -> dict[
 
     from .batched_grid import BatchedGrid
 
-    kind = BatchedGrid if scn.sim.batched else InProcessGrid
     if scn.sim.batched_shards:
         return _run_sharded(scn, on_round)
+    kind = BatchedGrid if scn.sim.batched else InProcessGrid
     if scn.sim.sites:  # edge aggregators: the coordinator's nodes are the sites, each with its clients' grid
         from .hierarchy import site_grid
 
@@ -409,14 +416,7 @@ def _run_sharded(scn: Scenario, on_round: RoundCallback | None) -> dict[str, Any
     ``ray-address``; shut down after the run."""
     from clients.client_app import app as client_app
 
-    if not ray_installed():
-        raise CoordinatorError(RAY_MISSING.replace("simulation.engine 'flower' runs Flower's simulation engine",
-                                                   "simulation.batched-shards runs the batched training"))
-    hostport = check_ray_address(scn.sim.ray_address, what="simulation.ray-address") if scn.sim.ray_address else None
-    machine = os.cpu_count() or 1
-    if hostport is None and scn.sim.ray_num_cpus > machine:
-        raise CoordinatorError(f"simulation.ray-num-cpus must be <= this machine's {machine} CPUs for a Ray instance "
-                               f"of the run's own. Found {scn.sim.ray_num_cpus}.")
+    hostport = check_ray_cluster(scn)
     import ray
 
     from .ray_shards import ShardedBatchedGrid
@@ -424,7 +424,7 @@ def _run_sharded(scn: Scenario, on_round: RoundCallback | None) -> dict[str, Any
     init: dict[str, Any] = {"logging_level": logging.WARNING, "log_to_driver": False, "include_dashboard": False}
     if scn.sim.ray_address:
         init["address"] = scn.sim.ray_address
-    elif scn.sim.ray_num_cpus:
+    if scn.sim.ray_num_cpus:  # (0 when joining a cluster: check_ray_cluster)
         init["num_cpus"] = scn.sim.ray_num_cpus
     with local_ray_auth(hostport is not None), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Tip: In future versions of Ray", category=FutureWarning)

@@ -393,3 +393,30 @@ def test_the_agent_the_coordinator_and_the_inprocess_engine_need_no_ray(tmp_path
                           capture_output=True, text=True, timeout=280, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "after 1 rounds" in proc.stdout and (tmp_path / "r" / "summary.json").is_file()
+
+
+def test_ray_shards_are_checked_before_a_run_dir_is_made(tmp_path, monkeypatch, capsys):
+    """batched-shards takes Flower's engine's checks: Ray installed, ray-num-cpus within the machine, a cluster's
+    ray-num-cpus refused (Ray refuses num_cpus when joining)."""
+    from coordinator import CoordinatorError, RunConfig
+    from simulations.cli import main
+    from simulations.runner import check_ray_cluster
+    from simulations.scenario import Scenario, SimulationSettings
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    run = RunConfig.from_mapping({})
+    over = SimulationSettings(name="t", num_supernodes=3, engine="inprocess", batched_shards=2,
+                              ray_num_cpus=(os.cpu_count() or 1) + 1)
+    with pytest.raises(CoordinatorError, match="ray-num-cpus must be <= this machine's"):
+        check_ray_cluster(Scenario(sim=over, run=run))
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
+    joining = SimulationSettings(name="t", num_supernodes=3, engine="inprocess", batched_shards=2, ray_num_cpus=2)
+    with pytest.raises(CoordinatorError, match=r"joins a Ray cluster \(RAY_ADDRESS is set"):
+        check_ray_cluster(Scenario(sim=joining, run=run))
+    monkeypatch.delenv("RAY_ADDRESS")
+    monkeypatch.setitem(sys.modules, "ray", None)  # as on a base install: `import ray` fails
+    assert main(["simulate", "--engine", "inprocess", "--set", "simulation.batched-shards=2", "--rounds", "1",
+                 "--run-dir", str(tmp_path / "r"), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("fedshield: error: simulation.batched-shards runs"), err
+    assert "pip install 'fedshield[simulation]'" in err[0] and not (tmp_path / "r").exists()
