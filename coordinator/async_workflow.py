@@ -49,6 +49,7 @@ from .validation import (
     RejectedReply,
     RoundExpectation,
     add_reply,
+    pull_chunks,
     pushed,
     staleness_factor,
     validate_reply,
@@ -222,26 +223,33 @@ class BufferedAsyncWorkflow(SyncWorkflow):
             n_sent, n_bytes = self._dispatch(nodes)
             window["selected"] += n_sent
             window["bytes_down"] += n_bytes
-            replies = list(self.grid.pull_messages(list(self.inflight))) if self.inflight else []
-            for reply in replies:
-                if self.round >= total:
-                    break  # the last release is out; the rest stay "in flight" (unresolved) at the end
-                mid = reply.metadata.reply_to_message_id
-                flight = self.inflight.pop(mid, None)
-                if flight is None:  # not ours, or already resolved: the Grid should never do this
-                    log(WARNING, "[fedshield] async: ignoring a reply to an unknown or resolved message %s", str(mid)[:16])
-                    continue
-                self._resolved.add(mid)
-                window["replies"] += 1
-                if not self._take(reply, mid, flight, acc, window):
-                    continue
-                last_progress = self.clock.now()
-                if acc.count >= self.buffer_size:
-                    self._release(acc, window, last_release, nodes)
-                    last_release = self.clock.now()
-                    acc = self._new_aggregator()
-                    window = self._fresh_window()
-                    self._in_buffer.clear()
+            pulled = 0
+            for replies in pull_chunks(self.grid, list(self.inflight)) if self.inflight else ():
+                pulled += len(replies)
+                released = False
+                for reply in replies:
+                    if self.round >= total:
+                        break  # the last release is out; the rest stay "in flight" (unresolved) at the end
+                    mid = reply.metadata.reply_to_message_id
+                    flight = self.inflight.pop(mid, None)
+                    if flight is None:  # not ours, or already resolved: the Grid should never do this
+                        log(WARNING, "[fedshield] async: ignoring a reply to an unknown or resolved message %s",
+                            str(mid)[:16])
+                        continue
+                    self._resolved.add(mid)
+                    window["replies"] += 1
+                    if not self._take(reply, mid, flight, acc, window):
+                        continue
+                    last_progress = self.clock.now()
+                    if acc.count >= self.buffer_size:
+                        self._release(acc, window, last_release, nodes)
+                        last_release = self.clock.now()
+                        acc = self._new_aggregator()
+                        window = self._fresh_window()
+                        self._in_buffer.clear()
+                        released = True
+                if released or self.round >= total:
+                    break  # the nodes that replied get the new model before the other replies are asked for
             if self.round >= total:
                 break
             if self.clock.now() - last_progress >= self.stall_timeout:
@@ -255,7 +263,7 @@ class BufferedAsyncWorkflow(SyncWorkflow):
                     f"the async run must make progress: no update was accepted for {self.stall_timeout:g} s "
                     f"(rejected since the last release: {rejected}; {len(self.inflight)} in flight, {len(nodes)} nodes "
                     "online). Raise round-timeout (each message's time to live) if the nodes need longer, or check them.")
-            if not replies:
+            if not pulled:
                 self.clock.sleep(self.cfg.server.poll_interval if self.inflight else min(1.0, self.cfg.server.poll_interval * 10))
         return self.finish()
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -272,16 +273,25 @@ def deadline_of(grid: Any, push_started: float, push_ended: float, timeout: floa
     return (push_ended if getattr(grid, "computes_replies_at_push", False) else push_started) + timeout
 
 
-def pull_bounded(grid: Any, ids: list[str], clock: Any, deadline: float) -> list[Message]:
-    """The replies to ``ids`` that are in: from a remote grid ``PULL_CHUNK`` ids at a time, stopping between asks
-    once ``deadline`` has passed on ``clock`` (the ids not asked stay pending); an in-process grid in one ask."""
+def pull_chunks(grid: Any, ids: list[str]) -> Iterator[list[Message]]:
+    """The replies to ``ids`` that are in, one ask at a time: ``PULL_CHUNK`` ids an ask from a remote grid (one pull of
+    many replies through a busy SuperLink takes tens of seconds), all in one ask from an in-process grid. The caller
+    may stop between asks; the ids not asked stay pending."""
     if getattr(grid, "computes_replies_at_push", False) or len(ids) <= PULL_CHUNK:
-        return list(grid.pull_messages(ids))
-    out: list[Message] = []
+        yield list(grid.pull_messages(ids))
+        return
     for i in range(0, len(ids), PULL_CHUNK):
-        if i and clock.now() >= deadline:
+        yield list(grid.pull_messages(ids[i:i + PULL_CHUNK]))
+
+
+def pull_bounded(grid: Any, ids: list[str], clock: Any, deadline: float) -> list[Message]:
+    """The replies to ``ids`` that are in (:func:`pull_chunks`), stopping between asks once ``deadline`` has passed
+    on ``clock``."""
+    out: list[Message] = []
+    for got in pull_chunks(grid, ids):
+        out.extend(got)
+        if clock.now() >= deadline:
             break
-        out.extend(grid.pull_messages(ids[i:i + PULL_CHUNK]))
     return out
 
 

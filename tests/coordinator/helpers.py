@@ -9,6 +9,7 @@ from flwr.app import Array, ArrayRecord, Context, Message, MetricRecord, RecordD
 
 from clients.client_app import run_train
 from clients.protocol import ARRAYS, DELTA, METRICS
+from simulations.inprocess import InProcessGrid
 
 
 def reply_with(msg: Message, delta: Array, metrics: dict | None = None) -> Message:
@@ -56,3 +57,40 @@ def mixed(bad_nodes: set[int], bad: Callable[[Message, Context], Message]) -> Ca
         return bad(msg, ctx) if ctx.node_id in bad_nodes else run_train(msg, ctx)
 
     return client
+
+
+class FakeClock:
+    """A clock that moves only when waited on (or when a test's grid moves it)."""
+
+    t = 0.0
+
+    def now(self):
+        return self.t
+
+    def sleep(self, s):
+        self.t += s
+
+
+class SlowRemoteGrid(InProcessGrid):
+    """A grid as slow as a busy SuperLink, on a fake clock: a push takes ``push_s``, each pull ``pull_s``
+    (the replies are made at once; only the clock says how long the transport took)."""
+
+    computes_replies_at_push = False  # as Flower's grid: the replies arrive after the push
+
+    def __init__(self, client, num_nodes, clock, push_s, pull_s):
+        super().__init__(client, num_nodes)
+        self.clock, self.push_s, self.pull_s, self.asks = clock, push_s, pull_s, []
+        self.events: list[tuple[str, int]] = []  # ("push" | "pull", messages pushed | ids asked), in order
+
+    def push_messages(self, messages):
+        ids = super().push_messages(messages)
+        self.clock.t += self.push_s
+        self.events.append(("push", len(ids)))
+        return ids
+
+    def pull_messages(self, message_ids):
+        ids = list(message_ids)
+        self.asks.append(len(ids))
+        self.events.append(("pull", len(ids)))
+        self.clock.t += self.pull_s
+        return super().pull_messages(ids)

@@ -18,7 +18,7 @@ from coordinator.rundir import time_label
 from simulations.inprocess import InProcessGrid
 from simulations.virtual import DeviceProfile, VirtualClock, VirtualGrid, tiered_profiles
 
-from .helpers import reply_with
+from .helpers import FakeClock, SlowRemoteGrid, reply_with
 
 FAST = DeviceProfile("fast", compute_s_per_example=0.001, uplink_mbps=100.0, downlink_mbps=100.0, latency_s=0.01)
 SLOW = dataclasses.replace(FAST, tier="slow", compute_s_per_example=0.01)  # 10 examples x 3 epochs: 0.3 s vs 0.03 s
@@ -329,3 +329,21 @@ def test_under_a_robust_rule_a_release_takes_one_update_per_node(tmp_path, rule,
                           config=cfg(**{"num-rounds": 6}), concurrency=5, buffer_size=3)
     mean.run()
     assert any(len(set(c)) < len(c) for c in _contributors(mean))  # the setting a fast node used to exploit
+
+
+def test_a_remote_grid_is_pulled_in_bounded_asks_and_a_release_dispatches_before_the_rest_is_asked(tmp_path, monkeypatch):
+    """FedBuff had asked for every in-flight reply in one pull: through a busy SuperLink one such pull takes tens of
+    seconds, and the nodes whose replies filled a release waited for all of it before getting the new model."""
+    import coordinator.validation as validation
+
+    monkeypatch.setattr(validation, "PULL_CHUNK", 4)
+    clock = FakeClock()
+    grid = SlowRemoteGrid(constant_client({}), 16, clock, push_s=1.0, pull_s=1.0)
+    wf = BufferedAsyncWorkflow(cfg(**{"num-rounds": 3, "poll-interval": 0.5}), grid, RunDirectory(tmp_path / "run"),
+                               clock, concurrency=16, buffer_size=4, stall_timeout=60.0)
+    wf.run()
+    assert len(wf.history) == 3 and max(grid.asks) == 4
+    # 16 out, one ask of 4 fills the first release; its 4 nodes get the next version before the next ask
+    assert grid.events[:4] == [("push", 16), ("pull", 4), ("push", 4), ("pull", 4)], grid.events
+    assert wf.history[1]["mean_staleness"] == pytest.approx(1.0)  # the second release: replies to version 0
+    assert wf.accepted_total == 12 and wf.accepted_total + wf.rejected_total + len(wf.inflight) == wf.dispatched

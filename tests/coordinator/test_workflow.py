@@ -14,7 +14,7 @@ from coordinator import RunConfig, RunDirectory, SyncWorkflow
 from coordinator.rundir import CHECKPOINT, CONFIG, METRICS, MODEL, PLOT, SUMMARY
 from simulations.inprocess import InProcessGrid
 
-from .helpers import mixed, stock_flower_bad
+from .helpers import FakeClock, SlowRemoteGrid, mixed, stock_flower_bad
 
 BAD_KINDS = ["wrong-length", "nan", "inf", "float64", "zero-examples", "huge-examples", "stale", "huge-values", "large-norm"]
 RULE = {"wrong-length": "bad-array", "nan": "non-finite", "inf": "non-finite", "float64": "oversized",
@@ -313,7 +313,7 @@ def test_waits_for_min_nodes_then_fails_clearly(tmp_path):
     from coordinator import CoordinatorError
 
     wf = SyncWorkflow(cfg(**{"min-nodes": 5, "wait-nodes-timeout": 3.0}), InProcessGrid(app, 2), RunDirectory(tmp_path),
-                      clock=_FakeClock())
+                      clock=FakeClock())
     with pytest.raises(CoordinatorError, match="min-nodes=5 nodes must be online"):
         wf.run()
 
@@ -612,40 +612,6 @@ def test_a_run_stopped_by_its_budget_before_an_evaluated_round_is_evaluated_at_i
     assert math.isfinite(summary["final_test_accuracy"]) and math.isfinite(wf.history[-1]["test_accuracy"])
 
 
-class _FakeClock:
-    """A clock that moves only when waited on (or when a test's grid moves it)."""
-
-    t = 0.0
-
-    def now(self):
-        return self.t
-
-    def sleep(self, s):
-        self.t += s
-
-
-class _SlowRemoteGrid(InProcessGrid):
-    """A grid as slow as a busy SuperLink, on a fake clock: a push takes ``push_s``, each pull ``pull_s``
-    (the replies are made at once; only the clock says how long the transport took)."""
-
-    computes_replies_at_push = False  # as Flower's grid: the replies arrive after the push
-
-    def __init__(self, client, num_nodes, clock, push_s, pull_s):
-        super().__init__(client, num_nodes)
-        self.clock, self.push_s, self.pull_s, self.asks = clock, push_s, pull_s, []
-
-    def push_messages(self, messages):
-        ids = super().push_messages(messages)
-        self.clock.t += self.push_s
-        return ids
-
-    def pull_messages(self, message_ids):
-        ids = list(message_ids)
-        self.asks.append(len(ids))
-        self.clock.t += self.pull_s
-        return super().pull_messages(ids)
-
-
 @pytest.mark.parametrize(("timeout", "accepted", "asks"), [
     (25.0, 4, [4]),  # push 0-20 s, first ask 20-30 s: past the deadline of 25 s, counted from before the push
     (45.0, 12, [4, 4, 4]),  # asks end at 30, 40, 50 s: the fourth is not made
@@ -658,8 +624,8 @@ def test_a_remote_grids_deadline_counts_from_the_push_and_is_checked_between_bou
     import coordinator.validation as validation
 
     monkeypatch.setattr(validation, "PULL_CHUNK", 4)
-    clock = _FakeClock()
-    grid = _SlowRemoteGrid(run_train_app(), 16, clock, push_s=20.0, pull_s=10.0)
+    clock = FakeClock()
+    grid = SlowRemoteGrid(run_train_app(), 16, clock, push_s=20.0, pull_s=10.0)
     wf = SyncWorkflow(cfg(**{"num-rounds": 1, "min-nodes": 16, "round-timeout": timeout, "poll-interval": 1.0}), grid,
                       RunDirectory(tmp_path), clock=clock)
     wf.run()
@@ -671,8 +637,8 @@ def test_a_remote_grids_deadline_counts_from_the_push_and_is_checked_between_bou
 def test_an_in_process_grids_deadline_counts_from_after_the_push_that_trained(tmp_path):
     """The in-process engines train while they push: however long that took, every reply is in the round."""
 
-    clock = _FakeClock()
-    grid = _SlowRemoteGrid(run_train_app(), 6, clock, push_s=500.0, pull_s=0.0)
+    clock = FakeClock()
+    grid = SlowRemoteGrid(run_train_app(), 6, clock, push_s=500.0, pull_s=0.0)
     grid.computes_replies_at_push = True
     wf = SyncWorkflow(cfg(**{"num-rounds": 1, "min-nodes": 6, "round-timeout": 10.0}), grid, RunDirectory(tmp_path),
                       clock=clock)
@@ -685,8 +651,8 @@ def test_federated_evaluation_keeps_the_same_deadline_and_bounded_pulls(tmp_path
     import coordinator.validation as validation
 
     monkeypatch.setattr(validation, "PULL_CHUNK", 4)
-    clock = _FakeClock()
-    grid = _SlowRemoteGrid(run_train_app(), 16, clock, push_s=20.0, pull_s=10.0)
+    clock = FakeClock()
+    grid = SlowRemoteGrid(run_train_app(), 16, clock, push_s=20.0, pull_s=10.0)
     wf = SyncWorkflow(cfg(**{"num-rounds": 1, "min-nodes": 16, "round-timeout": 45.0, "poll-interval": 1.0,
                              "federated-eval-every": 1}), grid, RunDirectory(tmp_path), clock=clock)
     wf.run()
