@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import importlib
 import ipaddress
 import logging
 import os
@@ -230,20 +231,108 @@ class LocalControlOnly:
             _RECLAIMER.refused(seen)
 
 
+# Flower 1.42's SuperLink stacks eight BaseHTTPMiddlewares; each costs a request its task group, memory streams and
+# a wrapped response even when it only passes the request on, and most act on one API only. For the requests they
+# pass on unread they are stepped around (:class:`_OnlyFor`), and the error translator is plain ASGI: a Fleet request
+# goes through 2 of them, a Runtime request 1. (class, the paths it acts on): Flower's code returns ``call_next(request)`` at once for any other path.
+_CONTROL, _FLEET = "/v1/control/", "/v1/fleet/"
+_PATH_BOUND_MIDDLEWARE = (
+    ("flwr.superlink.routers.control.middlewares", "ControlSensitiveResponseMiddleware", _CONTROL),
+    ("flwr.superlink.routers.control.middlewares", "ControlAuthenticationMiddleware", _CONTROL),
+    ("flwr.superlink.routers.control.middlewares", "ControlLicenseMiddleware", _CONTROL),
+    ("flwr.superlink.routers.control.middlewares", "ControlEventLogMiddleware", _CONTROL),
+    ("flwr.superlink.routers.fleet.node_auth", "NodeAuthMiddleware", _FLEET),
+    ("flwr.superlink.routers.fleet.middlewares", "FleetEventLogMiddleware", _FLEET),
+)
+
+
+class _OnlyFor:
+    """ASGI: Flower's ``middleware`` for the paths under ``prefix``; any other request goes straight to the app it
+    wraps, as ``middleware`` would have sent it there unread."""
+
+    def __init__(self, app: ASGIApp, middleware: type, prefix: str, args: tuple = (), kwargs: dict | None = None) -> None:
+        self.app, self.prefix = app, prefix
+        self.middleware = middleware(app, *args, **(kwargs or {}))
+
+    async def __call__(self, scope: Scope, receive: Callable[[], Awaitable[Any]],
+                      send: Callable[[Any], Awaitable[None]]) -> None:
+        if scope["type"] == "http" and not scope.get("path", "").startswith(self.prefix):
+            await self.app(scope, receive, send)
+        else:
+            await self.middleware(scope, receive, send)
+
+
+class _Translated:
+    """ASGI: Flower's error translator (``dispatch``: a FlowerError, HTTPException or any other exception raised
+    before the response started becomes its JSON answer) without a BaseHTTPMiddleware around it."""
+
+    def __init__(self, app: ASGIApp, dispatch: Callable[..., Awaitable[Any]]) -> None:
+        self.app, self.dispatch = app, dispatch
+
+    async def __call__(self, scope: Scope, receive: Callable[[], Awaitable[Any]],
+                      send: Callable[[Any], Awaitable[None]]) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracked(message: Any) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as exc:
+            if started:
+                raise
+            from starlette.requests import Request
+
+            async def raised(_request: Any) -> Any:
+                raise exc
+
+            response = await self.dispatch(Request(scope, receive), raised)
+            await response(scope, receive, send)
+
+
+def slimmed(stack: list) -> list:
+    """Flower's middleware ``stack`` with each of :data:`_PATH_BOUND_MIDDLEWARE` acting only on its own paths, and
+    its error translator as plain ASGI (:class:`_Translated`)."""
+    from flwr.supercore.error.http import http_error_translator
+    from starlette.middleware import Middleware
+    from starlette.middleware.base import BaseHTTPMiddleware
+
+    bound = {getattr(importlib.import_module(module), name): prefix for module, name, prefix in _PATH_BOUND_MIDDLEWARE}
+    out = []
+    for m in stack:
+        if m.cls in bound:
+            m = Middleware(_OnlyFor, middleware=m.cls, prefix=bound[m.cls], args=tuple(m.args), kwargs=dict(m.kwargs))
+        elif m.cls is BaseHTTPMiddleware and not m.args and m.kwargs == {"dispatch": http_error_translator}:
+            m = Middleware(_Translated, dispatch=http_error_translator)
+        out.append(m)
+    return out
+
+
 def install() -> None:
-    """Put :class:`LocalControlOnly` in front of the SuperLink's middleware (before its app is made)."""
-    from flwr.superlink import extensions
+    """Put :class:`LocalControlOnly` in front of the SuperLink's middleware (before its app is made), and step
+    around the middleware that has nothing to do with a request (:func:`slimmed`)."""
+    from flwr.superlink import extensions, main
     from starlette.middleware import Middleware
 
     if getattr(extensions.get_middleware, "fedshield_guard", False):
         return
-    flower_own = extensions.get_middleware
+    flower_own, flower_stack = extensions.get_middleware, main._get_middleware
 
     def get_middleware() -> tuple[Middleware, ...]:
         return (Middleware(LocalControlOnly), *flower_own())
 
+    def get_stack() -> list[Middleware]:
+        return slimmed(flower_stack())
+
     get_middleware.fedshield_guard = True  # type: ignore[attr-defined]
+    get_stack.flower = flower_stack  # type: ignore[attr-defined]  (Flower's own, for the tests' comparison)
     extensions.get_middleware = get_middleware
+    main._get_middleware = get_stack
 
 
 # Failed TLS handshakes never reach ASGI (nor uvicorn): asyncio's TLS layer drops them and logs only in its debug
@@ -366,6 +455,33 @@ def watch_tls_handshakes(log: HandshakeLog | None = None) -> bool:
     return True
 
 
+def tls_loop() -> asyncio.AbstractEventLoop:
+    """uvloop's event loop (libuv: the SuperLink's request handling ~1.4x cheaper than on asyncio's) with TLS served
+    by asyncio's TLS layer, whose failed handshakes :func:`watch_tls_handshakes` reports (uvloop's own reports
+    none). uvicorn's ``loop`` takes this factory; asyncio's loop serves where uvloop is not installed."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    from asyncio import sslproto
+
+    class Loop(uvloop.Loop):  # type: ignore[misc, name-defined]
+        async def create_server(self, protocol_factory: Callable[[], Any], *args: Any, ssl: Any = None,
+                                ssl_handshake_timeout: float | None = None, ssl_shutdown_timeout: float | None = None,
+                                **kwargs: Any) -> Any:
+            if ssl is None:
+                return await super().create_server(protocol_factory, *args, **kwargs)
+
+            def tls_protocol() -> asyncio.BaseProtocol:
+                return sslproto.SSLProtocol(self, protocol_factory(), ssl, None, server_side=True,
+                                            ssl_handshake_timeout=ssl_handshake_timeout,
+                                            ssl_shutdown_timeout=ssl_shutdown_timeout)
+
+            return await super().create_server(tls_protocol, *args, **kwargs)
+
+    return Loop()
+
+
 # Flower's switches for its older gRPC APIs: each starts a second listener (the Control API on
 # --control-api-address, 0.0.0.0:9093 by default) that this guard never sees.
 UNGUARDED_APIS = ("FLWR_INTERNAL_GRPC_CONTROL_API", "FLWR_INTERNAL_GRPC_FLEET_API")
@@ -390,7 +506,6 @@ def main(argv: list[str] | None = None) -> None:
         if os.environ.pop(var, None) is not None:
             print(f"fedshield: {var} ignored: it would start an API beside the guarded port", file=sys.stderr)
     install()
-    import importlib
 
     import uvicorn
 
@@ -401,7 +516,7 @@ def main(argv: list[str] | None = None) -> None:
     def run(*args: Any, **kwargs: Any) -> None:
         if kwargs.get("ssl_certfile"):
             if watch_tls_handshakes():
-                kwargs["loop"] = "asyncio"  # (uvloop's TLS layer reports no failed handshake: see watch_tls_handshakes)
+                kwargs["loop"] = tls_loop  # (uvloop's own TLS layer reports no failed handshake: see tls_loop)
             else:
                 print("fedshield: failed TLS handshakes are not logged: this Python's asyncio lacks the hooks used",
                       file=sys.stderr)

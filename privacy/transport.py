@@ -240,8 +240,15 @@ def _no_dirs_in_the_way(*paths: Path) -> None:
             raise PrivacyError(f"{p} must be a file (or not exist yet). Found a directory; move it away.")
 
 
-def new_node_key(path: str | os.PathLike, force: bool = False) -> tuple[Path, Path]:
-    """Write an ECDSA P-384 key pair in OpenSSH format: ``path`` and ``path.pub``."""
+# A node signs every Fleet request and the SuperLink verifies each signature: P-256 (128-bit security, as TLS 1.3's
+# default groups) verifies in 0.08 ms against P-384's 0.36 ms, ~10% of the SuperLink's CPU per request.
+NODE_KEY_CURVES = {"p256": ec.SECP256R1, "p384": ec.SECP384R1}
+
+
+def new_node_key(path: str | os.PathLike, force: bool = False, curve: str = "p256") -> tuple[Path, Path]:
+    """Write an ECDSA key pair (``curve``: p256 or p384) in OpenSSH format: ``path`` and ``path.pub``."""
+    if curve not in NODE_KEY_CURVES:
+        raise PrivacyError(f"curve must be one of {sorted(NODE_KEY_CURVES)}. Found {curve!r}.")
     priv = Path(path)
     if priv.name in ("", ".", "..") or priv.is_dir():
         raise PrivacyError(f"key path must be DIR/NAME. Found {str(path)!r}.")
@@ -250,7 +257,7 @@ def new_node_key(path: str | os.PathLike, force: bool = False) -> tuple[Path, Pa
         raise PrivacyError(f"key path must not exist yet. Found {priv}; use --force to replace.")
     _no_dirs_in_the_way(priv, pub)
     make_dir(priv.parent, "key directory")
-    key = ec.generate_private_key(ec.SECP384R1())
+    key = ec.generate_private_key(NODE_KEY_CURVES[curve]())
     _write(priv, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
                                    serialization.NoEncryption()), private=True)
     _write(pub, key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)

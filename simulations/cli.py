@@ -176,7 +176,7 @@ def _certs_init(args: argparse.Namespace) -> int:
 def _keys_new(args: argparse.Namespace) -> int:
     from privacy import new_node_key
 
-    priv, pub = new_node_key(args.path, force=args.force)
+    priv, pub = new_node_key(args.path, force=args.force, curve=args.curve)
     print(f"wrote node key {priv} (keep private) and {pub} (enrol it in the coordinator config)")
     return 0
 
@@ -289,8 +289,10 @@ def build_parser() -> argparse.ArgumentParser:
     ci.set_defaults(func=_certs_init)
 
     keys = sub.add_parser("keys", help="node authentication keys").add_subparsers(dest="action", required=True, parser_class=_Parser)
-    kn = keys.add_parser("new", help="make a client key pair DIR/NAME and DIR/NAME.pub (ECDSA P-384, OpenSSH)")
+    kn = keys.add_parser("new", help="make a client key pair DIR/NAME and DIR/NAME.pub (ECDSA, OpenSSH)")
     kn.add_argument("path", type=_path)
+    kn.add_argument("--curve", choices=("p256", "p384"), default="p256",
+                    help="NIST curve (default: %(default)s; the SuperLink verifies a P-256 signature 4x faster)")
     kn.add_argument("--force", action="store_true")
     kn.set_defaults(func=_keys_new)
 

@@ -454,3 +454,83 @@ def test_the_real_superlink_logs_failed_handshakes_with_the_peer_address(tmp_pat
     assert re.search(r"WARNING .*fedshield: TLS handshake from 127\.0\.0\.3:\d+ failed: plaintext HTTP on the TLS "
                      r"port \(the client runs --insecure\?\)", lines[1]), lines
     assert "127.0.0.4" not in log.read_text() and "PRIVATE KEY" not in log.read_text()
+
+
+def _dispatches(app, monkeypatch, path: str, client=("127.0.0.1", 40000)) -> int:
+    """How many of Flower's BaseHTTPMiddlewares a POST to ``path`` went through."""
+    from starlette.middleware.base import BaseHTTPMiddleware
+
+    calls, flower_call = [], BaseHTTPMiddleware.__call__
+
+    async def counted(self, scope, receive, send):
+        if scope["type"] == "http":  # not the app's lifespan
+            calls.append(type(self).__name__)
+        await flower_call(self, scope, receive, send)
+
+    monkeypatch.setattr(BaseHTTPMiddleware, "__call__", counted)
+    with TestClient(app, client=client) as c:
+        _post(c, path)
+    return len(calls)
+
+
+@pytest.mark.parametrize(("path", "client", "expected"), [
+    ("/v1/fleet/pull-messages", ELSEWHERE, 2),  # protobuf, node auth (Flower's stack: all 8)
+    ("/v1/runtime/pull-messages", ("127.0.0.1", 40000), 1),
+    ("/v1/control/list-runs", ("127.0.0.1", 40000), 5),  # all but the Fleet API's two and the error translator
+])
+def test_a_request_skips_the_flower_middleware_that_acts_on_another_api(app, monkeypatch, path, client, expected):
+    assert _dispatches(app, monkeypatch, path, client) == expected
+
+
+def test_the_middleware_stepped_around_acts_only_on_its_own_api():
+    """What makes stepping around them safe, as Flower 1.42 has it (the pin test fails on another version)."""
+    import importlib
+    import inspect
+
+    from flwr.superlink.routers.control.middlewares import CONTROL_SENSITIVE_ROUTE_KEYS
+
+    assert CONTROL_SENSITIVE_ROUTE_KEYS and all(p.startswith("/v1/control/") for _, p in CONTROL_SENSITIVE_ROUTE_KEYS)
+    for module, name, prefix in superlink._PATH_BOUND_MIDDLEWARE:
+        source = inspect.getsource(getattr(importlib.import_module(module), name).dispatch)
+        first_check = source.split("if ", 1)[1].split(":", 1)[0]
+        assert (prefix in first_check or "_is_control_path" in first_check or "_is_control_sensitive_route" in source
+                ), (name, first_check)
+
+
+def test_node_authentication_still_guards_the_fleet_api(app):
+    with TestClient(app, client=ELSEWHERE) as c:
+        r = c.post("/v1/fleet/pull-messages", content=b"\x0a\x02\x08\x07",  # node 7, no signature
+                   headers={"content-type": "application/protobuf"})
+    assert r.status_code == 401, (r.status_code, r.content)
+
+
+@pytest.fixture(scope="module")
+def stock_app():
+    """The SuperLink's app with Flower's own middleware stack (the guard in front, nothing stepped around)."""
+    superlink.install()
+    from flwr.superlink import main
+
+    slim = main._get_middleware
+    main._get_middleware = slim.flower
+    try:
+        return main.create_app()
+    finally:
+        main._get_middleware = slim
+
+
+@pytest.mark.parametrize(("path", "body", "ctype", "client"), [
+    ("/v1/fleet/pull-messages", b"\xff\xff\xff", "application/protobuf", ELSEWHERE),  # not protobuf
+    ("/v1/fleet/pull-messages", b"", "text/plain", ELSEWHERE),  # another media type
+    ("/v1/fleet/pull-messages", b"\x0a\x02\x08\x07", "application/protobuf", ELSEWHERE),  # no signature
+    ("/v1/fleet/push-messages", b"", "application/protobuf", ELSEWHERE),
+    ("/v1/runtime/pull-messages", b"", "application/protobuf", ("127.0.0.1", 40000)),  # no task token
+    ("/v1/fleet/nonexistent", b"", "application/protobuf", ("127.0.0.1", 40000)),
+])
+def test_the_slimmed_stack_answers_as_flowers_own(app, stock_app, path, body, ctype, client):
+    answers = []
+    for a in (app, stock_app):
+        with TestClient(a, client=client, raise_server_exceptions=False) as c:
+            r = c.post(path, content=body, headers={"content-type": ctype})
+            answers.append((r.status_code, r.content, r.headers.get("content-type")))
+    assert answers[0] == answers[1]
+    assert answers[0][0] >= 400

@@ -145,3 +145,21 @@ def test_a_server_key_others_can_read_is_refused(tmp_path):
     os.chmod(paths.server_key, 0o644)
     with pytest.raises(PrivacyError, match=r"server key .* must be readable by its owner only \(chmod 600"):
         CertificatePaths.in_dir(tmp_path / "certs").check()
+
+
+@pytest.mark.parametrize(("args", "curve"), [([], "secp256r1"), (["--curve", "p384"], "secp384r1")])
+def test_node_keys_are_p256_by_default_and_p384_on_request(tmp_path, args, curve):
+    from cryptography.hazmat.primitives.serialization import load_ssh_private_key, load_ssh_public_key
+
+    from simulations.cli import main
+
+    assert main(["keys", "new", str(tmp_path / "k"), *args]) == 0
+    priv = load_ssh_private_key((tmp_path / "k").read_bytes(), None)
+    pub = load_ssh_public_key((tmp_path / "k.pub").read_bytes())
+    assert priv.curve.name == pub.curve.name == curve and priv.public_key() == pub
+
+
+def test_an_unknown_curve_is_one_error(tmp_path):
+    with pytest.raises(PrivacyError, match="curve must be one of"):
+        new_node_key(tmp_path / "k", curve="p521")
+    assert not (tmp_path / "k").exists()

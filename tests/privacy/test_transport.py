@@ -189,14 +189,14 @@ def test_check_ca_certificate_accepts_the_ca(certs):
 # --------------------------------------------------------------------------- node keys
 
 
-def test_new_node_key_is_p384_openssh_pair(node_key):
+def test_new_node_key_is_a_p256_openssh_pair(node_key):
     priv, pub = node_key
     assert pub.name == priv.name + ".pub"
     assert priv.read_bytes().startswith(b"-----BEGIN OPENSSH PRIVATE KEY-----")
     key = serialization.load_ssh_private_key(priv.read_bytes(), None)
-    assert isinstance(key, ec.EllipticCurvePrivateKey) and isinstance(key.curve, ec.SECP384R1)
+    assert isinstance(key, ec.EllipticCurvePrivateKey) and isinstance(key.curve, ec.SECP256R1)
     text = pub.read_text()
-    assert text.startswith("ecdsa-sha2-nistp384 ") and text.rstrip().endswith(" node-1")
+    assert text.startswith("ecdsa-sha2-nistp256 ") and text.rstrip().endswith(" node-1")
     public = serialization.load_ssh_public_key(pub.read_bytes())
     assert isinstance(public, ec.EllipticCurvePublicKey)
     assert public.public_numbers() == key.public_key().public_numbers()
