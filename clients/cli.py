@@ -316,12 +316,15 @@ def agent_plan(args: argparse.Namespace, state_dir: str | None = None, task: str
     """The agent's processes: the SuperNode (Flower's, waits shortened, process isolation: it starts no
     ClientApp itself) and the warm ClientApp worker that serves its messages over the Runtime API. The
     worker's node config and Runtime API address go to ``state_dir`` (a worker started early waits for them)."""
-    supernode = supernode_command(args)
     poll, task_timeout = getattr(args, "poll_interval", 0.2), getattr(args, "task_timeout", 1800.0)
+    idle = getattr(args, "idle_poll_interval", 3.0)
     if not (math.isfinite(poll) and 0.01 <= poll <= 60):
         raise ClientError(f"--poll-interval must be in [0.01, 60] seconds. Found {poll!r}.")
+    if not (math.isfinite(idle) and poll <= idle <= 600):
+        raise ClientError(f"--idle-poll-interval must be in [--poll-interval, 600] seconds. Found {idle!r}.")
     if not (math.isfinite(task_timeout) and task_timeout > 0):
         raise ClientError(f"--task-timeout must be a finite number of seconds > 0. Found {task_timeout!r}.")
+    supernode = supernode_command(args)  # (it probes the coordinator: after the checks of plain values)
     state_dir = state_dir or new_state_dir()
     runtime = f"127.0.0.1:{supernode[supernode.index('--port') + 1]}"
     node_config = supernode[supernode.index("--node-config") + 1]
@@ -330,7 +333,7 @@ def agent_plan(args: argparse.Namespace, state_dir: str | None = None, task: str
                                                          "site-socket": getattr(args, "site_socket", None) or ""}))
     os.replace(node_file.with_suffix(".tmp"), node_file)
     node = [sys.executable, "-P", str(Path(__file__).with_name("flower_pins.py")), "supernode",
-            "--poll-interval", str(poll), *supernode[1:], "--isolation", "process",
+            "--poll-interval", str(poll), "--idle-poll-interval", str(idle), *supernode[1:], "--isolation", "process",
             "--superexec-auth-secret-file", str(Path(state_dir) / SECRET)]
     root_cert = supernode[supernode.index("--root-certificates") + 1] if "--root-certificates" in supernode else ""
     return Plan(supernode=node, worker=worker_command(state_dir, task), state_dir=state_dir,

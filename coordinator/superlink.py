@@ -233,15 +233,14 @@ class LocalControlOnly:
 
 # Flower 1.42's SuperLink stacks eight BaseHTTPMiddlewares; each costs a request its task group, memory streams and
 # a wrapped response even when it only passes the request on, and most act on one API only. For the requests they
-# pass on unread they are stepped around (:class:`_OnlyFor`), and the error translator is plain ASGI: a Fleet request
-# goes through 2 of them, a Runtime request 1. (class, the paths it acts on): Flower's code returns ``call_next(request)`` at once for any other path.
+# pass on unread they are stepped around (:class:`_OnlyFor`), and the error translator and node authentication are
+# plain ASGI: a Fleet or Runtime request goes through 1 of them (the protobuf translation). (class, the paths it acts on): Flower's code returns ``call_next(request)`` at once for any other path.
 _CONTROL, _FLEET = "/v1/control/", "/v1/fleet/"
 _PATH_BOUND_MIDDLEWARE = (
     ("flwr.superlink.routers.control.middlewares", "ControlSensitiveResponseMiddleware", _CONTROL),
     ("flwr.superlink.routers.control.middlewares", "ControlAuthenticationMiddleware", _CONTROL),
     ("flwr.superlink.routers.control.middlewares", "ControlLicenseMiddleware", _CONTROL),
     ("flwr.superlink.routers.control.middlewares", "ControlEventLogMiddleware", _CONTROL),
-    ("flwr.superlink.routers.fleet.node_auth", "NodeAuthMiddleware", _FLEET),
     ("flwr.superlink.routers.fleet.middlewares", "FleetEventLogMiddleware", _FLEET),
 )
 
@@ -295,17 +294,44 @@ class _Translated:
             await response(scope, receive, send)
 
 
+class _NodeAuthenticated:
+    """ASGI: Flower's NodeAuthMiddleware without a BaseHTTPMiddleware around it: a Fleet request that the protobuf
+    layer parsed is authenticated (``authenticate_node``, in the thread pool as Flower runs it) before the app sees
+    it; its HTTPException (401) goes up to the error translator, as from Flower's."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        from flwr.superlink.routers.fleet.node_auth import authenticate_node
+        from google.protobuf.message import Message
+        from starlette.concurrency import run_in_threadpool
+        from starlette.requests import Request
+
+        self.app, self.authenticate, self.message = app, authenticate_node, Message
+        self.in_threads, self.request = run_in_threadpool, Request
+
+    async def __call__(self, scope: Scope, receive: Callable[[], Awaitable[Any]],
+                      send: Callable[[Any], Awaitable[None]]) -> None:
+        if scope["type"] == "http" and scope.get("path", "").startswith(_FLEET):
+            request = self.request(scope, receive)
+            if isinstance(getattr(request.state, "protobuf_request", None), self.message):
+                await self.in_threads(self.authenticate, request)
+        await self.app(scope, receive, send)
+
+
 def slimmed(stack: list) -> list:
     """Flower's middleware ``stack`` with each of :data:`_PATH_BOUND_MIDDLEWARE` acting only on its own paths, and
-    its error translator as plain ASGI (:class:`_Translated`)."""
+    its error translator and node authentication as plain ASGI (:class:`_Translated`, :class:`_NodeAuthenticated`)."""
     from flwr.supercore.error.http import http_error_translator
     from starlette.middleware import Middleware
     from starlette.middleware.base import BaseHTTPMiddleware
 
+    from flwr.superlink.routers.fleet.node_auth import NodeAuthMiddleware
+
     bound = {getattr(importlib.import_module(module), name): prefix for module, name, prefix in _PATH_BOUND_MIDDLEWARE}
     out = []
     for m in stack:
-        if m.cls in bound:
+        if m.cls is NodeAuthMiddleware and not m.args and not m.kwargs:
+            m = Middleware(_NodeAuthenticated)
+        elif m.cls in bound:
             m = Middleware(_OnlyFor, middleware=m.cls, prefix=bound[m.cls], args=tuple(m.args), kwargs=dict(m.kwargs))
         elif m.cls is BaseHTTPMiddleware and not m.args and m.kwargs == {"dispatch": http_error_translator}:
             m = Middleware(_Translated, dispatch=http_error_translator)

@@ -348,7 +348,10 @@ def build_parser() -> argparse.ArgumentParser:
     ast.add_argument("--insecure", action="store_true", help="NO TLS (testing only)")
     ast.add_argument("--max-retries", type=int, default=3, help="connection attempts before giving up")
     ast.add_argument("--poll-interval", type=float, default=0.2, metavar="S",
-                     help="seconds between this node's requests for work while idle (default: %(default)s)")
+                     help="seconds between this node's requests for work (default: %(default)s)")
+    ast.add_argument("--idle-poll-interval", type=float, default=3.0, metavar="S",
+                     help="after 10 s without work the requests back off, doubling, to one every S seconds "
+                          "(default: %(default)s, Flower's SuperNode's)")
     ast.add_argument("--task-timeout", type=float, default=1800.0, metavar="S",
                      help="a message handled longer than this is answered with an error and the ClientApp "
                           "worker restarted (default: %(default)s)")

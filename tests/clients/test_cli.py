@@ -193,6 +193,17 @@ def test_agent_port_out_of_range_or_in_use_is_one_line(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(("args", "line"), [
+    (["--poll-interval", "0"], "--poll-interval must be in [0.01, 60] seconds. Found 0.0."),
+    (["--idle-poll-interval", "0.1"], "--idle-poll-interval must be in [--poll-interval, 600] seconds. Found 0.1."),
+    (["--idle-poll-interval", "nan"], "--idle-poll-interval must be in [--poll-interval, 600] seconds. Found nan."),
+])
+def test_agent_poll_intervals_out_of_range_are_one_line(tmp_path, capsys, args, line):
+    np.savez(tmp_path / "d.npz", x=np.zeros((20, 64)), y=np.zeros(20, int))
+    err = _agent_error(tmp_path, capsys, "--data", str(tmp_path / "d.npz"), *args)
+    assert err[-1] == f"fedshield: error: {line}"
+
+
+@pytest.mark.parametrize(("args", "line"), [
     (["--coordinator", "127.0.0.1:\u00b2", "--partition", "0/2"], "--coordinator must be HOST:PORT. Found '127.0.0.1:\u00b2'."),
     (["--coordinator", "127.0.0.1:1", "--partition", "\u00b2/3"], "--partition must be ID/N with 0 <= ID < N <= 1000000"),
     (["--coordinator", "a..b:9092", "--partition", "0/2"], "coordinator must be reachable at a..b:9092. Found: "),

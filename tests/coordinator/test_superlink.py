@@ -474,7 +474,7 @@ def _dispatches(app, monkeypatch, path: str, client=("127.0.0.1", 40000)) -> int
 
 
 @pytest.mark.parametrize(("path", "client", "expected"), [
-    ("/v1/fleet/pull-messages", ELSEWHERE, 2),  # protobuf, node auth (Flower's stack: all 8)
+    ("/v1/fleet/pull-messages", ELSEWHERE, 1),  # the protobuf translation (Flower's stack: all 8)
     ("/v1/runtime/pull-messages", ("127.0.0.1", 40000), 1),
     ("/v1/control/list-runs", ("127.0.0.1", 40000), 5),  # all but the Fleet API's two and the error translator
 ])
@@ -495,6 +495,11 @@ def test_the_middleware_stepped_around_acts_only_on_its_own_api():
         first_check = source.split("if ", 1)[1].split(":", 1)[0]
         assert (prefix in first_check or "_is_control_path" in first_check or "_is_control_sensitive_route" in source
                 ), (name, first_check)
+    from flwr.superlink.routers.fleet.node_auth import NodeAuthMiddleware  # what _NodeAuthenticated does as ASGI
+
+    source = inspect.getsource(NodeAuthMiddleware.dispatch)
+    assert 'startswith("/v1/fleet/")' in source and "await run_in_threadpool(authenticate_node, request)" in source
+    assert source.count("await ") == 2 and "protobuf_request" in source
 
 
 def test_node_authentication_still_guards_the_fleet_api(app):
