@@ -25,6 +25,7 @@ from pathlib import Path
 from ._errors import ClientError
 from .config import TaskSpec, build_config, renamed_key, resolve_path
 from .data import load_npz, save_npz
+from .flower_pins import EMPTY_PULL_SLEEP as IDLE_POLL
 from .supervisor import NODE_FILE, SECRET, Plan, start_process, stop_group
 from .tasks import load_task
 
@@ -317,11 +318,13 @@ def agent_plan(args: argparse.Namespace, state_dir: str | None = None, task: str
     ClientApp itself) and the warm ClientApp worker that serves its messages over the Runtime API. The
     worker's node config and Runtime API address go to ``state_dir`` (a worker started early waits for them)."""
     poll, task_timeout = getattr(args, "poll_interval", 0.2), getattr(args, "task_timeout", 1800.0)
-    idle = getattr(args, "idle_poll_interval", 3.0)
+    idle = getattr(args, "idle_poll_interval", None)
+    idle = max(IDLE_POLL, poll) if idle is None else idle
     if not (math.isfinite(poll) and 0.01 <= poll <= 60):
         raise ClientError(f"--poll-interval must be in [0.01, 60] seconds. Found {poll!r}.")
     if not (math.isfinite(idle) and poll <= idle <= 600):
-        raise ClientError(f"--idle-poll-interval must be in [--poll-interval, 600] seconds. Found {idle!r}.")
+        raise ClientError(f"--idle-poll-interval must be in [--poll-interval, 600] seconds. Found {idle!r} (with "
+                          f"--poll-interval {poll!r}).")
     if not (math.isfinite(task_timeout) and task_timeout > 0):
         raise ClientError(f"--task-timeout must be a finite number of seconds > 0. Found {task_timeout!r}.")
     supernode = supernode_command(args)  # (it probes the coordinator: after the checks of plain values)

@@ -169,7 +169,7 @@ DESCRIPTIONS: dict[str, dict[str, str]] = {
         "coordinator": "HOST:PORT of the coordinator above (`fedshield aggregator start`)",
         "root-cert": "the coordinator above's CA certificate (its `ca.crt`)",
         "key": "this aggregator's node private key (`fedshield keys new`); its `.pub` enrolled at the coordinator above",
-        "poll-interval": "seconds between the upward node's requests for work while idle",
+        "poll-interval": "seconds between the upward node's requests for work; after 10 s without work it backs off to one every max(3 s, this)",
     },
     "tiers": {
         "name": "tier name",

@@ -349,9 +349,9 @@ def build_parser() -> argparse.ArgumentParser:
     ast.add_argument("--max-retries", type=int, default=3, help="connection attempts before giving up")
     ast.add_argument("--poll-interval", type=float, default=0.2, metavar="S",
                      help="seconds between this node's requests for work (default: %(default)s)")
-    ast.add_argument("--idle-poll-interval", type=float, default=3.0, metavar="S",
+    ast.add_argument("--idle-poll-interval", type=float, default=None, metavar="S",
                      help="after 10 s without work the requests back off, doubling, to one every S seconds "
-                          "(default: %(default)s, Flower's SuperNode's)")
+                          "(default: 3, Flower's SuperNode's, or --poll-interval if longer)")
     ast.add_argument("--task-timeout", type=float, default=1800.0, metavar="S",
                      help="a message handled longer than this is answered with an error and the ClientApp "
                           "worker restarted (default: %(default)s)")

@@ -194,13 +194,22 @@ def test_agent_port_out_of_range_or_in_use_is_one_line(tmp_path, capsys):
 
 @pytest.mark.parametrize(("args", "line"), [
     (["--poll-interval", "0"], "--poll-interval must be in [0.01, 60] seconds. Found 0.0."),
-    (["--idle-poll-interval", "0.1"], "--idle-poll-interval must be in [--poll-interval, 600] seconds. Found 0.1."),
-    (["--idle-poll-interval", "nan"], "--idle-poll-interval must be in [--poll-interval, 600] seconds. Found nan."),
+    (["--idle-poll-interval", "0.1"], "--idle-poll-interval must be in [--poll-interval, 600] seconds. Found 0.1 "
+                                      "(with --poll-interval 0.2)."),
+    (["--idle-poll-interval", "nan"], "--idle-poll-interval must be in [--poll-interval, 600] seconds. Found nan "
+                                      "(with --poll-interval 0.2)."),
 ])
 def test_agent_poll_intervals_out_of_range_are_one_line(tmp_path, capsys, args, line):
     np.savez(tmp_path / "d.npz", x=np.zeros((20, 64)), y=np.zeros(20, int))
     err = _agent_error(tmp_path, capsys, "--data", str(tmp_path / "d.npz"), *args)
     assert err[-1] == f"fedshield: error: {line}"
+
+
+def test_a_long_poll_interval_alone_is_its_own_idle_interval(tmp_path, capsys):
+    """(An aggregator's upward node may poll every 10 s: the idle default, 3 s, must not refuse it.)"""
+    np.savez(tmp_path / "d.npz", x=np.zeros((20, 64)), y=np.zeros(20, int))
+    err = _agent_error(tmp_path, capsys, "--data", str(tmp_path / "d.npz"), "--poll-interval", "10")
+    assert err[-1].startswith("fedshield: error: coordinator must be reachable at 127.0.0.1:1"), err
 
 
 @pytest.mark.parametrize(("args", "line"), [
