@@ -233,9 +233,9 @@ class LocalControlOnly:
 
 # Flower 1.42's SuperLink stacks eight BaseHTTPMiddlewares; each costs a request its task group, memory streams and
 # a wrapped response even when it only passes the request on, and most act on one API only. For the requests they
-# pass on unread they are stepped around (:class:`_OnlyFor`), and the error translator and node authentication are
-# plain ASGI: a Fleet or Runtime request goes through 1 of them (the protobuf translation). (class, the paths it acts on): Flower's code returns ``call_next(request)`` at once for any other path.
-_CONTROL, _FLEET = "/v1/control/", "/v1/fleet/"
+# pass on unread they are stepped around (:class:`_OnlyFor`), and the error translator, node authentication and
+# protobuf translation run as plain ASGI: a Fleet or Runtime request goes through none of them. (class, the paths it acts on): Flower's code returns ``call_next(request)`` at once for any other path.
+_CONTROL, _FLEET, _RUNTIME = "/v1/control/", "/v1/fleet/", "/v1/runtime/"
 _PATH_BOUND_MIDDLEWARE = (
     ("flwr.superlink.routers.control.middlewares", "ControlSensitiveResponseMiddleware", _CONTROL),
     ("flwr.superlink.routers.control.middlewares", "ControlAuthenticationMiddleware", _CONTROL),
@@ -317,13 +317,86 @@ class _NodeAuthenticated:
         await self.app(scope, receive, send)
 
 
+class _ProtobufTranslated:
+    """ASGI: Flower's ProtobufTranslationMiddleware, its ``dispatch`` step for step, without a BaseHTTPMiddleware
+    around it, for the Fleet and Runtime APIs (the Control API keeps Flower's own): the body parsed into
+    ``request.state.protobuf_request`` (and replayed to the app), the app's placeholder answer replaced by the
+    handler's serialized result, a JSON error passed on as it is."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        from flwr.supercore.protobuf import translation
+        from flwr.supercore.protobuf.streaming import get_protobuf_stream_context
+        from starlette.requests import Request
+
+        self.app, self.flower = app, translation.ProtobufTranslationMiddleware(app)
+        self.types, self.Error, self.codes = translation.PROTOBUF_REQUEST_TYPES, translation.FlowerError, \
+            translation.ApiErrorCode
+        self.request, self.stream_context = Request, get_protobuf_stream_context
+
+    async def __call__(self, scope: Scope, receive: Callable[[], Awaitable[Any]],
+                      send: Callable[[Any], Awaitable[None]]) -> None:
+        if scope["type"] != "http" or not scope.get("path", "").startswith((_FLEET, _RUNTIME)):
+            await self.flower(scope, receive, send)
+            return
+        request_type = self.types.get((scope["method"], scope["path"]))
+        if request_type is None:
+            await self.app(scope, receive, send)
+            return
+        mw, request = self.flower, self.request(scope, receive)
+        mw._check_request_media_type(request)
+        body = await request.body()
+        request.state.protobuf_request = mw._parse_request(body, request_type)
+        replayed = False
+
+        async def replay() -> Any:  # the body once more, for anything after this that reads it
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        start: dict | None = None
+        chunks: list[bytes] = []
+
+        async def held(message: Any) -> None:
+            nonlocal start
+            if message["type"] == "http.response.start":
+                start = message
+            elif message["type"] == "http.response.body":
+                chunks.append(message.get("body", b""))
+
+        await self.app(scope, replay, held)
+        if start is None:
+            raise RuntimeError("No response returned.")  # (BaseHTTPMiddleware's words for an app that sent none)
+        headers = [(k, v) for k, v in start.get("headers", [])]
+        if start["status"] >= 400:
+            content_type = next((v.decode("latin-1") for k, v in headers if k.lower() == b"content-type"), "")
+            media_type = content_type.partition(";")[0].strip().lower()
+            if media_type == "application/json" or media_type.endswith("+json"):
+                await send(start)
+                await send({"type": "http.response.body", "body": b"".join(chunks)})
+                return
+            raise self.Error(self.codes.INVALID_PROTOBUF_RESPONSE, "Protobuf route returned a non-JSON HTTP error "
+                                                                   f"response with Content-Type {content_type!r}.")
+        if not hasattr(request.state, "protobuf_response"):
+            raise self.Error(self.codes.INVALID_PROTOBUF_RESPONSE,
+                             "Protobuf response missing from request state after handler completed.")
+        response = mw._response_for(request.state.protobuf_response, self.stream_context(request))
+        del request.state.protobuf_response
+        response.status_code = start["status"]
+        response.headers.raw.extend(h for h in headers if h[0] not in (b"content-length", b"content-type"))
+        await response(scope, receive, send)
+
+
 def slimmed(stack: list) -> list:
     """Flower's middleware ``stack`` with each of :data:`_PATH_BOUND_MIDDLEWARE` acting only on its own paths, and
-    its error translator and node authentication as plain ASGI (:class:`_Translated`, :class:`_NodeAuthenticated`)."""
+    its error translator, node authentication and (for Fleet and Runtime) protobuf translation as plain ASGI
+    (:class:`_Translated`, :class:`_NodeAuthenticated`, :class:`_ProtobufTranslated`)."""
     from flwr.supercore.error.http import http_error_translator
     from starlette.middleware import Middleware
     from starlette.middleware.base import BaseHTTPMiddleware
 
+    from flwr.supercore.protobuf.translation import ProtobufTranslationMiddleware
     from flwr.superlink.routers.fleet.node_auth import NodeAuthMiddleware
 
     bound = {getattr(importlib.import_module(module), name): prefix for module, name, prefix in _PATH_BOUND_MIDDLEWARE}
@@ -331,6 +404,8 @@ def slimmed(stack: list) -> list:
     for m in stack:
         if m.cls is NodeAuthMiddleware and not m.args and not m.kwargs:
             m = Middleware(_NodeAuthenticated)
+        elif m.cls is ProtobufTranslationMiddleware and not m.args and not m.kwargs:
+            m = Middleware(_ProtobufTranslated)
         elif m.cls in bound:
             m = Middleware(_OnlyFor, middleware=m.cls, prefix=bound[m.cls], args=tuple(m.args), kwargs=dict(m.kwargs))
         elif m.cls is BaseHTTPMiddleware and not m.args and m.kwargs == {"dispatch": http_error_translator}:
