@@ -51,12 +51,12 @@ What it found on a shared 2-core machine (load average ~5 from other work; figur
   (``clients.flower_pins.register_keys``): 1,000 keys in ~13 s, 10,000 in ~55 s (the SuperLink's start included).
 - 1,000 nodes, 100 a round, ``--workers 32``: the run completes, every dropout one error-reply refusal and nothing
   else refused. Session 19: ~100 s a round (85-107 s), the SuperLink at ~5.6 ms of CPU per Fleet request; the
-  ServerApp pulled each reply one request at a time, so rounds ran past ``round-timeout`` (60 s). Session 22, in
-  turns on one machine: 4.8 ms a request and 78 s rounds before; then the round deadline counted from before the
-  push with bounded pulls, Flower's middleware that acts on another API stepped around (3.2 ms, 44 s rounds),
-  uvloop's loop with asyncio's TLS layer and P-256 node keys: 2.6 ms a request, 345 requests/s, rounds of 13-27 s
-  (median 23 s). uvloop's own TLS layer would give 2.4 ms but reports no failed handshake. At 1,000 nodes polling
-  every 3 s the SuperLink is still ~90% busy, most of it answering empty polls.
+  ServerApp pulled each reply one request at a time, so rounds ran past ``round-timeout`` (60 s). Session 22, on
+  one machine: 5.1 ms a request and rounds of 62-81 s with the SuperLink as it was; then Flower's middleware
+  that acts on another API stepped around and the rest of its BaseHTTPMiddlewares run as plain ASGI, uvloop's
+  loop with asyncio's TLS layer, P-256 node keys: 2.0 ms a request, 415 requests/s, rounds of 10-13 s, no reply
+  late. uvloop's own TLS layer would be cheaper still but reports no failed handshake. At 1,000 nodes polling
+  every 3 s the SuperLink is still ~85% busy, most of it answering empty polls.
 - 1,000 nodes with ``--workers 400``: the SuperLink's queue passed Flower's 5 s heartbeat call timeout (requests
   took ~10 s), nodes were declared unavailable (their train messages answered with node-unavailable errors:
   0 accepted), and the SuperLink ended the run itself when the ServerApp's task heartbeat did not come through
