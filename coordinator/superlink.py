@@ -234,28 +234,33 @@ class LocalControlOnly:
 # Flower 1.42's SuperLink stacks eight BaseHTTPMiddlewares; each costs a request its task group, memory streams and
 # a wrapped response even when it only passes the request on, and most act on one API only. For the requests they
 # pass on unread they are stepped around (:class:`_OnlyFor`), and the error translator, node authentication and
-# protobuf translation run as plain ASGI: a Fleet or Runtime request goes through none of them. (class, the paths it acts on): Flower's code returns ``call_next(request)`` at once for any other path.
+# protobuf translation run as plain ASGI: a Fleet or Runtime request goes through none of them.
+# (module, class, the paths it acts on, the app.state plugin without which it acts on none): for any other request
+# Flower's code returns ``call_next(request)`` at once.
 _CONTROL, _FLEET, _RUNTIME = "/v1/control/", "/v1/fleet/", "/v1/runtime/"
 _PATH_BOUND_MIDDLEWARE = (
-    ("flwr.superlink.routers.control.middlewares", "ControlSensitiveResponseMiddleware", _CONTROL),
-    ("flwr.superlink.routers.control.middlewares", "ControlAuthenticationMiddleware", _CONTROL),
-    ("flwr.superlink.routers.control.middlewares", "ControlLicenseMiddleware", _CONTROL),
-    ("flwr.superlink.routers.control.middlewares", "ControlEventLogMiddleware", _CONTROL),
-    ("flwr.superlink.routers.fleet.middlewares", "FleetEventLogMiddleware", _FLEET),
+    ("flwr.superlink.routers.control.middlewares", "ControlSensitiveResponseMiddleware", _CONTROL, None),
+    ("flwr.superlink.routers.control.middlewares", "ControlAuthenticationMiddleware", _CONTROL, None),
+    ("flwr.superlink.routers.control.middlewares", "ControlLicenseMiddleware", _CONTROL, None),
+    ("flwr.superlink.routers.control.middlewares", "ControlEventLogMiddleware", _CONTROL, "control_event_log_plugin"),
+    ("flwr.superlink.routers.fleet.middlewares", "FleetEventLogMiddleware", _FLEET, "fleet_event_log_plugin"),
 )
 
 
 class _OnlyFor:
-    """ASGI: Flower's ``middleware`` for the paths under ``prefix``; any other request goes straight to the app it
-    wraps, as ``middleware`` would have sent it there unread."""
+    """ASGI: Flower's ``middleware`` for the paths under ``prefix`` (and, with ``plugin``, only while the app's state
+    holds that plugin); any other request goes straight to the app it wraps, as ``middleware`` would have sent it
+    there unread."""
 
-    def __init__(self, app: ASGIApp, middleware: type, prefix: str, args: tuple = (), kwargs: dict | None = None) -> None:
-        self.app, self.prefix = app, prefix
+    def __init__(self, app: ASGIApp, middleware: type, prefix: str, plugin: str | None = None, args: tuple = (),
+                 kwargs: dict | None = None) -> None:
+        self.app, self.prefix, self.plugin = app, prefix, plugin
         self.middleware = middleware(app, *args, **(kwargs or {}))
 
     async def __call__(self, scope: Scope, receive: Callable[[], Awaitable[Any]],
                       send: Callable[[Any], Awaitable[None]]) -> None:
-        if scope["type"] == "http" and not scope.get("path", "").startswith(self.prefix):
+        if scope["type"] == "http" and (not scope.get("path", "").startswith(self.prefix) or (
+                self.plugin and getattr(getattr(scope.get("app"), "state", None), self.plugin, None) is None)):
             await self.app(scope, receive, send)
         else:
             await self.middleware(scope, receive, send)
@@ -287,8 +292,10 @@ class _Translated:
                 raise
             from starlette.requests import Request
 
+            error = exc  # (``exc`` is unbound once the except block ends; the translator calls this within it)
+
             async def raised(_request: Any) -> Any:
-                raise exc
+                raise error
 
             response = await self.dispatch(Request(scope, receive), raised)
             await response(scope, receive, send)
@@ -393,13 +400,13 @@ def slimmed(stack: list) -> list:
     its error translator, node authentication and (for Fleet and Runtime) protobuf translation as plain ASGI
     (:class:`_Translated`, :class:`_NodeAuthenticated`, :class:`_ProtobufTranslated`)."""
     from flwr.supercore.error.http import http_error_translator
+    from flwr.supercore.protobuf.translation import ProtobufTranslationMiddleware
+    from flwr.superlink.routers.fleet.node_auth import NodeAuthMiddleware
     from starlette.middleware import Middleware
     from starlette.middleware.base import BaseHTTPMiddleware
 
-    from flwr.supercore.protobuf.translation import ProtobufTranslationMiddleware
-    from flwr.superlink.routers.fleet.node_auth import NodeAuthMiddleware
-
-    bound = {getattr(importlib.import_module(module), name): prefix for module, name, prefix in _PATH_BOUND_MIDDLEWARE}
+    bound = {getattr(importlib.import_module(module), name): (prefix, plugin)
+             for module, name, prefix, plugin in _PATH_BOUND_MIDDLEWARE}
     out = []
     for m in stack:
         if m.cls is NodeAuthMiddleware and not m.args and not m.kwargs:
@@ -407,7 +414,9 @@ def slimmed(stack: list) -> list:
         elif m.cls is ProtobufTranslationMiddleware and not m.args and not m.kwargs:
             m = Middleware(_ProtobufTranslated)
         elif m.cls in bound:
-            m = Middleware(_OnlyFor, middleware=m.cls, prefix=bound[m.cls], args=tuple(m.args), kwargs=dict(m.kwargs))
+            prefix, plugin = bound[m.cls]
+            m = Middleware(_OnlyFor, middleware=m.cls, prefix=prefix, plugin=plugin, args=tuple(m.args),
+                           kwargs=dict(m.kwargs))
         elif m.cls is BaseHTTPMiddleware and not m.args and m.kwargs == {"dispatch": http_error_translator}:
             m = Middleware(_Translated, dispatch=http_error_translator)
         out.append(m)

@@ -456,9 +456,17 @@ def test_the_real_superlink_logs_failed_handshakes_with_the_peer_address(tmp_pat
     assert "127.0.0.4" not in log.read_text() and "PRIVATE KEY" not in log.read_text()
 
 
-def _dispatches(app, monkeypatch, path: str, client=("127.0.0.1", 40000)) -> int:
-    """How many of Flower's BaseHTTPMiddlewares a POST to ``path`` went through."""
+def _dispatches(monkeypatch, path: str, client=("127.0.0.1", 40000)) -> int:
+    """How many of Flower's BaseHTTPMiddlewares a POST to ``path`` went through (node authentication passed, so that
+    a Fleet request goes on to its handler)."""
+    from flwr.superlink.routers.fleet import node_auth
     from starlette.middleware.base import BaseHTTPMiddleware
+
+    monkeypatch.setattr(node_auth, "authenticate_node", lambda request: None)
+    superlink.install()
+    from flwr.superlink.main import create_app
+
+    app = create_app()  # (with the no-op authentication)
 
     calls, flower_call = [], BaseHTTPMiddleware.__call__
 
@@ -476,10 +484,11 @@ def _dispatches(app, monkeypatch, path: str, client=("127.0.0.1", 40000)) -> int
 @pytest.mark.parametrize(("path", "client", "expected"), [
     ("/v1/fleet/pull-messages", ELSEWHERE, 0),  # (Flower's stack: all 8)
     ("/v1/runtime/pull-messages", ("127.0.0.1", 40000), 0),
-    ("/v1/control/list-runs", ("127.0.0.1", 40000), 5),  # all but the Fleet API's two and the error translator
+    ("/v1/control/list-runs", ("127.0.0.1", 40000), 4),  # not the Fleet API's two, the error translator nor, without its
+    # plugin, the event log
 ])
-def test_a_request_skips_the_flower_middleware_that_acts_on_another_api(app, monkeypatch, path, client, expected):
-    assert _dispatches(app, monkeypatch, path, client) == expected
+def test_a_request_skips_the_flower_middleware_that_acts_on_another_api(monkeypatch, path, client, expected):
+    assert _dispatches(monkeypatch, path, client) == expected
 
 
 def test_the_middleware_stepped_around_acts_only_on_its_own_api():
@@ -490,12 +499,19 @@ def test_the_middleware_stepped_around_acts_only_on_its_own_api():
     from flwr.superlink.routers.control.middlewares import CONTROL_SENSITIVE_ROUTE_KEYS
 
     assert CONTROL_SENSITIVE_ROUTE_KEYS and all(p.startswith("/v1/control/") for _, p in CONTROL_SENSITIVE_ROUTE_KEYS)
-    for module, name, prefix in superlink._PATH_BOUND_MIDDLEWARE:
+    for module, name, prefix, plugin in superlink._PATH_BOUND_MIDDLEWARE:
         source = inspect.getsource(getattr(importlib.import_module(module), name).dispatch)
         first_check = source.split("if ", 1)[1].split(":", 1)[0]
         assert (prefix in first_check or "_is_control_path" in first_check or "_is_control_sensitive_route" in source
                 ), (name, first_check)
-    from flwr.superlink.routers.fleet.node_auth import NodeAuthMiddleware  # what _NodeAuthenticated does as ASGI
+        if plugin:  # without it, the next check passes the request on
+            assert f'getattr(\n            request.app.state, "{plugin}", None\n        )' in source or \
+                f'getattr(request.app.state, "{plugin}", None)' in source, name
+            assert "is None or not isinstance(protobuf_request, Message):\n            return await call_next(request)" \
+                in source, name
+    from flwr.superlink.routers.fleet.node_auth import (
+        NodeAuthMiddleware,  # what _NodeAuthenticated does as ASGI
+    )
 
     source = inspect.getsource(NodeAuthMiddleware.dispatch)
     assert 'startswith("/v1/fleet/")' in source and "await run_in_threadpool(authenticate_node, request)" in source
