@@ -54,9 +54,9 @@ What it found on a shared 2-core machine (load average ~5 from other work; figur
   ServerApp pulled each reply one request at a time, so rounds ran past ``round-timeout`` (60 s). Session 22, on
   one machine: 5.1 ms a request and rounds of 62-81 s with the SuperLink as it was; then Flower's middleware
   that acts on another API stepped around and the rest of its BaseHTTPMiddlewares run as plain ASGI, uvloop's
-  loop with asyncio's TLS layer, P-256 node keys: 2.0 ms a request, 415 requests/s, rounds of 10-13 s, no reply
-  late. uvloop's own TLS layer would be cheaper still but reports no failed handshake. At 1,000 nodes polling
-  every 3 s the SuperLink is still ~85% busy, most of it answering empty polls.
+  loop with asyncio's TLS layer, P-256 node keys: 1.75 ms a request, 457 requests/s, rounds of 9-11 s, no
+  reply late. uvloop's own TLS layer would be cheaper still but reports no failed handshake. At 1,000 nodes polling
+  every 3 s the SuperLink is still ~80% busy, most of it answering empty polls.
 - 1,000 nodes with ``--workers 400``: the SuperLink's queue passed Flower's 5 s heartbeat call timeout (requests
   took ~10 s), nodes were declared unavailable (their train messages answered with node-unavailable errors:
   0 accepted), and the SuperLink ended the run itself when the ServerApp's task heartbeat did not come through
