@@ -42,7 +42,7 @@ class UpstreamSettings:
     coordinator: str = ""  # HOST:PORT of the coordinator above
     root_cert: str = ""  # its CA certificate (ca.crt)
     key: str = ""  # this aggregator's node private key, its public key enrolled at the coordinator above
-    poll_interval: float = 0.2  # seconds between the upward node's requests for work (after 10 s idle: backing off to max(3 s, this))
+    poll_interval: float = 0.2  # seconds between the upward node's requests for work (idle 10 s: up to max(3 s, this))
 
     def __post_init__(self) -> None:
         check(bool(self.coordinator), "coordinator", "be the HOST:PORT of the coordinator above", self.coordinator)

@@ -223,10 +223,9 @@ class BufferedAsyncWorkflow(SyncWorkflow):
             n_sent, n_bytes = self._dispatch(nodes)
             window["selected"] += n_sent
             window["bytes_down"] += n_bytes
-            pulled = 0
+            pulled, releases = 0, self.round
             for replies in pull_chunks(self.grid, list(self.inflight)) if self.inflight else ():
                 pulled += len(replies)
-                released = False
                 for reply in replies:
                     if self.round >= total:
                         break  # the last release is out; the rest stay "in flight" (unresolved) at the end
@@ -247,8 +246,7 @@ class BufferedAsyncWorkflow(SyncWorkflow):
                         acc = self._new_aggregator()
                         window = self._fresh_window()
                         self._in_buffer.clear()
-                        released = True
-                if released or self.round >= total:
+                if self.round > releases:
                     break  # the nodes that replied get the new model before the other replies are asked for
             if self.round >= total:
                 break

@@ -378,7 +378,7 @@ class _ProtobufTranslated:
         await self.app(scope, replay, held)
         if start is None:
             raise RuntimeError("No response returned.")  # (BaseHTTPMiddleware's words for an app that sent none)
-        headers = [(k, v) for k, v in start.get("headers", [])]
+        headers = list(start.get("headers", []))
         if start["status"] >= 400:
             content_type = next((v.decode("latin-1") for k, v in headers if k.lower() == b"content-type"), "")
             media_type = content_type.partition(";")[0].strip().lower()

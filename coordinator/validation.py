@@ -277,7 +277,7 @@ def pull_chunks(grid: Any, ids: list[str]) -> Iterator[list[Message]]:
     """The replies to ``ids`` that are in, one ask at a time: ``PULL_CHUNK`` ids an ask from a remote grid (one pull of
     many replies through a busy SuperLink takes tens of seconds), all in one ask from an in-process grid. The caller
     may stop between asks; the ids not asked stay pending."""
-    if getattr(grid, "computes_replies_at_push", False) or len(ids) <= PULL_CHUNK:
+    if getattr(grid, "computes_replies_at_push", False):
         yield list(grid.pull_messages(ids))
         return
     for i in range(0, len(ids), PULL_CHUNK):
