@@ -74,6 +74,43 @@ def test_digits_split_is_stratified():
     assert np.all(np.abs(share - 0.2) < 0.02)
 
 
+def test_digits_are_sklearns_own_read_without_importing_sklearn():
+    from sklearn.datasets import load_digits
+
+    from clients.tasks.digits import digits_arrays
+
+    pixels, labels = digits_arrays()
+    raw = load_digits()
+    assert np.array_equal(pixels, raw.data) and np.array_equal(labels, raw.target)
+
+
+@pytest.mark.parametrize("counts", [[178, 182, 177, 183, 181, 182, 181, 179, 174, 180],  # digits' own
+                                    [2, 2, 2, 3, 50], [7, 7, 7, 7], [400, 3, 11]])  # ties, tiny and lopsided classes
+def test_the_stratified_split_takes_sklearns_very_indices(counts):
+    from sklearn.model_selection import train_test_split
+
+    from clients.tasks.digits import stratified_split
+
+    y = np.random.default_rng(len(counts)).permutation(np.repeat(np.arange(len(counts)), counts))
+    x = np.arange(len(y), dtype=np.float64)[:, None]
+    for seed in (0, 1, 7, 2**31):
+        train, test = stratified_split(x, y, seed)
+        xtr, xte, ytr, yte = train_test_split(x, y, test_size=0.2, stratify=y, random_state=seed)
+        assert np.array_equal(train.x, xtr) and np.array_equal(test.x, xte)
+        assert np.array_equal(train.y, ytr) and np.array_equal(test.y, yte)
+
+
+def test_the_builtin_tasks_load_their_data_without_sklearn():
+    import subprocess
+    import sys
+
+    code = ("import sys; from clients.tasks import DigitsTask, SyntheticTask; from clients import TaskSpec\n"
+            "DigitsTask(TaskSpec()).train_set; SyntheticTask(TaskSpec(task='synthetic')).train_set\n"
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'sklearn', 'scipy'}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
 def test_synthetic_falls_back_to_plain_split_when_a_class_is_a_singleton(monkeypatch):
     x = np.arange(100 * DIM, dtype=np.float32).reshape(100, DIM)
     y = np.zeros(100, np.int64)
