@@ -322,6 +322,49 @@ def _no_ray_sigterm_handler() -> Iterator[None]:
         ray_utils.set_sigterm_handler = real
 
 
+class RayStopped(RuntimeError):
+    """A message handed to Flower's Ray backend after the run began to stop: refused without touching Ray."""
+
+
+@contextlib.contextmanager
+def _ray_shutdown_after_its_calls(timeout: float = 15.0) -> Iterator[None]:
+    """Flower's ``RayBackend.terminate`` (run from the main thread as the run stops) called ``ray.shutdown`` while
+    Flower's worker threads could still be in ``process_message``, waiting on an actor; one that touched Ray after
+    the shutdown made Ray's core worker end the whole process, exit status 1 ("The core worker has already been
+    shutdown"), instead of the interrupted run's 130 (seen once in the suite, SIGTERM under load). Within the
+    block, terminate refuses new messages, lets the calls in flight return (an actor's current client, or the
+    actor's death under a SIGTERM to the group), up to ``timeout`` s, and only then shuts Ray down."""
+    from flwr.server.superlink.fleet.vce.backend.raybackend import RayBackend
+
+    calls = threading.Condition()
+    state = {"inflight": 0, "closed": False}
+    real_process, real_terminate = RayBackend.process_message, RayBackend.terminate
+
+    def process_message(self, message, context):
+        with calls:
+            if state["closed"]:
+                raise RayStopped("the simulation is stopping")
+            state["inflight"] += 1
+        try:
+            return real_process(self, message, context)
+        finally:
+            with calls:
+                state["inflight"] -= 1
+                calls.notify_all()
+
+    def terminate(self) -> None:
+        with calls:
+            state["closed"] = True
+            calls.wait_for(lambda: state["inflight"] == 0, timeout)
+        real_terminate(self)
+
+    RayBackend.process_message, RayBackend.terminate = process_message, terminate
+    try:
+        yield
+    finally:
+        RayBackend.process_message, RayBackend.terminate = real_process, real_terminate
+
+
 def run_flower_engine(scn: Scenario, on_round: RoundCallback | None) -> dict[str, Any]:
     """The ServerApp and ClientApp under ``flwr.simulation.run_simulation``."""
     # Before Ray is imported (it reads this once): no native failure-signal handler in this process,
@@ -349,7 +392,7 @@ def run_flower_engine(scn: Scenario, on_round: RoundCallback | None) -> dict[str
     flwr_logger.addFilter(quiet_once_stopped)
     try:
         with ctrl_c_sets(stop) as interrupted, warnings.catch_warnings(), watch, local_ray_auth(hostport is not None), \
-                _no_ray_sigterm_handler():
+                _no_ray_sigterm_handler(), _ray_shutdown_after_its_calls():
             warnings.filterwarnings("ignore", message="Tip: In future versions of Ray", category=FutureWarning)
             try:
                 run_simulation(

@@ -41,10 +41,16 @@ def _task_identity() -> None:
 _PROCESS_BENCHMARKS = ("[deployment]", "[node_emulator]", "test_simulation_scale_times_flowers_ray_engine_on_the_same_clients")
 
 
+def _cost(item: pytest.Item) -> int:
+    """0: slow (tens of seconds to minutes), 1: starts real processes, 2: the rest."""
+    if item.get_closest_marker("slow"):
+        return 0
+    return 1 if item.get_closest_marker("integration") or item.nodeid.endswith(_PROCESS_BENCHMARKS) else 2
+
+
 def pytest_collection_modifyitems(config, items) -> None:
-    """Under pytest-xdist (``--dist loadgroup``): the tests that start real Flower processes (integration tests,
-    two benchmark smoke runs) run one after another on one worker, with the machine's other core for the rest
-    beside them; two of them at once on 2 cores would starve each other's process starts."""
-    for item in items:
-        if item.get_closest_marker("integration") or item.nodeid.endswith(_PROCESS_BENCHMARKS):
-            item.add_marker(pytest.mark.xdist_group("processes"))
+    """The longest tests first, so that the two pytest-xdist workers (``--dist load --maxschedchunk 1``: one test at a time to whichever is free) end together
+    instead of one finishing a long test alone. Two process-starting tests may run at once: their waits are
+    sized for that (pytest-xdist's ``loadgroup``, which would keep them apart, is a no-op under pytest 9.2,
+    and one after another they would take ~15 minutes)."""
+    items.sort(key=_cost)  # stable: file order within each class

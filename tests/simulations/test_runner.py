@@ -13,6 +13,7 @@ import socket
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -420,3 +421,50 @@ def test_ray_shards_are_checked_before_a_run_dir_is_made(tmp_path, monkeypatch, 
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("fedshield: error: simulation.batched-shards runs"), err
     assert "pip install 'fedshield[simulation]'" in err[0] and not (tmp_path / "r").exists()
+
+
+def test_ray_is_shut_down_only_after_the_calls_in_flight_return_and_later_messages_touch_no_ray(monkeypatch):
+    """A Flower worker thread still waiting on an actor when the run stops: Ray's shutdown waits for it (a call
+    into Ray after the shutdown ended the process, exit 1); a message handed over after that is refused."""
+    import ray
+    from flwr.server.superlink.fleet.vce.backend.raybackend import RayBackend
+
+    from simulations.runner import RayStopped, _ray_shutdown_after_its_calls
+
+    events: list[str] = []
+    release = threading.Event()
+
+    class Pool:
+        def submit(self, fn, job):
+            events.append("submit")
+            return "future"
+
+        def fetch_result_and_return_actor_to_pool(self, future):
+            release.wait(10)
+            events.append("fetched")
+            return "reply", "context"
+
+        def terminate_all_actors(self):
+            events.append("actors terminated")
+
+    monkeypatch.setattr(ray, "shutdown", lambda: events.append("ray shutdown"))
+    backend = RayBackend.__new__(RayBackend)
+    backend.pool, backend.app_fn = Pool(), lambda: None
+    context = SimpleNamespace(node_config={"partition-id": 0})
+    with _ray_shutdown_after_its_calls(timeout=10):
+        worker = threading.Thread(target=backend.process_message, args=(object(), context))
+        worker.start()
+        while "submit" not in events:
+            time.sleep(0.01)
+        stopper = threading.Thread(target=backend.terminate)
+        stopper.start()
+        stopper.join(0.3)
+        assert stopper.is_alive() and "ray shutdown" not in events  # waiting on the call in flight
+        release.set()
+        stopper.join(10)
+        worker.join(10)
+        with pytest.raises(RayStopped):
+            backend.process_message(object(), context)
+    assert events == ["submit", "fetched", "actors terminated", "ray shutdown"]
+    assert RayBackend.process_message.__qualname__ == "RayBackend.process_message"  # Flower's own again
+    assert RayBackend.terminate.__qualname__ == "RayBackend.terminate"
