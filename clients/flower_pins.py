@@ -51,6 +51,8 @@ PINNED = (
     ("flwr.cli.utils", "flwr_cli_exc_handler"),
     ("flwr.proto.control_pb2", "RegisterNodeRequest"),
     ("flwr.supercore.primitives.asymmetric", "public_key_to_bytes"),
+    ("flwr.supercore.object_store.sql_object_store", "SqlObjectStore"),
+    ("flwr.supercore.object_store.object_store_factory", "SqlObjectStore"),
 )
 # The sleeps in start_client_internal (Flower 1.42) that a round waits on, by their length in seconds.
 EMPTY_PULL_SLEEP = 3.0      # after a pull from the SuperLink found no message
@@ -160,6 +162,29 @@ def register_keys(connection: str, paths: list[str]) -> None:
         client.close()
 
 
+SQL_STORE = "flwr.supercore.object_store.sql_object_store"
+
+
+def slim_supernode() -> None:
+    """Before the SuperNode's Flower imports: sqlalchemy and alembic (~37 MB of its ~134 MB RSS) stay unloaded
+    until used. The node's objects live in memory (Flower's default; the agent gives no ``--database``), yet
+    ``ObjectStoreFactory``'s module imports ``SqlObjectStore``, whose module imports both: that module is a
+    stand-in until a SqlObjectStore is built, which imports the real one first."""
+    if SQL_STORE not in sys.modules:
+        stand_in = types.ModuleType(SQL_STORE, "a stand-in until a SqlObjectStore is built (clients.flower_pins)")
+
+        class SqlObjectStore:
+            def __new__(cls, *args, **kwargs):
+                if sys.modules.get(SQL_STORE) is stand_in:
+                    del sys.modules[SQL_STORE]
+                real = importlib.import_module(SQL_STORE).SqlObjectStore
+                sys.modules["flwr.supercore.object_store.object_store_factory"].SqlObjectStore = real
+                return real(*args, **kwargs)
+
+        stand_in.SqlObjectStore = SqlObjectStore
+        sys.modules[SQL_STORE] = stand_in
+
+
 def run_supernode(argv: list[str]) -> None:
     """``flower-supernode`` with the waits shortened; ``--poll-interval S`` and ``--idle-poll-interval S`` (ours)
     come first in argv."""
@@ -170,6 +195,7 @@ def run_supernode(argv: list[str]) -> None:
         else:
             idle = float(argv[1])
         argv = argv[2:]
+    slim_supernode()
     patch_supernode(poll, idle_poll=idle)
     sys.argv = ["flower-supernode", *argv]
     pinned("flwr.supernode.cli.flower_supernode", "flower_supernode")()

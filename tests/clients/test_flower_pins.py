@@ -105,3 +105,33 @@ def test_without_an_idle_interval_the_node_keeps_its_poll_interval(monkeypatch):
     polls = flower_pins.patch_supernode(0.5, clock=lambda: now[0])
     now[0] = 1000.0
     assert [polls.empty() for _ in range(3)] == [0.5, 0.5, 0.5]
+
+
+def test_the_supernode_leaves_sqlalchemy_unloaded_until_a_sql_store_is_built(tmp_path):
+    """The agent's SuperNode (memory store) imports neither sqlalchemy nor alembic (~37 MB); a SqlObjectStore,
+    were one asked for, is still the real one, and the memory store is what a node gets by default."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = f"""
+import sys
+sys.path.insert(0, {str(Path(flower_pins.__file__).parent)!r})
+import flower_pins
+flower_pins.slim_supernode()
+import flwr.supernode.cli.flower_supernode, flwr.supernode.start_client_internal
+from flwr.supercore.object_store import ObjectStoreFactory
+from flwr.supercore.object_store.in_memory_object_store import InMemoryObjectStore
+from flwr.supernode.nodestate import NodeStateFactory
+heavy = lambda: sorted({{m.split('.')[0] for m in sys.modules}} & {{'sqlalchemy', 'alembic'}})
+assert heavy() == [], heavy()
+assert isinstance(ObjectStoreFactory().store(), InMemoryObjectStore)
+NodeStateFactory(objectstore_factory=ObjectStoreFactory()).state()
+assert heavy() == [], heavy()
+store = ObjectStoreFactory({str(tmp_path / "objects.db")!r}).store()
+from flwr.supercore.object_store.sql_object_store import SqlObjectStore
+assert type(store) is SqlObjectStore and heavy() == ["alembic", "sqlalchemy"], (type(store), heavy())
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
