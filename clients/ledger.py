@@ -56,7 +56,17 @@ def ledger_key(task_name: str, data: Dataset, node_config: Mapping[str, Any]) ->
     the task whose data it is drawn from (see the module's docstring)."""
     if "data-path" in node_config:  # what client_data loads first
         return data_key(data)
-    return f"task-{task_name}"  # a registered task's name (get_task refused any other before training)
+    return f"task-{task_ledger_name(task_name)}"
+
+
+def task_ledger_name(task_name: str) -> str:
+    """A task's name as a file name: a built-in's or a module's (``digits``, ``mypkg.tasks:Cifar``) as it is; a task
+    file's (``some/dir/mytask.py:Cnn``) by its file name, so the same file moved keeps its ledger (its path, with
+    its slashes, named no file that could be made: every such round was refused)."""
+    where, colon, attr = task_name.rpartition(":")
+    if colon and where.endswith(".py"):
+        task_name = f"{Path(where).name}:{attr}"
+    return re.sub(r"[^A-Za-z0-9._:-]", "_", task_name)[:160]
 
 
 _CONTENT_KEY = re.compile(r"[0-9a-f]{32}")

@@ -521,8 +521,9 @@ def check_partitions(scn: Scenario) -> None:
     from clients.config import renamed_key
     from clients.tasks import load_task
 
+    task = load_task(scn.run.task)  # (a task that does not import or build says so in its own line)
     try:
-        load_task(scn.run.task).client_data(0, scn.sim.num_supernodes)
+        task.client_data(0, scn.sim.num_supernodes)
     except ConfigError as exc:
         raise ConfigError(renamed_key(str(exc), {"num-partitions": "simulation.num-supernodes"})
                           + f" Each simulated client gets one partition of task {scn.run.task.task!r}'s data.") from None

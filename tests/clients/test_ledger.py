@@ -72,6 +72,23 @@ def test_the_ledger_is_keyed_by_the_data_not_the_node():
     assert ledger_key(TASK.task, data, parts) != ledger_key("digits", data, parts)
 
 
+def test_a_task_file_s_partition_has_a_ledger_named_by_its_file_wherever_it_lies(tmp_path):
+    """A task named by its file (``dir/mytask.py:Cnn``): its path's slashes made a lock no one could create, and
+    every local-DP round of a --partition device was refused (found by a newcomer's walkthrough)."""
+    from clients.ledger import LedgerFile
+
+    data = get_task(TASK).partition(0, 40)
+    here, there = ledger_key("/tmp/a/my task.py:Cnn", data, NODE), ledger_key("b/my task.py:Cnn", data, NODE)
+    assert here == there == "task-my_task.py:Cnn"
+    assert ledger_key("mypkg.tasks:Cnn", data, NODE) == "task-mypkg.tasks:Cnn"  # as before
+    assert ledger_key("digits", data, NODE) == "task-digits"
+    assert ledger_key("/tmp/a/my task.py:Other", data, NODE) != here
+    ledger = LedgerFile(tmp_path, here)
+    with ledger.locked():
+        pass
+    assert ledger.path.parent == tmp_path and (tmp_path / f"{PREFIX}{here}.lock").exists()
+
+
 def test_a_coordinator_cannot_reset_a_partition_s_ledger_by_moving_its_examples(tmp_path):
     """Other data-seeds give overlapping partitions: all are charged to one ledger, so the owner's bound holds."""
     eps = []

@@ -354,6 +354,17 @@ def test_a_bad_torch_threads_variable_is_one_line_for_simulate_too(monkeypatch, 
     assert "FEDSHIELD_TORCH_THREADS must be an integer in [1, 1024]. Found 'abc'." in _one_error_line(capsys)
 
 
+def test_a_task_that_does_not_import_is_its_own_line_and_a_partition_error_names_the_client_count(tmp_path, capsys):
+    """The partition hint ("Each simulated client gets one partition...") followed import errors too."""
+    argv = ["simulate", "--engine", "inprocess", "--rounds", "1", "--quiet", "--run-dir", str(tmp_path / "r"), *SMALL]
+    assert main([*argv, "--set", 'run.task="no_such_module_xyz:Task"']) == 2
+    line = _one_error_line(capsys)
+    assert line.endswith("Found ModuleNotFoundError: No module named 'no_such_module_xyz'"), line
+    assert main([*argv, "--set", "simulation.num-supernodes=5000", "--set", "run.min-nodes=5000"]) == 2
+    line = _one_error_line(capsys)
+    assert "simulation.num-supernodes" in line and "Each simulated client gets one partition" in line, line
+
+
 @pytest.mark.parametrize("value", ["9" * 5000, "[" * 3000])
 def test_toml_that_python_cannot_read_is_one_line_in_scenarios_and_set_values(tmp_path, capsys, value):
     (tmp_path / "s.toml").write_text(f"[run]\nlr = {value}\n")

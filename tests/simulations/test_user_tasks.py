@@ -15,16 +15,17 @@ from coordinator import RunConfig, RunDirectory
 from coordinator.server_app import make_workflow
 from simulations import load_scenario, run_scenario
 from simulations.inprocess import InProcessGrid
+from clients.ledger import PREFIX, STATE_DIR
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 CNN = f"{EXAMPLES / 'tasks' / 'cnn_digits.py'}:CnnDigits"
 N = 6
 
 
-def run(tmp_path, name="r", clients=N, task=CNN, **kw):
+def run(tmp_path, name="r", clients=N, task=CNN, node_config=None, **kw):
     cfg = RunConfig.from_mapping({"task": task, "num-rounds": 2, "min-nodes": clients, "local-epochs": 1,
                                   "lr": 0.05, "seed": 0, **kw})
-    wf = make_workflow(cfg, InProcessGrid(app, clients), RunDirectory(tmp_path / name))
+    wf = make_workflow(cfg, InProcessGrid(app, clients, node_config), RunDirectory(tmp_path / name))
     return wf, wf.run()
 
 
@@ -83,9 +84,16 @@ def test_every_round_feature_aggregates_the_cnn(tmp_path, feature):
 
 def test_local_dp_trains_the_opacus_fixed_cnn_on_both_sides(tmp_path):
     """BatchNorm cannot be trained by DP-SGD: the model becomes Opacus's GroupNorm fix on the clients and the
-    coordinator alike (no running statistics left in the layout)."""
-    wf, s = run(tmp_path, **{"dp": "local", "local-noise-multiplier": 0.5})
-    assert s["rounds"] == 2 and s["local_epsilon_max"] > 0
+    coordinator alike (no running statistics left in the layout). Each client keeps its ledger on disk, as under
+    ``fedshield simulate``: one named by the task's file (its path named a file no one could create)."""
+    ledgers = tmp_path / "clients"
+    for i in range(N):
+        (ledgers / f"partition-{i}").mkdir(parents=True)
+    wf, s = run(tmp_path, node_config=lambda i: {"partition-id": i, "num-partitions": N,
+                                                 STATE_DIR: str(ledgers / f"partition-{i}")},
+                **{"dp": "local", "local-noise-multiplier": 0.5})
+    assert s["rounds"] == 2 and s["rejected_total"] == 0 and s["local_epsilon_max"] > 0, s
+    assert sorted(p.name for p in ledgers.glob("partition-0/*.json")) == [f"{PREFIX}task-cnn_digits.py:CnnDigits.json"]
     assert any(isinstance(m, torch.nn.GroupNorm) for m in wf.model.modules())
     assert not any(e.buffer for e in wf.layout.entries)
     assert wf.numel == get_task(wf.cfg.task).num_parameters(private=True)
