@@ -49,6 +49,13 @@ _EXIT_REASONS = {
     603: "the root certificate is not a valid PEM certificate",
     604: "a path given to the SuperNode does not exist",
 }
+# The node's own plumbing, which fedshield sets up on 127.0.0.1 and a device's owner cannot act on: the
+# Runtime API server the worker talks to (uvicorn's and FastAPI's start and stop lines) and the secret
+# that guards it (Flower calls it experimental). Not echoed.
+_PLUMBING = re.compile(r"^(?:INFO:\s+(?:Started server process|Waiting for application (?:startup|shutdown)\.|"
+                       r"Application (?:startup|shutdown) complete\.|Uvicorn running on |Shutting down$|"
+                       r"Finished server process)|(?:INFO|WARNING)[\d\-:, ]*:\s+(?:FastAPI lifespan: |"
+                       r"EXPERIMENTAL: SuperExec authentication))")
 _SENT = re.compile(r"Sent successfully")
 _RECEIVED = re.compile(r"Received successfully")
 _RETRY = re.compile(r"^(?:WARNING)[\d\-:, ]*:\s+Connection attempt failed, retrying in ")
@@ -83,7 +90,7 @@ class Plan:
 
 
 def _watch(proc: subprocess.Popen, quiet: threading.Event | None = None, on_message=None) -> Watched:
-    """Echo the SuperNode's log (less Flower's shutdown noise); return what it said.
+    """Echo the SuperNode's log (less Flower's shutdown noise and the node's plumbing); return what it said.
 
     A SuperNode that gave up may hang on its helper threads: once a fatal line is
     seen, the process group gets a few seconds to exit and is then stopped. Once
@@ -103,7 +110,7 @@ def _watch(proc: subprocess.Popen, quiet: threading.Event | None = None, on_mess
         waiting = (waiting or bool(retry)) and "Connection successful" not in text
         if retry:
             line = text = "fedshield agent: waiting for the coordinator (it is not up, or refused: trying again)\n"
-        if not skipping and not (quiet is not None and quiet.is_set()):
+        if not skipping and not (quiet is not None and quiet.is_set()) and not _PLUMBING.match(text):
             sys.stderr.write(line if colour else text)
         elif line.startswith(_IGNORED_END):
             skipping = False

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import base64
 import json
+import logging
 import os
 import signal
 import socket
@@ -214,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--poll", type=float, default=0.02)
     args = parser.parse_args(argv)
     signal.signal(signal.SIGUSR1, lambda *_: None)  # the supervisor's wake-up: never the default action (exit)
+    # Its only connection is to its own SuperNode on 127.0.0.1: a retry there is that node starting or stopping,
+    # which the supervisor reports in words; Flower's retry warnings, one per attempt, are left out.
+    logging.getLogger("flwr").addFilter(lambda record: not str(record.msg).startswith("Connection attempt failed"))
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})  # taken by sigtimedwait in Worker.run
     import clients.client_app  # noqa: F401  (torch, flwr, fedshield: the slow part, overlapping the agent's checks)
 

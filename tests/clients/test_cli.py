@@ -104,8 +104,30 @@ def test_watch_counts_answered_messages_and_hides_flowers_shutdown_traceback(cap
     seen = supervisor._watch(_FakeSuperNode(_SERVED_THEN_GONE))
     assert (seen.exit_code, seen.refusal, seen.served) == (305, None, 2)
     err = capsys.readouterr().err
-    assert "Giving up reconnection" in err and "Finished server process" in err
+    assert "Giving up reconnection" in err and "Connection refused" in err
     assert "Traceback" not in err and "Exception ignored" not in err and "SystemExit" not in err
+    assert "Finished server process" not in err  # the node's Runtime API server: plumbing
+
+
+def test_watch_leaves_out_the_nodes_plumbing_and_keeps_flowers_own_lines(capsys, monkeypatch):
+    """A failed connection printed ~24 lines before the agent's one diagnosis (a newcomer's walkthrough): the
+    Runtime API server's start and stop lines and Flower's SuperExec warning are not the owner's business."""
+    from clients import supervisor
+
+    monkeypatch.setattr(supervisor.threading, "Timer", lambda *a, **k: type("T", (), {"start": lambda self: None})())
+    plumbing = ["INFO:     Started server process [8043]\n", "INFO:     Waiting for application startup.\n",
+                "INFO :      FastAPI lifespan: startup\n", "INFO:     Application startup complete.\n",
+                "INFO:     Uvicorn running on http://127.0.0.1:49081 (Press CTRL+C to quit)\n",
+                "WARNING :   EXPERIMENTAL: SuperExec authentication is experimental and may change in future releases.\n",
+                "INFO:     Shutting down\n", "INFO:     Waiting for application shutdown.\n",
+                "INFO :      FastAPI lifespan: shutdown\n", "INFO:     Application shutdown complete.\n",
+                "INFO:     Finished server process [8043]\n"]
+    kept = ["INFO :      Starting Flower SuperNode\n", "ERROR :     SSL/TLS handshake error detected.\n",
+            "ERROR :     Exit Code: 305\n", "Failed to initialize the connection to the SuperLink.\n",
+            "INFO:     Shutting down the worker\n"]  # (plumbing only as its whole line)
+    seen = supervisor._watch(_FakeSuperNode(plumbing[:6] + kept + plumbing[6:]))
+    err = capsys.readouterr().err
+    assert seen.exit_code == 305 and err.splitlines() == [k.rstrip("\n") for k in kept], err
 
 
 def test_watch_sees_a_refusal_before_anything_was_served(monkeypatch):

@@ -47,3 +47,17 @@ def test_strong_privacy_costs_accuracy(non_private):
     s = run(dp="central", **{"target-epsilon": 1.0, "dp-clip": 0.5})
     assert s["epsilon"] <= 1.0
     assert 0.10 <= s["final_test_accuracy"] <= min(0.70, non_private - 0.15)
+
+
+def test_the_secagg_dp_example_learns_as_it_is_within_its_budget(tmp_path):
+    """examples/scenarios/secagg-dp.toml (SecAgg+ with distributed DP at epsilon 8, 50 clients) on the
+    in-process engine: measured 0.819 at epsilon 7.51 (RDP, which distributed DP is charged by)."""
+    from pathlib import Path
+
+    from simulations import load_scenario, run_scenario
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "scenarios" / "secagg-dp.toml"
+    s = run_scenario(load_scenario(path, {"simulation.engine": "inprocess"}), tmp_path / "r", show_progress=False)
+    assert s["status"] == "completed" and s["rounds"] == 10, s
+    assert 0.65 <= s["final_test_accuracy"] <= 0.95, s["final_test_accuracy"]
+    assert 6.0 <= s["epsilon"] <= 8.0 and s["epsilon"] == s["epsilon_by_accountant"]["rdp"], s["epsilon_by_accountant"]
