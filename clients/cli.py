@@ -279,7 +279,12 @@ def supernode_command(args: argparse.Namespace) -> list[str]:
     if args.max_retries < 0:
         raise ClientError(f"--max-retries must be >= 0. Found {args.max_retries}.")
     cmd += ["--max-retries", str(args.max_retries), "--max-wait-time", "30"]
-    check_reachable(host, port)
+    try:
+        check_reachable(host, port)
+    except ClientError as exc:
+        if not getattr(args, "rejoin", False):
+            raise
+        print(f"fedshield agent: {exc} The node joins once it is (--rejoin).", file=sys.stderr)
     return cmd
 
 
@@ -341,7 +346,7 @@ def agent_plan(args: argparse.Namespace, state_dir: str | None = None, task: str
     root_cert = supernode[supernode.index("--root-certificates") + 1] if "--root-certificates" in supernode else ""
     return Plan(supernode=node, worker=worker_command(state_dir, task), state_dir=state_dir,
                 task_timeout=float(task_timeout), coordinator=supernode[supernode.index("--superlink") + 1],
-                root_cert=root_cert)
+                root_cert=root_cert, rejoin=bool(getattr(args, "rejoin", False)))
 
 
 def start_agent(args: argparse.Namespace) -> int:

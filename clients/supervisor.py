@@ -63,6 +63,7 @@ _RETRY = re.compile(r"^(?:WARNING)[\d\-:, ]*:\s+Connection attempt failed, retry
 # traceback of its own SystemExit(0): noise, not a failure; it is not echoed.
 _IGNORED_START, _IGNORED_END = "Exception ignored in: <module 'threading'", "SystemExit:"
 MAX_BACKOFF = 30.0  # seconds between restarts of a worker that keeps dying
+REJOIN_FIRST, REJOIN_MAX = 1.0, 60.0  # seconds before a --rejoin agent's node tries again: doubling up to the max
 HEALTHY = 60.0  # seconds a worker must live for its death to count as a first one again
 
 
@@ -87,6 +88,7 @@ class Plan:
     coordinator: str = ""  # HOST:PORT, and the CA file ("": --insecure): to tell why a connection failed
     root_cert: str = ""
     worker_pid: int = 0  # a worker the agent started before it exec'd into this supervisor: adopted
+    rejoin: bool = False  # --rejoin: a node the coordinator refused or lost is started again, the worker kept warm
 
 
 def _watch(proc: subprocess.Popen, quiet: threading.Event | None = None, on_message=None) -> Watched:
@@ -325,22 +327,51 @@ def supervise(plan: Plan) -> int:
                       "see its error above).", file=sys.stderr)
                 return 1
             time.sleep(plan.tick / 4)
-        node = start_process(plan.supernode, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        seen: list[Watched] = []
-        watcher = threading.Thread(target=lambda: seen.append(_watch(node, quiet, workers.wake)), daemon=True)
-        watcher.start()
-        while watcher.is_alive():
-            if not stopped_by:
-                workers.check()
-            watcher.join(plan.tick)
-        if stopped_by:
-            return _stopped(stopped_by, seen[0].served if seen else 0)
-        return _ended(seen[0], node.returncode, plan)
+        served, failures, said = 0, 0, ""
+        while True:
+            node = start_process(plan.supernode, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            seen: list[Watched] = []
+            watcher = threading.Thread(target=lambda proc, out: out.append(_watch(proc, quiet, workers.wake)),
+                                       args=(node, seen), daemon=True)
+            watcher.start()
+            while watcher.is_alive():
+                if not stopped_by:
+                    workers.check()
+                watcher.join(plan.tick)
+            watched = seen[0] if seen else Watched()
+            served += watched.served
+            if stopped_by:
+                return _stopped(stopped_by, served)
+            if not (plan.rejoin and watched.exit_code == 305):  # (305: refused, or the coordinator lost)
+                return _ended(dataclasses.replace(watched, served=served), node.returncode, plan)
+            failures = 0 if watched.served else failures + 1
+            delay = min(REJOIN_MAX, REJOIN_FIRST * 2.0 ** max(0, failures - 1))
+            reason = _rejoin_reason(watched, plan)
+            if reason != said:  # once per cause, not once per attempt
+                _say(f"{reason}; trying again every {REJOIN_MAX:g} s at most (--rejoin).")
+                said = reason
+            deadline = time.monotonic() + delay
+            while time.monotonic() < deadline and not stopped_by:
+                workers.check()  # (the warm worker stays; one that dies is restarted meanwhile)
+                time.sleep(min(plan.tick, max(0.0, deadline - time.monotonic())))
+            if stopped_by:
+                return _stopped(stopped_by, served)
     finally:
         if node is not None:
             stop_group(node)
         workers.stop()
         shutil.rmtree(plan.state_dir, ignore_errors=True)
+
+
+def _rejoin_reason(seen: Watched, plan: Plan) -> str:
+    """Why a --rejoin agent's node ended, in words, for the line it prints before it tries again."""
+    if seen.served:
+        return (f"the coordinator went away after this node answered {_messages(seen.served)} (its run ended, or it "
+                "was stopped or restarted); waiting for it to come back")
+    if seen.refusal in _REFUSALS:
+        return f"the coordinator refused this node: {_REFUSALS[seen.refusal]}"
+    cause = diagnose_connection(plan.coordinator, plan.root_cert) if plan.coordinator else None
+    return cause or "could not join the coordinator (see the SuperNode's lines above)"
 
 
 def _stopped(stopped_by: list[int], served: int) -> int:

@@ -179,7 +179,11 @@ class Worker:
             except Exception:  # noqa: BLE001  (the SuperNode not up yet, or restarting)
                 token = None
             if token:
-                self.serve(token)
+                try:
+                    self.serve(token)
+                except Exception as exc:  # noqa: BLE001  (its node went away mid-message: the worker stays warm)
+                    _log(f"lost the message it was handling: its SuperNode stopped answering "
+                         f"({type(exc).__name__}: {str(exc)[:200]}); waiting for the next.")
                 wait = self.poll
             else:
                 signal.sigtimedwait({signal.SIGUSR1}, wait)
@@ -217,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGUSR1, lambda *_: None)  # the supervisor's wake-up: never the default action (exit)
     # Its only connection is to its own SuperNode on 127.0.0.1: a retry there is that node starting or stopping,
     # which the supervisor reports in words; Flower's retry warnings, one per attempt, are left out.
-    logging.getLogger("flwr").addFilter(lambda record: not str(record.msg).startswith("Connection attempt failed"))
+    logging.getLogger("flwr").addFilter(lambda record: not str(record.msg).startswith(
+        ("Connection attempt failed", "Giving up reconnection")))
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})  # taken by sigtimedwait in Worker.run
     import clients.client_app  # noqa: F401  (torch, flwr, fedshield: the slow part, overlapping the agent's checks)
 

@@ -347,6 +347,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="refuse a round that would take this data's local-DP epsilon past EPS (0: no limit)")
     ast.add_argument("--insecure", action="store_true", help="NO TLS (testing only)")
     ast.add_argument("--max-retries", type=int, default=3, help="connection attempts before giving up")
+    ast.add_argument("--rejoin", action="store_true",
+                     help="stay up when the coordinator goes away or refuses this node (its run ends, it restarts "
+                          "and resumes, a key is enrolled later): try again, backing off to once a minute, the "
+                          "ClientApp worker kept warm (default: the agent stops with the coordinator's run)")
     ast.add_argument("--poll-interval", type=float, default=0.2, metavar="S",
                      help="seconds between this node's requests for work (default: %(default)s)")
     ast.add_argument("--idle-poll-interval", type=float, default=None, metavar="S",

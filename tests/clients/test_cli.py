@@ -461,3 +461,62 @@ def test_the_wait_for_a_coordinator_is_one_line_and_a_log_file_gets_no_colour_co
     assert seen.served == 1 and "\x1b[" not in err
     assert err.count("waiting for the coordinator") == 2 and "retrying in" not in err  # once per wait
     assert "Connection successful after 2.03 seconds" in err
+
+
+_LIVES = """
+import sys
+from pathlib import Path
+count = Path(sys.argv[1])
+life = int(count.read_text()) + 1 if count.exists() else 1
+count.write_text(str(life))
+lines = {1: ["INFO :      Sent successfully", "ERROR :     Exit Code: 305"],        # served, then the coordinator left
+         2: ["ERROR :     Request failed [code: 2004]", "ERROR :     Exit Code: 305"],  # its restart not yet enrolled
+         3: ["ERROR :     Request failed [code: 2004]", "ERROR :     Exit Code: 305"],
+         4: ["INFO :      Sent successfully", "INFO :      Sent successfully", "ERROR :     Exit Code: 302"]}[life]
+print("\\n".join(lines), flush=True)
+sys.exit(1)
+"""
+
+
+def test_a_rejoin_agent_starts_its_node_again_until_a_local_fault_and_says_each_cause_once(tmp_path, capsys,
+                                                                                          monkeypatch):
+    """--rejoin: a coordinator that went away or refused the node (a restarted one re-enrolls its keys) is tried
+    again with the worker kept warm; a fault of the device's own (an unreadable key: exit 302) still ends it."""
+    import sys
+
+    from clients import supervisor
+
+    monkeypatch.setattr(supervisor, "REJOIN_FIRST", 0.05)
+    monkeypatch.setattr(supervisor.threading, "Timer", lambda *a, **k: type("T", (), {"start": lambda self: None})())
+    plan = _fake_plan(tmp_path, [sys.executable, "-c", _LIVES, str(tmp_path / "lives")])
+    plan.rejoin = True
+    assert supervisor.supervise(plan) == 1
+    assert (tmp_path / "lives").read_text() == "4"  # one SuperNode a life, the worker the same throughout
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("fedshield")]
+    assert said == [
+        "fedshield agent: the coordinator went away after this node answered 1 message (its run ended, or it was "
+        "stopped or restarted); waiting for it to come back; trying again every 60 s at most (--rejoin).",
+        "fedshield agent: the coordinator refused this node: this node's key is not enrolled at the coordinator: add "
+        "its .pub file to the coordinator's enrolled-keys; trying again every 60 s at most (--rejoin).",
+        "fedshield: error: agent stopped (Flower exit code 302): the node key could not be read as an ECDSA OpenSSH "
+        "private key."], said
+
+
+def test_a_rejoin_agent_starts_while_its_coordinator_is_down_and_says_so(tmp_path, capsys):
+    """Without --rejoin an unreachable coordinator is the agent's one error line; with it, a warning, and the
+    plan starts the node again and again (a fleet that boots before its coordinator)."""
+    import shutil
+
+    import numpy as np
+
+    from clients import ClientError, cli
+    from simulations.cli import build_parser
+
+    np.savez(tmp_path / "d.npz", x=np.zeros((20, 64)), y=np.zeros(20, int))
+    argv = ["agent", "start", "--coordinator", f"127.0.0.1:{cli.free_port()}", "--insecure", "--data",
+            str(tmp_path / "d.npz")]
+    with pytest.raises(ClientError, match="coordinator must be reachable"):
+        cli.agent_plan(build_parser().parse_args(argv))
+    plan = cli.agent_plan(build_parser().parse_args([*argv, "--rejoin"]))
+    shutil.rmtree(plan.state_dir)
+    assert plan.rejoin and "Found: Connection refused. The node joins once it is (--rejoin)." in capsys.readouterr().err

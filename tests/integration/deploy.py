@@ -37,12 +37,12 @@ round-timeout = {round_timeout}
     return port
 
 
-def start_agent(procs, tmp_path, fedshield_bin, port, i, key=None, data=None, name=None):
+def start_agent(procs, tmp_path, fedshield_bin, port, i, key=None, data=None, name=None, extra=()):
     home = tmp_path / f"agent-home-{name or i}"
     home.mkdir(exist_ok=True)
     return procs.start(name or f"agent{i}", [
         fedshield_bin, "agent", "start", "--coordinator", f"127.0.0.1:{port}", "--root-cert", "certs/ca.crt",
-        "--key", key or f"keys/client-{i}", "--data", data or f"data/client-{i}.npz",
+        "--key", key or f"keys/client-{i}", "--data", data or f"data/client-{i}.npz", *extra,
     ], cwd=tmp_path, env={"FLWR_HOME": str(home)})
 
 

@@ -16,7 +16,7 @@ from coordinator.rundir import CHECKPOINT, CONFIG, METRICS, MODEL, PLOT, SUMMARY
 from coordinator.service import descendants
 
 from .deploy import metrics_rows, setup_deployment, start_agent, start_coordinator
-from .procs import running, wait_for
+from .procs import agent_child, running, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -72,32 +72,38 @@ def _cmdline(pid: int) -> bytes:
 
 @pytest.mark.timeout(600)
 def test_coordinator_resumes_from_checkpoint(tmp_path, procs, fedshield_bin):
+    """Stopped after round 2 and started again, the coordinator resumes at round 3. Two agents run --rejoin and
+    stay up across the restart (their workers kept: the same pids), joining the resumed run by themselves; the
+    third, without it, stops with the coordinator and is started again by hand."""
     port = setup_deployment(tmp_path, fedshield_bin, num_rounds=3, keys=3)  # stopped after round 2, resumed for one
     run_dir = tmp_path / "runs" / "deploy"
     start_coordinator(procs, tmp_path, fedshield_bin, "coordinator")
     for i in range(3):
-        start_agent(procs, tmp_path, fedshield_bin, port, i)
+        start_agent(procs, tmp_path, fedshield_bin, port, i, extra=("--rejoin",) if i else ())
     wait_for(lambda: (run_dir / METRICS).is_file() and len(metrics_rows(run_dir)) >= 2, 300, "round 2's checkpoint", 0.1)
+    workers = {i: agent_child(procs.procs[f"agent{i}"].pid, "worker") for i in (1, 2)}
     tree = descendants(procs.procs["coordinator"].pid)
     assert any(b"flwr-serverapp" in _cmdline(pid) for pid in tree), "the run's ServerApp process, to be stopped"
     procs.stop("coordinator")  # SIGTERM: the coordinator stops its SuperLink, and the ServerApp Flower started
     assert not [pid for pid in tree if running(pid)], "every process the coordinator started has stopped"
-    for i in range(3):
-        procs.stop(f"agent{i}")
+    assert procs.wait("agent0", timeout=60) == 0, procs.log("agent0")[-2000:]  # it stops with the coordinator
     saved = torch.load(run_dir / CHECKPOINT, weights_only=True)
     assert saved["round"] == 2, "the coordinator was stopped after round 2"
     digest = hashlib.sha256(saved["weights"].numpy().tobytes()).hexdigest()[:16]
     before = metrics_rows(run_dir)
 
     start_coordinator(procs, tmp_path, fedshield_bin, "coordinator2")
-    for i in range(3):
-        start_agent(procs, tmp_path, fedshield_bin, port, i, name=f"agent{i}-again")
+    start_agent(procs, tmp_path, fedshield_bin, port, 0, name="agent0-again")
     assert procs.wait("coordinator2", timeout=400) == 0, procs.log("coordinator2")[-3000:]
     log = procs.log("coordinator2")
     assert f"at round 3 (version 2, model sha256 {digest})" in log
     rows = metrics_rows(run_dir)
     assert [int(r["round"]) for r in rows] == [1, 2, 3]
-    assert rows[:2] == before
+    assert rows[:2] == before and int(rows[2]["accepted"]) == 3, rows[2]
+    for i in (1, 2):
+        assert procs.procs[f"agent{i}"].poll() is None, procs.log(f"agent{i}")[-2000:]  # still up, for the next run
+        assert agent_child(procs.procs[f"agent{i}"].pid, "worker") == workers[i], procs.log(f"agent{i}")[-3000:]
+        assert "waiting for it to come back" in procs.log(f"agent{i}")
 
 
 @pytest.mark.timeout(420)
