@@ -7,9 +7,13 @@ import os
 os.environ.setdefault("FEDSHIELD_DEVICE", "cpu")
 os.environ.setdefault("FEDSHIELD_TORCH_THREADS", "1")
 if "FEDSHIELD_AGENT_STATE_DIR" not in os.environ:  # agents started by tests keep their ledgers here, not in ~
+    import atexit
+    import shutil
     import tempfile
 
     os.environ["FEDSHIELD_AGENT_STATE_DIR"] = tempfile.mkdtemp(prefix="fedshield-agent-state-")
+    # removed when the run that made it ends (the xdist workers inherit it): runs left one each in /tmp
+    atexit.register(shutil.rmtree, os.environ["FEDSHIELD_AGENT_STATE_DIR"], True)
 
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
