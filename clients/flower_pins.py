@@ -33,7 +33,8 @@ PINNED = (
     ("flwr.supercore.interceptors", "SuperExecAuthHttpInterceptor"),
     ("flwr.supercore.retry", "make_simple_http_retry_invoker"),
     ("flwr.supercore.heartbeat", "HeartbeatSender"),
-    ("flwr.supercore.heartbeat", "make_task_heartbeat_fn_http"),
+    ("flwr.supercore.heartbeat", "make_task_heartbeat_fn_http"),  # (what worker.task_heartbeat mirrors)
+    ("flwr.proto.runtime_pb2", "SendTaskHeartbeatRequest"),
     ("flwr.supercore.constant", "TaskType"),
     ("flwr.proto.runtime_pb2", "AcquireTaskRequest"),
     ("flwr.proto.message_pb2", "Message"),

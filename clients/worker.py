@@ -74,7 +74,7 @@ class Worker:
                 master_secret=self.secret, protected_methods=[AUTH_METHOD]))
         return pinned("flwr.supercore.runtime", "RuntimeHttpClient").from_server_address(
             server_address=self.runtime, insecure=True, root_certificates=None, interceptors=interceptors,
-            retry_invoker=pinned("flwr.supercore.retry", "make_simple_http_retry_invoker")())
+            retry_invoker=retries())
 
     def acquire(self) -> str | None:
         request = pinned("flwr.proto.runtime_pb2", "AcquireTaskRequest")(
@@ -125,8 +125,7 @@ class Worker:
         from clients.client_app import app
 
         client = self._client(token)
-        heartbeat = pinned("flwr.supercore.heartbeat", "HeartbeatSender")(
-            pinned("flwr.supercore.heartbeat", "make_task_heartbeat_fn_http")(client))
+        heartbeat = pinned("flwr.supercore.heartbeat", "HeartbeatSender")(task_heartbeat(client))
         heartbeat.start()
         message = context = None
         try:
@@ -188,6 +187,45 @@ class Worker:
             else:
                 signal.sigtimedwait({signal.SIGUSR1}, wait)
                 wait = min(IDLE_POLL, wait * 2)
+
+
+def retries():
+    """Flower's HTTP retry invoker for the Runtime API, except that a 401 (a task token its node no longer knows:
+    the node restarted under --rejoin) fails the call instead of sending this process SIGINT, which in
+    ``flwr-clientapp`` ends a one-message process and here killed the warm worker (exit 130)."""
+    import httpx
+
+    invoker = pinned("flwr.supercore.retry", "make_simple_http_retry_invoker")()
+    flowers = invoker.should_giveup
+
+    def should_giveup(exc: Exception) -> bool:
+        if isinstance(exc, httpx.HTTPStatusError) and exc.response.status_code == httpx.codes.UNAUTHORIZED:
+            return True
+        return flowers(exc)
+
+    invoker.should_giveup = should_giveup
+    return invoker
+
+
+def task_heartbeat(client):
+    """Flower's ``make_task_heartbeat_fn_http``, less its ``signal.raise_signal(SIGINT)`` when the node says the task
+    is gone (a node restarted under --rejoin): in ``flwr-clientapp``, which serves one message, that ends the
+    process; here it killed the warm worker (exit 130, a torch import to replace it). The lost task's reply then
+    fails to push, which ``Worker.run`` logs and goes on from."""
+    import httpx
+
+    request = pinned("flwr.proto.runtime_pb2", "SendTaskHeartbeatRequest")()
+
+    def beat() -> bool:
+        try:
+            client.SendTaskHeartbeat(request)
+        except httpx.TransportError:
+            return False  # (retried by HeartbeatSender)
+        except httpx.HTTPStatusError as err:
+            return err.response.status_code not in (503, 504)  # those retried; any other: the task is gone
+        return True
+
+    return beat
 
 
 def _context_of(message):

@@ -135,3 +135,33 @@ print("ok")
 """
     out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+def test_the_task_heartbeat_the_worker_mirrors_is_unchanged_but_for_its_sigint():
+    """clients.worker.task_heartbeat is Flower's make_task_heartbeat_fn_http without the SIGINT that ends a
+    one-message ClientApp process (and so killed the warm worker): if Flower's changes, recheck the mirror."""
+    source = inspect.getsource(importlib.import_module("flwr.supercore.heartbeat").make_task_heartbeat_fn_http)
+    for part in ("res = client.SendTaskHeartbeat(req)", "except httpx.TransportError:\n            return False",
+                 "httpx.codes.SERVICE_UNAVAILABLE", "httpx.codes.GATEWAY_TIMEOUT", "if not res.success:\n"
+                 "            signal.raise_signal(signal.SIGINT)"):
+        assert part in source, f"Flower's task heartbeat changed near {part!r}"
+
+
+def test_flowers_runtime_retries_still_end_the_process_on_a_401_and_the_worker_s_do_not(monkeypatch):
+    """Flower's HTTP retry invoker sends its own process SIGINT on a 401 (and sleeps for the exit): the warm
+    worker's (clients.worker.retries) gives the call up instead. If Flower's stops doing so, recheck the override."""
+    import os
+
+    import httpx
+
+    from clients import worker
+
+    source = inspect.getsource(importlib.import_module("flwr.supercore.retry.http_retry"))
+    assert "if status_code == httpx.codes.UNAUTHORIZED:" in source and "os.kill(os.getpid(), signal.SIGINT)" in source
+    killed = []
+    monkeypatch.setattr(os, "kill", lambda pid, sig: killed.append(sig))
+    request = httpx.Request("POST", "http://127.0.0.1/x")
+    unauthorized = httpx.HTTPStatusError("401", request=request, response=httpx.Response(401, request=request))
+    assert worker.retries().should_giveup(unauthorized) is True and killed == []
+    refused = httpx.ConnectError("refused")
+    assert worker.retries().should_giveup(refused) is False  # the rest as Flower's: a node restarting is waited for

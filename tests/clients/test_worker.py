@@ -42,3 +42,33 @@ def test_a_message_lost_with_its_supernode_leaves_the_worker_serving(tmp_path, c
     assert served == ["t1", "t2"]
     assert ("lost the message it was handling: its SuperNode stopped answering (ConnectionError: the SuperNode is "
             "gone); waiting for the next.") in capsys.readouterr().err
+
+
+def test_the_task_heartbeat_never_interrupts_the_worker(monkeypatch):
+    """Flower's raised SIGINT when the node said the task was gone (a node restarted under --rejoin): the warm
+    worker died with exit 130 (CI, the resume test). Ours reports it to HeartbeatSender and nothing else."""
+    import signal
+
+    import httpx
+
+    raised = []
+    monkeypatch.setattr(signal, "raise_signal", raised.append)
+    request = httpx.Request("POST", "http://127.0.0.1/heartbeat")
+
+    def status(code):
+        return httpx.HTTPStatusError("no", request=request, response=httpx.Response(code, request=request))
+
+    class Client:
+        def __init__(self, answer):
+            self.answer = answer
+
+        def SendTaskHeartbeat(self, req):  # noqa: N802  (Flower's method name)
+            if isinstance(self.answer, Exception):
+                raise self.answer
+            return self.answer
+
+    gone = type("Res", (), {"success": False})()
+    alive = type("Res", (), {"success": True})()
+    outcomes = [worker_mod.task_heartbeat(Client(a))() for a in
+                (alive, gone, status(401), status(503), status(504), httpx.ConnectError("refused"))]
+    assert outcomes == [True, True, True, False, False, False] and raised == []
