@@ -366,12 +366,16 @@ def supervise(plan: Plan) -> int:
 def _rejoin_reason(seen: Watched, plan: Plan) -> str:
     """Why a --rejoin agent's node ended, in words, for the line it prints before it tries again."""
     if seen.served:
-        return (f"the coordinator went away after this node answered {_messages(seen.served)} (its run ended, or it "
-                "was stopped or restarted); waiting for it to come back")
+        return f"{_gone(seen.served)}; waiting for it to come back"
     if seen.refusal in _REFUSALS:
         return f"the coordinator refused this node: {_REFUSALS[seen.refusal]}"
     cause = diagnose_connection(plan.coordinator, plan.root_cert) if plan.coordinator else None
     return cause or "could not join the coordinator (see the SuperNode's lines above)"
+
+
+def _gone(served: int) -> str:
+    return (f"the coordinator went away after this node answered {_messages(served)} (its run ended, or it was "
+            "stopped or restarted)")
 
 
 def _stopped(stopped_by: list[int], served: int) -> int:
@@ -467,8 +471,7 @@ def _ended(seen: Watched, returncode: int, plan: Plan | None = None) -> int:
     if flwr_code == 305 and refusal is None and seen.served:
         # Connected, answered the coordinator, then lost it: a coordinator stops its SuperLink when its
         # run ends, so this is how an agent's part in a finished run ends (or the coordinator stopped).
-        _say(f"the coordinator went away after this node answered {_messages(seen.served)} (its run ended, or "
-             "it was stopped); agent stopped.")
+        _say(f"{_gone(seen.served)}; agent stopped.")
         return 0
     if refusal in _REFUSALS:
         reason = _REFUSALS[refusal]

@@ -222,7 +222,8 @@ def task_heartbeat(client):
         except httpx.TransportError:
             return False  # (retried by HeartbeatSender)
         except httpx.HTTPStatusError as err:
-            return err.response.status_code not in (503, 504)  # those retried; any other: the task is gone
+            return err.response.status_code not in (httpx.codes.SERVICE_UNAVAILABLE, httpx.codes.GATEWAY_TIMEOUT)
+            # (those two retried, as Flower's; any other: the task is gone)
         return True
 
     return beat
