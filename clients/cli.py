@@ -26,7 +26,7 @@ from ._errors import ClientError
 from .config import TaskSpec, build_config, renamed_key, resolve_path
 from .data import load_npz, save_npz
 from .flower_pins import EMPTY_PULL_SLEEP as IDLE_POLL
-from .supervisor import NODE_FILE, SECRET, Plan, start_process, stop_group
+from .supervisor import NODE_FILE, RUNTIME, SECRET, Plan, start_process, stop_group
 from .tasks import load_task
 
 # Flower exit codes (flwr.supercore.exit.ExitCode) a device owner may meet, in words.
@@ -124,6 +124,8 @@ def bind_probe(host: str, port: int) -> None:
 
 
 def free_port() -> int:
+    """A port free on 127.0.0.1 now, for a benchmark's coordinator; bound later, so another bind may take it first
+    (the agent's own SuperNodes bind port 0 instead)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -275,7 +277,7 @@ def supernode_command(args: argparse.Namespace) -> list[str]:
             bind_probe("127.0.0.1", args.port)
         except OSError as exc:
             raise ClientError(f"--port {args.port} must be free on 127.0.0.1. Found: {exc.strerror or exc}.") from None
-    cmd += ["--host", "127.0.0.1", "--port", str(args.port or free_port())]
+    cmd += ["--host", "127.0.0.1", "--port", str(args.port or 0)]  # 0: the kernel picks it as the node binds
     if args.max_retries < 0:
         raise ClientError(f"--max-retries must be >= 0. Found {args.max_retries}.")
     cmd += ["--max-retries", str(args.max_retries), "--max-wait-time", "30"]
@@ -321,7 +323,8 @@ def _early_task(args: argparse.Namespace) -> str:
 def agent_plan(args: argparse.Namespace, state_dir: str | None = None, task: str = "") -> Plan:
     """The agent's processes: the SuperNode (Flower's, waits shortened, process isolation: it starts no
     ClientApp itself) and the warm ClientApp worker that serves its messages over the Runtime API. The
-    worker's node config and Runtime API address go to ``state_dir`` (a worker started early waits for them)."""
+    worker's node config goes to ``state_dir`` (a worker started early waits for it), where each SuperNode the
+    agent starts writes its Runtime API's address once it listens."""
     poll, task_timeout = getattr(args, "poll_interval", 0.2), getattr(args, "task_timeout", 1800.0)
     idle = getattr(args, "idle_poll_interval", None)
     idle = max(IDLE_POLL, poll) if idle is None else idle
@@ -334,14 +337,14 @@ def agent_plan(args: argparse.Namespace, state_dir: str | None = None, task: str
         raise ClientError(f"--task-timeout must be a finite number of seconds > 0. Found {task_timeout!r}.")
     supernode = supernode_command(args)  # (it probes the coordinator: after the checks of plain values)
     state_dir = state_dir or new_state_dir()
-    runtime = f"127.0.0.1:{supernode[supernode.index('--port') + 1]}"
     node_config = supernode[supernode.index("--node-config") + 1]
     node_file = Path(state_dir) / NODE_FILE
-    node_file.with_suffix(".tmp").write_text(json.dumps({"runtime": runtime, "node-config": node_config,
+    node_file.with_suffix(".tmp").write_text(json.dumps({"node-config": node_config,
                                                          "site-socket": getattr(args, "site_socket", None) or ""}))
     os.replace(node_file.with_suffix(".tmp"), node_file)
     node = [sys.executable, "-P", str(Path(__file__).with_name("flower_pins.py")), "supernode",
-            "--poll-interval", str(poll), "--idle-poll-interval", str(idle), *supernode[1:], "--isolation", "process",
+            "--poll-interval", str(poll), "--idle-poll-interval", str(idle), "--runtime-file",
+            str(Path(state_dir) / RUNTIME), *supernode[1:], "--isolation", "process",
             "--superexec-auth-secret-file", str(Path(state_dir) / SECRET)]
     root_cert = supernode[supernode.index("--root-certificates") + 1] if "--root-certificates" in supernode else ""
     return Plan(supernode=node, worker=worker_command(state_dir, task), state_dir=state_dir,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
 import sys
 import time
 import types
@@ -25,6 +26,7 @@ PINNED = (
     ("flwr.supernode.start_client_internal", "pull_objects"),
     ("flwr.supernode.start_client_internal", "_pull_and_store_message"),
     ("flwr.supernode.cli.flower_supernode", "flower_supernode"),
+    ("flwr.supernode.cli.flower_supernode", "_start_supernode_http_api"),
     ("flwr.superlink.grid.http_grid", "pull_objects"),
     ("flwr.supernode.runtime.run_clientapp", "pull_and_inflate_object_from_tree"),
     ("flwr.supercore.runtime", "RuntimeHttpClient"),
@@ -186,18 +188,48 @@ def slim_supernode() -> None:
         sys.modules[SQL_STORE] = stand_in
 
 
+def report_runtime_address(path: str, any_port: bool = False) -> None:
+    """Once the SuperNode's Runtime API listens, write its ``127.0.0.1:PORT`` to ``path`` (atomically). With
+    ``any_port`` (the agent's ``--port 0``, which Flower's parser refuses) the kernel picks the port as it binds: a
+    port picked beforehand and bound later (at each restart under --rejoin, minutes apart) could be taken
+    meanwhile, and a bind error ended the agent."""
+    cli = importlib.import_module("flwr.supernode.cli.flower_supernode")
+    start = pinned("flwr.supernode.cli.flower_supernode", "_start_supernode_http_api")
+
+    def started(config, state_factory):
+        if any_port:
+            config.port = 0
+        server, thread = start(config, state_factory)
+        host, port = server.servers[0].sockets[0].getsockname()[:2]
+        config.port = port  # (what flower_supernode names the Runtime API by from here on)
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as fh:
+            fh.write(f"{host}:{port}")
+        os.replace(tmp, path)
+        return server, thread
+
+    cli._start_supernode_http_api = started
+
+
 def run_supernode(argv: list[str]) -> None:
-    """``flower-supernode`` with the waits shortened; ``--poll-interval S`` and ``--idle-poll-interval S`` (ours)
-    come first in argv."""
-    poll, idle = 0.2, EMPTY_PULL_SLEEP
-    while argv[:1] in (["--poll-interval"], ["--idle-poll-interval"]):
+    """``flower-supernode`` with the waits shortened; ``--poll-interval S``, ``--idle-poll-interval S`` and
+    ``--runtime-file PATH`` (ours) come first in argv."""
+    poll, idle, runtime_file = 0.2, EMPTY_PULL_SLEEP, ""
+    while argv[:1] in (["--poll-interval"], ["--idle-poll-interval"], ["--runtime-file"]):
         if argv[0] == "--poll-interval":
             poll = float(argv[1])
-        else:
+        elif argv[0] == "--idle-poll-interval":
             idle = float(argv[1])
+        else:
+            runtime_file = argv[1]
         argv = argv[2:]
+    any_port = "--port" in argv and argv[argv.index("--port") + 1:][:1] == ["0"]
+    if any_port:  # (Flower's parser takes 1-65535; its default stands in, and report_runtime_address binds 0)
+        del argv[argv.index("--port"):argv.index("--port") + 2]
     slim_supernode()
     patch_supernode(poll, idle_poll=idle)
+    if runtime_file:
+        report_runtime_address(runtime_file, any_port)
     sys.argv = ["flower-supernode", *argv]
     pinned("flwr.supernode.cli.flower_supernode", "flower_supernode")()
 

@@ -19,8 +19,9 @@ import sys
 import threading
 import time
 
-# The agent's state dir: the worker writes READY and INFLIGHT, the agent SECRET and NODE_FILE (clients.worker, cli)
-READY, INFLIGHT, NODE_FILE, SECRET = "ready", "inflight", "node.json", "secret"
+# The agent's state dir: the worker writes READY and INFLIGHT, the agent SECRET and NODE_FILE (clients.worker, cli),
+# the SuperNode RUNTIME (its Runtime API's address, once it listens: clients.flower_pins.report_runtime_address)
+READY, INFLIGHT, NODE_FILE, SECRET, RUNTIME = "ready", "inflight", "node.json", "secret", "runtime"
 
 # Flower's own lines: its console prefix ("ERROR :     ", with colours or a timestamp), then the
 # message; an exit's message starts with its whole "Exit Code: N" line. Text that merely contains
@@ -329,6 +330,8 @@ def supervise(plan: Plan) -> int:
             time.sleep(plan.tick / 4)
         served, failures, said = 0, 0, ""
         while True:
+            # (a node's address is good for that node only: the next one binds anew, and the worker waits for it)
+            _remove(os.path.join(plan.state_dir, RUNTIME))
             node = start_process(plan.supernode, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             seen: list[Watched] = []
             watcher = threading.Thread(target=lambda proc, out: out.append(_watch(proc, quiet, workers.wake)),
@@ -361,6 +364,13 @@ def supervise(plan: Plan) -> int:
             stop_group(node)
         workers.stop()
         shutil.rmtree(plan.state_dir, ignore_errors=True)
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def _rejoin_reason(seen: Watched, plan: Plan) -> str:

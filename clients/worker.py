@@ -27,7 +27,7 @@ from pathlib import Path
 
 from .flower_pins import AUTH_METHOD, patch_worker, pinned
 
-from .supervisor import INFLIGHT, NODE_FILE, READY, SECRET
+from .supervisor import INFLIGHT, NODE_FILE, READY, RUNTIME, SECRET
 
 CLIENTAPP = "clients.client_app:app"
 IDLE_POLL = 1.0  # seconds between an idle worker's task requests (a message wakes it at once)
@@ -58,11 +58,41 @@ def warm_up(node_config: dict) -> None:
 
 
 class Worker:
-    def __init__(self, runtime: str, state_dir: Path, poll: float, site_socket: str = "") -> None:
-        self.runtime, self.dir, self.poll = runtime, state_dir, poll
+    def __init__(self, state_dir: Path, poll: float, site_socket: str = "") -> None:
+        self.dir, self.poll = state_dir, poll
         self.site_socket = site_socket  # an edge aggregator's: messages go to its site ServerApp (coordinator.site)
         self.secret = (state_dir / SECRET).read_bytes()
-        self.client = self._client()
+        self.runtime, self.client = "", None  # its SuperNode's Runtime API, once connect() found it
+
+    def _address(self) -> str:
+        """The Runtime API address the agent's current SuperNode wrote once it listened ('' while none runs)."""
+        try:
+            return (self.dir / RUNTIME).read_text().strip()
+        except FileNotFoundError:
+            return ""
+
+    def connect(self) -> None:
+        """Wait, quietly, until the agent's SuperNode listens (the agent starts one once this worker is READY, and
+        again under --rejoin, each on a port of its own), then talk to it."""
+        while True:
+            address = self._address()
+            host, _, port = address.rpartition(":")
+            if port.isdigit():
+                try:
+                    socket.create_connection((host, int(port)), timeout=1).close()
+                    break
+                except OSError:
+                    pass
+            time.sleep(max(self.poll, 0.05))
+        if address != self.runtime or self.client is None:
+            if self.client is not None:
+                self.client.close()
+            self.runtime = address
+            self.client = self._client()  # (bound to self.runtime)
+
+    def moved(self) -> bool:
+        """Whether the SuperNode this worker talks to was replaced (or is gone, the next one not up yet)."""
+        return self._address() != self.runtime
 
     def _client(self, token: str | None = None):
         interceptors = [pinned("flwr.supercore.interceptors", "RuntimeVersionHttpInterceptor")(
@@ -74,7 +104,7 @@ class Worker:
                 master_secret=self.secret, protected_methods=[AUTH_METHOD]))
         return pinned("flwr.supercore.runtime", "RuntimeHttpClient").from_server_address(
             server_address=self.runtime, insecure=True, root_certificates=None, interceptors=interceptors,
-            retry_invoker=retries())
+            retry_invoker=retries(self.moved))
 
     def acquire(self) -> str | None:
         request = pinned("flwr.proto.runtime_pb2", "AcquireTaskRequest")(
@@ -87,6 +117,7 @@ class Worker:
         path = self.dir / INFLIGHT
         if not path.exists():
             return
+        self.connect()
         try:
             record = json.loads(path.read_text())
             proto = pinned("flwr.proto.message_pb2", "Message").FromString(base64.b64decode(record["message"]))
@@ -162,13 +193,7 @@ class Worker:
 
     def run(self) -> None:
         (self.dir / READY).write_text(str(os.getpid()))
-        host, _, port = self.runtime.rpartition(":")
-        while True:  # the supervisor starts the SuperNode now: its Runtime API, quietly awaited
-            try:
-                socket.create_connection((host, int(port)), timeout=1).close()
-                break
-            except OSError:
-                time.sleep(self.poll)
+        self.connect()  # the supervisor starts the SuperNode now
         # Idle, it asks for a task every IDLE_POLL s at most; the supervisor wakes it (SIGUSR1, set up in main) as
         # soon as its SuperNode has received a message (10 workers asking every 20 ms took a core of two).
         wait = self.poll
@@ -177,6 +202,10 @@ class Worker:
                 token = self.acquire()
             except Exception:  # noqa: BLE001  (the SuperNode not up yet, or restarting)
                 token = None
+                if self.moved():  # a new SuperNode (--rejoin): its address, then its tasks at once
+                    self.connect()
+                    wait = self.poll
+                    continue
             if token:
                 try:
                     self.serve(token)
@@ -189,10 +218,11 @@ class Worker:
                 wait = min(IDLE_POLL, wait * 2)
 
 
-def retries():
+def retries(moved=lambda: False):
     """Flower's HTTP retry invoker for the Runtime API, except that a 401 (a task token its node no longer knows:
     the node restarted under --rejoin) fails the call instead of sending this process SIGINT, which in
-    ``flwr-clientapp`` ends a one-message process and here killed the warm worker (exit 130)."""
+    ``flwr-clientapp`` ends a one-message process and here killed the warm worker (exit 130); and that a call
+    whose SuperNode ``moved()`` (gone, or replaced by one on another port) fails instead of retrying for ever."""
     import httpx
 
     invoker = pinned("flwr.supercore.retry", "make_simple_http_retry_invoker")()
@@ -200,6 +230,8 @@ def retries():
 
     def should_giveup(exc: Exception) -> bool:
         if isinstance(exc, httpx.HTTPStatusError) and exc.response.status_code == httpx.codes.UNAUTHORIZED:
+            return True
+        if isinstance(exc, httpx.TransportError) and moved():
             return True
         return flowers(exc)
 
@@ -280,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
 
     node_config = parse_config_args([plan["node-config"]]) if plan["node-config"] else {}
     patch_worker()
-    worker = Worker(plan["runtime"], args.state_dir, args.poll, plan.get("site-socket", ""))
+    worker = Worker(args.state_dir, args.poll, plan.get("site-socket", ""))
     worker.answer_lost()  # a predecessor's message first: it needs flwr only, not the task
     if not worker.site_socket:  # (an aggregator's worker trains nothing: its site's clients do)
         warm_up(node_config)

@@ -466,9 +466,12 @@ def test_the_wait_for_a_coordinator_is_one_line_and_a_log_file_gets_no_colour_co
 _LIVES = """
 import sys
 from pathlib import Path
-count = Path(sys.argv[1])
+count, runtime = Path(sys.argv[1]), Path(sys.argv[2])
 life = int(count.read_text()) + 1 if count.exists() else 1
 count.write_text(str(life))
+if runtime.exists():  # the last node's Runtime API address: gone before this one starts (the worker must wait)
+    print("STALE ADDRESS", flush=True)
+runtime.write_text(f"127.0.0.1:{40000 + life}")  # as a node does once it listens
 lines = {1: ["INFO :      Sent successfully", "ERROR :     Exit Code: 305"],        # served, then the coordinator left
          2: ["ERROR :     Request failed [code: 2004]", "ERROR :     Exit Code: 305"],  # its restart not yet enrolled
          3: ["ERROR :     Request failed [code: 2004]", "ERROR :     Exit Code: 305"],
@@ -488,11 +491,14 @@ def test_a_rejoin_agent_starts_its_node_again_until_a_local_fault_and_says_each_
 
     monkeypatch.setattr(supervisor, "REJOIN_FIRST", 0.05)
     monkeypatch.setattr(supervisor.threading, "Timer", lambda *a, **k: type("T", (), {"start": lambda self: None})())
-    plan = _fake_plan(tmp_path, [sys.executable, "-c", _LIVES, str(tmp_path / "lives")])
+    plan = _fake_plan(tmp_path, [sys.executable, "-c", _LIVES, str(tmp_path / "lives"),
+                                 str(tmp_path / "state" / supervisor.RUNTIME)])
     plan.rejoin = True
     assert supervisor.supervise(plan) == 1
     assert (tmp_path / "lives").read_text() == "4"  # one SuperNode a life, the worker the same throughout
-    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("fedshield")]
+    err = capsys.readouterr().err
+    assert "STALE ADDRESS" not in err  # each node's Runtime API address was removed before the next one started
+    said = [line for line in err.splitlines() if line.startswith("fedshield")]
     assert said == [
         "fedshield agent: the coordinator went away after this node answered 1 message (its run ended, or it was "
         "stopped or restarted); waiting for it to come back; trying again every 60 s at most (--rejoin).",
@@ -513,10 +519,16 @@ def test_a_rejoin_agent_starts_while_its_coordinator_is_down_and_says_so(tmp_pat
     from simulations.cli import build_parser
 
     np.savez(tmp_path / "d.npz", x=np.zeros((20, 64)), y=np.zeros(20, int))
-    argv = ["agent", "start", "--coordinator", f"127.0.0.1:{cli.free_port()}", "--insecure", "--data",
+    from tests.integration.procs import free_port
+
+    argv = ["agent", "start", "--coordinator", f"127.0.0.1:{free_port()}", "--insecure", "--data",
             str(tmp_path / "d.npz")]
     with pytest.raises(ClientError, match="coordinator must be reachable"):
         cli.agent_plan(build_parser().parse_args(argv))
     plan = cli.agent_plan(build_parser().parse_args([*argv, "--rejoin"]))
     shutil.rmtree(plan.state_dir)
+    # each node binds a port the kernel picks as it binds (one picked up front was taken meanwhile, once: a bind
+    # error ended the agent) and writes its address where the worker looks
+    after = lambda flag: plan.supernode[plan.supernode.index(flag) + 1]  # noqa: E731
+    assert after("--port") == "0" and after("--runtime-file") == f"{plan.state_dir}/runtime"
     assert plan.rejoin and "Found: Connection refused. The node joins once it is (--rejoin)." in capsys.readouterr().err

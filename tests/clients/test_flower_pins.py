@@ -30,6 +30,48 @@ def test_the_supernode_sleeps_it_shortens_are_still_there():
     assert "pull_objects(" in source
 
 
+def test_a_supernode_on_port_0_writes_the_address_its_runtime_api_bound(tmp_path, monkeypatch):
+    """The agent starts each SuperNode with ``--port 0``; Flower's own Runtime API server, started as
+    ``flower_supernode`` starts it, then says where it listens (the worker reads it there)."""
+    import socket
+    import types
+
+    cli = importlib.import_module("flwr.supernode.cli.flower_supernode")
+    monkeypatch.setattr(cli, "_start_supernode_http_api", cli._start_supernode_http_api)  # (put back after)
+    store = importlib.import_module("flwr.supercore.object_store").ObjectStoreFactory()
+    states = importlib.import_module("flwr.supernode.nodestate").NodeStateFactory(objectstore_factory=store)
+    config = types.SimpleNamespace(host="127.0.0.1", port=9094, superexec_auth_secret=b"s" * 32,
+                                   runtime_ssl_certfile=None, runtime_ssl_keyfile=None)  # (9094: Flower's default)
+    path = tmp_path / "runtime"
+    flower_pins.report_runtime_address(str(path), any_port=True)
+    server, thread = cli._start_supernode_http_api(config, states)
+    try:
+        host, _, port = path.read_text().rpartition(":")
+        assert host == "127.0.0.1" and int(port) > 0 and not (tmp_path / "runtime.tmp").exists()
+        assert config.port == int(port)  # (the address flower_supernode names the Runtime API by)
+        socket.create_connection((host, int(port)), timeout=5).close()  # Flower's server listens there
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def test_flowers_supernode_parser_refuses_port_0_and_the_agent_s_wrapper_drops_it(monkeypatch):
+    """Why run_supernode takes ``--port 0`` off the command line it hands Flower (and binds port 0 itself)."""
+    cli = importlib.import_module("flwr.supernode.cli.flower_supernode")
+    with pytest.raises(SystemExit):
+        cli._parse_args_run_supernode().parse_args(["--port", "0"])
+    seen = {}
+    monkeypatch.setattr(flower_pins, "slim_supernode", lambda: None)
+    monkeypatch.setattr(flower_pins, "patch_supernode", lambda *a, **k: None)
+    monkeypatch.setattr(flower_pins, "report_runtime_address", lambda path, any_port: seen.update(any_port=any_port))
+    monkeypatch.setattr(cli, "flower_supernode", lambda: seen.update(argv=list(flower_pins.sys.argv)))
+    monkeypatch.setattr(flower_pins.sys, "argv", flower_pins.sys.argv)
+    flower_pins.run_supernode(["--runtime-file", "rt", "--insecure", "--port", "0", "--isolation", "process"])
+    assert seen == {"any_port": True, "argv": ["flower-supernode", "--insecure", "--isolation", "process"]}
+    flower_pins.run_supernode(["--runtime-file", "rt", "--port", "9101"])
+    assert seen == {"any_port": False, "argv": ["flower-supernode", "--port", "9101"]}
+
+
 def test_patched_sleeps_are_short_and_others_unchanged(monkeypatch):
     sci = importlib.import_module("flwr.supernode.start_client_internal")
     monkeypatch.setattr(sci, "time", sci.time)

@@ -13,14 +13,76 @@ class _Stop(BaseException):
     """Ends Worker.run's loop in the test."""
 
 
+def _worker(tmp_path, monkeypatch):
+    """A Worker on ``tmp_path`` as its state dir, whose Runtime API clients are records of their address."""
+    (tmp_path / "secret").write_bytes(b"s" * 32)
+    w = worker_mod.Worker(tmp_path, 0.01)
+    monkeypatch.setattr(w, "_client", lambda token=None: type("Client", (), {
+        "address": w.runtime, "closed": False, "close": lambda self: setattr(self, "closed", True)})())
+    return w
+
+
+def _listener():
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    return sock, f"127.0.0.1:{sock.getsockname()[1]}"
+
+
+def test_the_worker_follows_its_agent_s_supernode_to_the_port_a_new_one_binds(tmp_path, monkeypatch):
+    """Under --rejoin each SuperNode binds a port of its own (``--port 0``) and writes its address to the state
+    dir; a worker whose node went away waits for the next one's address, then asks it for tasks."""
+    import threading
+
+    w = _worker(tmp_path, monkeypatch)
+    (first, at_first), (second, at_second) = _listener(), _listener()
+    (tmp_path / "runtime").write_text(at_first)
+    calls, tokens = [], iter([RuntimeError("the node went away"), "t1", None])
+
+    def acquire():
+        calls.append(w.client.address)
+        answer = next(tokens, None)
+        if isinstance(answer, Exception):  # the node is gone: its address with it, the next one on another port
+            (tmp_path / "runtime").unlink()
+            threading.Timer(0.2, lambda: (tmp_path / "runtime").write_text(at_second)).start()
+            raise answer
+        if answer is None and calls.count(at_second) > 1:
+            raise _Stop
+        return answer
+
+    served = []
+    monkeypatch.setattr(w, "acquire", acquire)
+    monkeypatch.setattr(w, "serve", lambda token: served.append((token, w.client.address)))
+    monkeypatch.setattr(worker_mod.signal, "sigtimedwait", lambda sigs, timeout: None)
+    with pytest.raises(_Stop):
+        w.run()
+    assert (tmp_path / "ready").exists()
+    assert calls[0] == at_first and calls[1] == at_second and served == [("t1", at_second)] and w.runtime == at_second
+    first.close()
+    second.close()
+
+
+def test_the_worker_s_runtime_calls_give_up_once_its_supernode_moved():
+    """Flower retries a refused Runtime API call for ever: against a node that is gone (its address removed, or
+    a new one's written) the call now fails, and the worker moves on to the new node."""
+    import httpx
+
+    moved = [False]
+    invoker = worker_mod.retries(lambda: moved[0])
+    refused = httpx.ConnectError("refused")
+    assert invoker.should_giveup(refused) is False  # the same node restarting its server: waited for
+    moved[0] = True
+    assert invoker.should_giveup(refused) is True
+
+
 def test_a_message_lost_with_its_supernode_leaves_the_worker_serving(tmp_path, capsys, monkeypatch):
     """The node went away mid-message (the coordinator stopped; --rejoin starts a new node): the worker said so and
     died before, and the agent paid a torch import for a new one (flaky in the resume test); now it goes on."""
     listening = socket.socket()
     listening.bind(("127.0.0.1", 0))
     listening.listen()
-    w = worker_mod.Worker.__new__(worker_mod.Worker)
-    w.runtime, w.dir, w.poll = f"127.0.0.1:{listening.getsockname()[1]}", tmp_path, 0.01
+    w = _worker(tmp_path, monkeypatch)
+    (tmp_path / "runtime").write_text(f"127.0.0.1:{listening.getsockname()[1]}")
     tokens, served = iter(["t1", "t2"]), []
 
     def acquire():

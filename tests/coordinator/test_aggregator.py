@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from clients.cli import free_port
+from tests.integration.procs import free_port
 from privacy import init_certificates, new_node_key
 from simulations.cli import main
 

@@ -106,6 +106,28 @@ def test_coordinator_resumes_from_checkpoint(tmp_path, procs, fedshield_bin):
         assert "waiting for it to come back" in procs.log(f"agent{i}")
 
 
+@pytest.mark.timeout(300)
+def test_rejoin_agents_started_before_their_coordinator_join_its_run(tmp_path, procs, fedshield_bin):
+    """A fleet that boots before its coordinator: with --rejoin each agent warns, keeps its worker warm and starts
+    its node again (each on a Runtime API port of its own) until the coordinator is up; then the run has all 3."""
+    import time
+
+    port = setup_deployment(tmp_path, fedshield_bin, num_rounds=1, keys=3)
+    for i in range(3):
+        start_agent(procs, tmp_path, fedshield_bin, port, i, extra=("--rejoin",))
+    wait_for(lambda: all("trying again every 60 s at most (--rejoin)" in procs.log(f"agent{i}") for i in range(3)),
+             120, "each agent to try the coordinator and wait")
+    time.sleep(2)  # (some of them now between two tries)
+    start_coordinator(procs, tmp_path, fedshield_bin, "coordinator")
+    assert procs.wait("coordinator", timeout=240) == 0, procs.log("coordinator")[-3000:]
+    rows = metrics_rows(tmp_path / "runs" / "deploy")
+    assert len(rows) == 1 and int(rows[0]["accepted"]) == 3, rows
+    for i in range(3):
+        log = procs.log(f"agent{i}")
+        assert procs.procs[f"agent{i}"].poll() is None, log[-2000:]  # still up, for the next run
+        assert "The node joins once it is (--rejoin)." in log and "Traceback" not in log, log[-2000:]
+
+
 @pytest.mark.timeout(420)
 def test_fedbuff_on_a_real_superlink_with_a_slow_node(tmp_path, procs, fedshield_bin):
     """Buffered asynchronous rounds through Flower's Grid push/pull against a TLS SuperLink.
