@@ -272,7 +272,7 @@ def supernode_command(args: argparse.Namespace) -> list[str]:
     cmd += ["--node-config", node_config]
     if args.port:  # checked here: Flower would print its usage, or a traceback for a port in use
         if not 0 < args.port < 65536:
-            raise ClientError(f"--port must be in [1, 65535] (0: a free one). Found {args.port}.")
+            raise ClientError(f"--port must be in [1, 65535] (0: each node binds a free one). Found {args.port}.")
         try:
             bind_probe("127.0.0.1", args.port)
         except OSError as exc:

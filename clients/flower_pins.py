@@ -189,10 +189,10 @@ def slim_supernode() -> None:
 
 
 def report_runtime_address(path: str, any_port: bool = False) -> None:
-    """Once the SuperNode's Runtime API listens, write its ``127.0.0.1:PORT`` to ``path`` (atomically). With
-    ``any_port`` (the agent's ``--port 0``, which Flower's parser refuses) the kernel picks the port as it binds: a
-    port picked beforehand and bound later (at each restart under --rejoin, minutes apart) could be taken
-    meanwhile, and a bind error ended the agent."""
+    """Once the SuperNode's Runtime API listens, write its ``127.0.0.1:PORT`` to ``path`` (atomically; '': none).
+    With ``any_port`` (the agent's ``--port 0``, which Flower's parser refuses) the kernel picks the port as it
+    binds: a port picked beforehand and bound later (at each restart under --rejoin, minutes apart) could be
+    taken meanwhile, and a bind error ended the agent."""
     cli = importlib.import_module("flwr.supernode.cli.flower_supernode")
     start = pinned("flwr.supernode.cli.flower_supernode", "_start_supernode_http_api")
 
@@ -200,12 +200,18 @@ def report_runtime_address(path: str, any_port: bool = False) -> None:
         if any_port:
             config.port = 0
         server, thread = start(config, state_factory)
-        host, port = server.servers[0].sockets[0].getsockname()[:2]
-        config.port = port  # (what flower_supernode names the Runtime API by from here on)
-        tmp = f"{path}.tmp"
-        with open(tmp, "w") as fh:
-            fh.write(f"{host}:{port}")
-        os.replace(tmp, path)
+        try:
+            host, port = server.servers[0].sockets[0].getsockname()[:2]  # (the agent binds 127.0.0.1 only)
+            config.port = port  # (what flower_supernode names the Runtime API by from here on)
+            if path:
+                tmp = f"{path}.tmp"
+                with open(tmp, "w") as fh:
+                    fh.write(f"{host}:{port}")
+                os.replace(tmp, path)
+        except BaseException:  # the server's thread would keep a node nobody can reach alive: stop it
+            server.should_exit = True
+            thread.join(10)
+            raise
         return server, thread
 
     cli._start_supernode_http_api = started
@@ -223,12 +229,18 @@ def run_supernode(argv: list[str]) -> None:
         else:
             runtime_file = argv[1]
         argv = argv[2:]
-    any_port = "--port" in argv and argv[argv.index("--port") + 1:][:1] == ["0"]
-    if any_port:  # (Flower's parser takes 1-65535; its default stands in, and report_runtime_address binds 0)
-        del argv[argv.index("--port"):argv.index("--port") + 2]
+    # --port 0 (Flower's parser takes 1-65535): its default stands in, and report_runtime_address binds 0
+    kept = [a for a in argv if a != "--port=0"]
+    any_port = len(kept) < len(argv)
+    for i in range(len(kept) - 1):
+        if kept[i:i + 2] == ["--port", "0"]:
+            del kept[i:i + 2]
+            any_port = True
+            break
+    argv = kept
     slim_supernode()
     patch_supernode(poll, idle_poll=idle)
-    if runtime_file:
+    if runtime_file or any_port:
         report_runtime_address(runtime_file, any_port)
     sys.argv = ["flower-supernode", *argv]
     pinned("flwr.supernode.cli.flower_supernode", "flower_supernode")()

@@ -342,6 +342,7 @@ def supervise(plan: Plan) -> int:
                     workers.check()
                 watcher.join(plan.tick)
             watched = seen[0] if seen else Watched()
+            _remove(os.path.join(plan.state_dir, RUNTIME))  # (the node is gone: its worker waits for the next)
             served += watched.served
             if stopped_by:
                 return _stopped(stopped_by, served)

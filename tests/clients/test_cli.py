@@ -205,7 +205,7 @@ def test_agent_port_out_of_range_or_in_use_is_one_line(tmp_path, capsys):
 
     np.savez(tmp_path / "d.npz", x=np.zeros((20, 64)), y=np.zeros(20, int))
     err = _agent_error(tmp_path, capsys, "--data", str(tmp_path / "d.npz"), "--port", "99999")
-    assert err[-1] == "fedshield: error: --port must be in [1, 65535] (0: a free one). Found 99999."
+    assert err[-1] == "fedshield: error: --port must be in [1, 65535] (0: each node binds a free one). Found 99999."
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

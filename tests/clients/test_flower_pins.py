@@ -47,7 +47,7 @@ def test_a_supernode_on_port_0_writes_the_address_its_runtime_api_bound(tmp_path
     server, thread = cli._start_supernode_http_api(config, states)
     try:
         host, _, port = path.read_text().rpartition(":")
-        assert host == "127.0.0.1" and int(port) > 0 and not (tmp_path / "runtime.tmp").exists()
+        assert host == "127.0.0.1" and int(port) not in (0, 9094) and not (tmp_path / "runtime.tmp").exists()
         assert config.port == int(port)  # (the address flower_supernode names the Runtime API by)
         socket.create_connection((host, int(port)), timeout=5).close()  # Flower's server listens there
     finally:
@@ -63,13 +63,21 @@ def test_flowers_supernode_parser_refuses_port_0_and_the_agent_s_wrapper_drops_i
     seen = {}
     monkeypatch.setattr(flower_pins, "slim_supernode", lambda: None)
     monkeypatch.setattr(flower_pins, "patch_supernode", lambda *a, **k: None)
-    monkeypatch.setattr(flower_pins, "report_runtime_address", lambda path, any_port: seen.update(any_port=any_port))
+    monkeypatch.setattr(flower_pins, "report_runtime_address",
+                        lambda path, any_port: seen.update(path=path, any_port=any_port))
     monkeypatch.setattr(cli, "flower_supernode", lambda: seen.update(argv=list(flower_pins.sys.argv)))
     monkeypatch.setattr(flower_pins.sys, "argv", flower_pins.sys.argv)
-    flower_pins.run_supernode(["--runtime-file", "rt", "--insecure", "--port", "0", "--isolation", "process"])
-    assert seen == {"any_port": True, "argv": ["flower-supernode", "--insecure", "--isolation", "process"]}
-    flower_pins.run_supernode(["--runtime-file", "rt", "--port", "9101"])
-    assert seen == {"any_port": False, "argv": ["flower-supernode", "--port", "9101"]}
+    for argv, path, any_port, left in [
+            (["--runtime-file", "rt", "--insecure", "--port", "0", "--isolation", "process"], "rt", True,
+             ["--insecure", "--isolation", "process"]),
+            (["--port=0", "--insecure"], "", True, ["--insecure"]),  # (bound to 0 without a file too)
+            (["--runtime-file", "rt", "--port", "9101"], "rt", False, ["--port", "9101"]),
+            (["--node-config", "port=0", "--port"], None, None, ["--node-config", "port=0", "--port"])]:
+        seen.clear()
+        flower_pins.run_supernode(argv)
+        want = {"argv": ["flower-supernode", *left]} if path is None else \
+            {"path": path, "any_port": any_port, "argv": ["flower-supernode", *left]}
+        assert seen == want, argv
 
 
 def test_patched_sleeps_are_short_and_others_unchanged(monkeypatch):

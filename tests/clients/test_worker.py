@@ -62,6 +62,27 @@ def test_the_worker_follows_its_agent_s_supernode_to_the_port_a_new_one_binds(tm
     second.close()
 
 
+@pytest.mark.timeout(60)
+def test_a_call_to_a_supernode_that_went_away_fails_once_its_address_is_gone(tmp_path):
+    """Flower's Runtime API client, with the worker's retries: refused calls went on for ever; once the agent
+    removed the node's address (the node ended), the call fails and the worker waits for the next node."""
+    import threading
+
+    import httpx
+
+    (tmp_path / "secret").write_bytes(b"s" * 32)
+    w = worker_mod.Worker(tmp_path, 0.01)
+    closed, address = _listener()
+    closed.close()  # nothing listens there any more: the node is gone
+    (tmp_path / "runtime").write_text(address)
+    w.runtime, w.client = address, None
+    w.client = w._client()
+    threading.Timer(1.0, (tmp_path / "runtime").unlink).start()  # the agent notices a moment later
+    with pytest.raises(httpx.TransportError):
+        w.acquire()
+    assert w.moved()
+
+
 def test_the_worker_s_runtime_calls_give_up_once_its_supernode_moved():
     """Flower retries a refused Runtime API call for ever: against a node that is gone (its address removed, or
     a new one's written) the call now fails, and the worker moves on to the new node."""
