@@ -322,10 +322,6 @@ def _no_ray_sigterm_handler() -> Iterator[None]:
         ray_utils.set_sigterm_handler = real
 
 
-class RayStopped(RuntimeError):
-    """A message handed to Flower's Ray backend after the run began to stop: refused without touching Ray."""
-
-
 @contextlib.contextmanager
 def _ray_shutdown_after_its_calls(timeout: float = 15.0) -> Iterator[None]:
     """Flower's ``RayBackend.terminate`` (run from the main thread as the run stops) called ``ray.shutdown`` while
@@ -333,7 +329,12 @@ def _ray_shutdown_after_its_calls(timeout: float = 15.0) -> Iterator[None]:
     the shutdown made Ray's core worker end the whole process, exit status 1 ("The core worker has already been
     shutdown"), instead of the interrupted run's 130 (seen once in the suite, SIGTERM under load). Within the
     block, terminate refuses new messages, lets the calls in flight return (an actor's current client, or the
-    actor's death under a SIGTERM to the group), up to ``timeout`` s, and only then shuts Ray down."""
+    actor's death under a SIGTERM to the group), up to ``timeout`` s, and only then shuts Ray down. A message
+    handed over after that gets an error reply without touching Ray (not an exception: Flower's worker thread logs
+    each one with its traceback, which a Ctrl-C'd run printed after "fedshield: interrupted")."""
+    from flwr.app import Message
+    from flwr.app.error import Error
+    from flwr.common.constant import ErrorCode
     from flwr.server.superlink.fleet.vce.backend.raybackend import RayBackend
 
     calls = threading.Condition()
@@ -343,7 +344,8 @@ def _ray_shutdown_after_its_calls(timeout: float = 15.0) -> Iterator[None]:
     def process_message(self, message, context):
         with calls:
             if state["closed"]:
-                raise RayStopped("the simulation is stopping")
+                return Message(Error(code=ErrorCode.UNKNOWN, reason="the simulation is stopping"),
+                               reply_to=message), context
             state["inflight"] += 1
         try:
             return real_process(self, message, context)

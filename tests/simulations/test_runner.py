@@ -429,7 +429,9 @@ def test_ray_is_shut_down_only_after_the_calls_in_flight_return_and_later_messag
     import ray
     from flwr.server.superlink.fleet.vce.backend.raybackend import RayBackend
 
-    from simulations.runner import RayStopped, _ray_shutdown_after_its_calls
+    from flwr.app import Message, RecordDict
+
+    from simulations.runner import _ray_shutdown_after_its_calls
 
     events: list[str] = []
     release = threading.Event()
@@ -463,8 +465,11 @@ def test_ray_is_shut_down_only_after_the_calls_in_flight_return_and_later_messag
         release.set()
         stopper.join(10)
         worker.join(10)
-        with pytest.raises(RayStopped):
-            backend.process_message(object(), context)
+        late = Message(RecordDict(), dst_node_id=7, message_type="train")
+        late.metadata.__dict__["_message_id"] = "m1"
+        reply, same = backend.process_message(late, context)  # an error reply, no exception (Flower logs those)
+        assert same is context and reply.has_error() and reply.error.reason == "the simulation is stopping"
+        assert reply.metadata.reply_to_message_id == "m1"
     assert events == ["submit", "fetched", "actors terminated", "ray shutdown"]
     assert RayBackend.process_message.__qualname__ == "RayBackend.process_message"  # Flower's own again
     assert RayBackend.terminate.__qualname__ == "RayBackend.terminate"
