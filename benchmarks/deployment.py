@@ -93,6 +93,20 @@ def rss_mb(pids: list[int]) -> float:
     return pages * PAGE_MB
 
 
+def anon_mb(pids: list[int]) -> float:
+    """Resident pages not backed by a file (heap, Python objects, torch's registries): what the processes cost
+    on their own. The rest of RSS is shared libraries' pages, shared with any process that maps them and dropped
+    by the kernel (then read back from disk) under memory pressure."""
+    pages = 0
+    for pid in pids:
+        try:
+            resident, shared = (int(v) for v in open(f"/proc/{pid}/statm").read().split()[1:3])
+            pages += resident - shared
+        except (OSError, ValueError):
+            pass
+    return pages * PAGE_MB
+
+
 def pss_mb(pids: list[int]) -> float:
     """Proportional set size: each shared page split among the processes that map it (RSS counts it in each)."""
     kb = 0
@@ -174,6 +188,7 @@ class RssMonitor(threading.Thread):
         self.idle: dict[str, float] = {}
         self.parts: dict[str, dict[str, float]] = {}  # node -> role -> MB, at its idle sample
         self.pss: dict[str, float] = {}  # node -> PSS MB, at its idle sample
+        self.anon: dict[str, float] = {}  # node -> anonymous resident MB, at its idle sample
         self.done = threading.Event()
 
     def run(self) -> None:
@@ -182,7 +197,7 @@ class RssMonitor(threading.Thread):
             for n, pids in self.fleet.trees(self.nodes).items():
                 self.peak[n] = max(self.peak[n], mb := rss_mb(pids))
                 if finished and pids and n not in self.idle and "ClientApp" not in (roles := [role(p) for p in pids]):
-                    self.idle[n], self.pss[n] = mb, pss_mb(pids)
+                    self.idle[n], self.pss[n], self.anon[n] = mb, pss_mb(pids), anon_mb(pids)
                     self.parts[n] = {r: rss_mb([p for p, q in zip(pids, roles) if q == r]) for r in set(roles)}
             self.done.wait(self.tick)
 
@@ -202,7 +217,8 @@ class RssMonitor(threading.Thread):
         """``idle`` and ``peak`` MB per node; ``parts``: the first node's idle tree by role and its PSS, in words."""
         first = self.nodes[0]
         parts = sorted(self.parts.get(first, {}).items(), key=lambda kv: -kv[1])
-        words = " + ".join(f"{r} {mb:.0f}" for r, mb in parts if mb) + f" MB; PSS {self.pss.get(first, 0):.0f} MB"
+        words = " + ".join(f"{r} {mb:.0f}" for r, mb in parts if mb) + (
+            f" MB; PSS {self.pss.get(first, 0):.0f} MB; not file-backed {self.anon.get(first, 0):.0f} MB")
         return {"idle": [self.idle[n] for n in self.nodes if n in self.idle], "peak": list(self.peak.values()),
                 "parts": words}
 
