@@ -72,14 +72,19 @@ def _cmdline(pid: int) -> bytes:
 
 @pytest.mark.timeout(600)
 def test_coordinator_resumes_from_checkpoint(tmp_path, procs, fedshield_bin):
-    """Stopped after round 2 and started again, the coordinator resumes at round 3. Two agents run --rejoin and
-    stay up across the restart (their workers kept: the same pids), joining the resumed run by themselves; the
-    third, without it, stops with the coordinator and is started again by hand."""
+    """Stopped after round 2 and started again, the coordinator resumes at round 3. Two agents run --rejoin: they
+    start before the coordinator (a fleet that boots first: a warning, then the node tries again, each time on a
+    Runtime API port of its own) and stay up across the restart (their workers kept: the same pids), joining
+    the resumed run by themselves; the third, without it, stops with the coordinator and is started again by
+    hand."""
     port = setup_deployment(tmp_path, fedshield_bin, num_rounds=3, keys=3)  # stopped after round 2, resumed for one
     run_dir = tmp_path / "runs" / "deploy"
+    for i in (1, 2):
+        start_agent(procs, tmp_path, fedshield_bin, port, i, extra=("--rejoin",))
+    wait_for(lambda: all("trying again every 60 s at most (--rejoin)" in procs.log(f"agent{i}") for i in (1, 2)),
+             120, "the --rejoin agents to find no coordinator and wait")
     start_coordinator(procs, tmp_path, fedshield_bin, "coordinator")
-    for i in range(3):
-        start_agent(procs, tmp_path, fedshield_bin, port, i, extra=("--rejoin",) if i else ())
+    start_agent(procs, tmp_path, fedshield_bin, port, 0)
     wait_for(lambda: (run_dir / METRICS).is_file() and len(metrics_rows(run_dir)) >= 2, 300, "round 2's checkpoint", 0.1)
     workers = {i: agent_child(procs.procs[f"agent{i}"].pid, "worker") for i in (1, 2)}
     tree = descendants(procs.procs["coordinator"].pid)
@@ -104,28 +109,7 @@ def test_coordinator_resumes_from_checkpoint(tmp_path, procs, fedshield_bin):
         assert procs.procs[f"agent{i}"].poll() is None, procs.log(f"agent{i}")[-2000:]  # still up, for the next run
         assert agent_child(procs.procs[f"agent{i}"].pid, "worker") == workers[i], procs.log(f"agent{i}")[-3000:]
         assert "waiting for it to come back" in procs.log(f"agent{i}")
-
-
-@pytest.mark.timeout(300)
-def test_rejoin_agents_started_before_their_coordinator_join_its_run(tmp_path, procs, fedshield_bin):
-    """A fleet that boots before its coordinator: with --rejoin each agent warns, keeps its worker warm and starts
-    its node again (each on a Runtime API port of its own) until the coordinator is up; then the run has all 3."""
-    import time
-
-    port = setup_deployment(tmp_path, fedshield_bin, num_rounds=1, keys=3)
-    for i in range(3):
-        start_agent(procs, tmp_path, fedshield_bin, port, i, extra=("--rejoin",))
-    wait_for(lambda: all("trying again every 60 s at most (--rejoin)" in procs.log(f"agent{i}") for i in range(3)),
-             120, "each agent to try the coordinator and wait")
-    time.sleep(2)  # (some of them now between two tries)
-    start_coordinator(procs, tmp_path, fedshield_bin, "coordinator")
-    assert procs.wait("coordinator", timeout=240) == 0, procs.log("coordinator")[-3000:]
-    rows = metrics_rows(tmp_path / "runs" / "deploy")
-    assert len(rows) == 1 and int(rows[0]["accepted"]) == 3, rows
-    for i in range(3):
-        log = procs.log(f"agent{i}")
-        assert procs.procs[f"agent{i}"].poll() is None, log[-2000:]  # still up, for the next run
-        assert "The node joins once it is (--rejoin)." in log and "Traceback" not in log, log[-2000:]
+        assert "The node joins once it is (--rejoin)." in procs.log(f"agent{i}")
 
 
 @pytest.mark.timeout(420)
