@@ -57,6 +57,8 @@ _PLUMBING = re.compile(r"^(?:INFO:\s+(?:Started server process|Waiting for appli
                        r"Application (?:startup|shutdown) complete\.|Uvicorn running on |Shutting down$|"
                        r"Finished server process)|(?:INFO|WARNING)[\d\-:, ]*:\s+(?:FastAPI lifespan: |"
                        r"EXPERIMENTAL: SuperExec authentication))")
+# uvicorn's line when the node's Runtime API cannot bind a --port the user gave (the default binds a free one)
+_BIND = re.compile(r"error while attempting to bind on address \('([^']*)', (\d+)\): address already in use")
 _SENT = re.compile(r"Sent successfully")
 _RECEIVED = re.compile(r"Received successfully")
 _RETRY = re.compile(r"^(?:WARNING)[\d\-:, ]*:\s+Connection attempt failed, retrying in ")
@@ -75,6 +77,7 @@ class Watched:
     exit_code: int | None = None
     refusal: int | None = None
     served: int = 0
+    taken: str = ""  # HOST:PORT the node's Runtime API could not bind (taken by another process)
 
 
 @dataclasses.dataclass
@@ -124,6 +127,8 @@ def _watch(proc: subprocess.Popen, quiet: threading.Event | None = None, on_mess
             traceback = text[:1].isspace()  # the first line not indented is the exception's: skipped too
             continue
         seen.served += bool(_SENT.search(text))
+        if bound := _BIND.search(text):
+            seen.taken = f"{bound.group(1)}:{bound.group(2)}"
         if on_message is not None and _RECEIVED.search(text):
             on_message()  # the worker asks for the task now, not at its next idle poll
         if _OURS.match(text):
@@ -484,7 +489,11 @@ def _ended(seen: Watched, returncode: int, plan: Plan | None = None) -> int:
         # run ends, so this is how an agent's part in a finished run ends (or the coordinator stopped).
         _say(f"{_gone(seen.served)}; agent stopped.")
         return 0
-    if refusal in _REFUSALS:
+    if seen.taken:
+        port = seen.taken.rpartition(":")[2]
+        reason = (f"its Runtime API port {seen.taken} is taken by another process (--port {port}: leave it out and "
+                  "each node binds a free one)")
+    elif refusal in _REFUSALS:
         reason = _REFUSALS[refusal]
     elif flwr_code == 305 and refusal is None and plan is not None and plan.coordinator and \
             (seen_cause := diagnose_connection(plan.coordinator, plan.root_cert)):

@@ -463,6 +463,24 @@ def test_the_wait_for_a_coordinator_is_one_line_and_a_log_file_gets_no_colour_co
     assert "Connection successful after 2.03 seconds" in err
 
 
+def test_a_port_the_user_gave_that_another_process_took_is_one_line(capsys, monkeypatch):
+    """--port N bound by someone else by the time the node starts (it is checked free at start; under --rejoin
+    each restart binds it again): Flower's traceback said 'failed to start', the agent 'see the log above'."""
+    from clients import supervisor
+
+    monkeypatch.setattr(supervisor.threading, "Timer", lambda *a, **k: type("T", (), {"start": lambda self: None})())
+    lines = ["INFO :      Starting Flower SuperNode\n",
+             "ERROR:    [Errno 98] error while attempting to bind on address ('127.0.0.1', 37469): address already "
+             "in use\n", "Traceback (most recent call last):\n", "  File \"x.py\", line 1, in <module>\n",
+             "RuntimeError: SuperNode Runtime HTTP API failed to start.\n"]
+    seen = supervisor._watch(_FakeSuperNode(lines))
+    assert seen.taken == "127.0.0.1:37469"
+    assert supervisor._ended(seen, 1) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "fedshield: error: agent stopped (Flower exit code None): its Runtime API port 127.0.0.1:37469 is taken by "
+        "another process (--port 37469: leave it out and each node binds a free one).")
+
+
 _LIVES = """
 import sys
 from pathlib import Path
