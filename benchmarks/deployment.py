@@ -83,28 +83,28 @@ def tree(pid: int, children: dict[int, list[int]]) -> list[int]:
     return out
 
 
-def rss_mb(pids: list[int]) -> float:
-    pages = 0
+def _statm_pages(pids: list[int]) -> tuple[int, int]:
+    """Resident and file-backed resident pages of ``pids``, summed (/proc/PID/statm)."""
+    resident = shared = 0
     for pid in pids:
         try:
-            pages += int(open(f"/proc/{pid}/statm").read().split()[1])
-        except (OSError, IndexError, ValueError):
-            pass  # gone meanwhile
-    return pages * PAGE_MB
+            r, sh = (int(v) for v in open(f"/proc/{pid}/statm").read().split()[1:3])
+        except (OSError, ValueError):
+            continue  # gone meanwhile
+        resident, shared = resident + r, shared + sh
+    return resident, shared
+
+
+def rss_mb(pids: list[int]) -> float:
+    return _statm_pages(pids)[0] * PAGE_MB
 
 
 def anon_mb(pids: list[int]) -> float:
     """Resident pages not backed by a file (heap, Python objects, torch's registries): what the processes cost
     on their own. The rest of RSS is shared libraries' pages, shared with any process that maps them and dropped
     by the kernel (then read back from disk) under memory pressure."""
-    pages = 0
-    for pid in pids:
-        try:
-            resident, shared = (int(v) for v in open(f"/proc/{pid}/statm").read().split()[1:3])
-            pages += resident - shared
-        except (OSError, ValueError):
-            pass
-    return pages * PAGE_MB
+    resident, shared = _statm_pages(pids)
+    return (resident - shared) * PAGE_MB
 
 
 def pss_mb(pids: list[int]) -> float:

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 # The agent's state dir: the worker writes READY and INFLIGHT, the agent SECRET and NODE_FILE (clients.worker, cli),
 # the SuperNode RUNTIME (its Runtime API's address, once it listens: clients.flower_pins.report_runtime_address)
@@ -334,9 +335,8 @@ def supervise(plan: Plan) -> int:
                 return 1
             time.sleep(plan.tick / 4)
         served, failures, said = 0, 0, ""
+        address = Path(plan.state_dir) / RUNTIME  # (each node writes it once it listens: clients.flower_pins)
         while True:
-            # (a node's address is good for that node only: the next one binds anew, and the worker waits for it)
-            _remove(os.path.join(plan.state_dir, RUNTIME))
             node = start_process(plan.supernode, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             seen: list[Watched] = []
             watcher = threading.Thread(target=lambda proc, out: out.append(_watch(proc, quiet, workers.wake)),
@@ -347,7 +347,7 @@ def supervise(plan: Plan) -> int:
                     workers.check()
                 watcher.join(plan.tick)
             watched = seen[0] if seen else Watched()
-            _remove(os.path.join(plan.state_dir, RUNTIME))  # (the node is gone: its worker waits for the next)
+            address.unlink(missing_ok=True)  # (good for that node only: its worker waits for the next one's)
             served += watched.served
             if stopped_by:
                 return _stopped(stopped_by, served)
@@ -370,13 +370,6 @@ def supervise(plan: Plan) -> int:
             stop_group(node)
         workers.stop()
         shutil.rmtree(plan.state_dir, ignore_errors=True)
-
-
-def _remove(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 def _rejoin_reason(seen: Watched, plan: Plan) -> str:

@@ -84,11 +84,10 @@ class Worker:
                 except OSError:
                     pass
             time.sleep(max(self.poll, 0.05))
-        if address != self.runtime or self.client is None:
-            if self.client is not None:
-                self.client.close()
-            self.runtime = address
-            self.client = self._client()  # (bound to self.runtime)
+        if self.client is not None:
+            self.client.close()
+        self.runtime = address
+        self.client = self._client()  # (bound to self.runtime)
 
     def moved(self) -> bool:
         """Whether the SuperNode this worker talks to was replaced (or is gone, the next one not up yet)."""

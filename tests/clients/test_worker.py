@@ -29,6 +29,7 @@ def _listener():
     return sock, f"127.0.0.1:{sock.getsockname()[1]}"
 
 
+@pytest.mark.timeout(60)
 def test_the_worker_follows_its_agent_s_supernode_to_the_port_a_new_one_binds(tmp_path, monkeypatch):
     """Under --rejoin each SuperNode binds a port of its own (``--port 0``) and writes its address to the state
     dir; a worker whose node went away waits for the next one's address, then asks it for tasks."""
@@ -37,10 +38,11 @@ def test_the_worker_follows_its_agent_s_supernode_to_the_port_a_new_one_binds(tm
     w = _worker(tmp_path, monkeypatch)
     (first, at_first), (second, at_second) = _listener(), _listener()
     (tmp_path / "runtime").write_text(at_first)
-    calls, tokens = [], iter([RuntimeError("the node went away"), "t1", None])
+    calls, tokens, clients = [], iter([RuntimeError("the node went away"), "t1", None]), []
 
     def acquire():
         calls.append(w.client.address)
+        clients.append(w.client)
         answer = next(tokens, None)
         if isinstance(answer, Exception):  # the node is gone: its address with it, the next one on another port
             (tmp_path / "runtime").unlink()
@@ -58,6 +60,7 @@ def test_the_worker_follows_its_agent_s_supernode_to_the_port_a_new_one_binds(tm
         w.run()
     assert (tmp_path / "ready").exists()
     assert calls[0] == at_first and calls[1] == at_second and served == [("t1", at_second)] and w.runtime == at_second
+    assert clients[0].closed and not clients[-1].closed  # the dead node's client closed, the new one's in use
     first.close()
     second.close()
 
