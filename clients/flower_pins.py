@@ -229,15 +229,11 @@ def run_supernode(argv: list[str]) -> None:
         else:
             runtime_file = argv[1]
         argv = argv[2:]
-    # --port 0 (Flower's parser takes 1-65535): its default stands in, and report_runtime_address binds 0
-    kept = [a for a in argv if a != "--port=0"]
-    any_port = len(kept) < len(argv)
-    for i in range(len(kept) - 1):
-        if kept[i:i + 2] == ["--port", "0"]:
-            del kept[i:i + 2]
-            any_port = True
-            break
-    argv = kept
+    # --port 0 (the agent's; Flower's parser takes 1-65535): its default stands in, and report_runtime_address binds 0
+    at = argv.index("--port") if "--port" in argv[:-1] else -1
+    any_port = at >= 0 and argv[at + 1] == "0"
+    if any_port:
+        argv = argv[:at] + argv[at + 2:]
     slim_supernode()
     patch_supernode(poll, idle_poll=idle)
     if runtime_file or any_port:

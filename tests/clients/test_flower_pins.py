@@ -70,7 +70,7 @@ def test_flowers_supernode_parser_refuses_port_0_and_the_agent_s_wrapper_drops_i
     for argv, path, any_port, left in [
             (["--runtime-file", "rt", "--insecure", "--port", "0", "--isolation", "process"], "rt", True,
              ["--insecure", "--isolation", "process"]),
-            (["--port=0", "--insecure"], "", True, ["--insecure"]),  # (bound to 0 without a file too)
+            (["--insecure", "--port", "0"], "", True, ["--insecure"]),  # (bound to 0 without a file too)
             (["--runtime-file", "rt", "--port", "9101"], "rt", False, ["--port", "9101"]),
             (["--node-config", "port=0", "--port"], None, None, ["--node-config", "port=0", "--port"])]:
         seen.clear()
