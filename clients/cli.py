@@ -26,7 +26,7 @@ from ._errors import ClientError
 from .config import TaskSpec, build_config, renamed_key, resolve_path
 from .data import load_npz, save_npz
 from .flower_pins import EMPTY_PULL_SLEEP as IDLE_POLL
-from .supervisor import NODE_FILE, RUNTIME, SECRET, Plan, start_process, stop_group
+from .supervisor import NODE_FILE, RECEIVED, RUNTIME, SECRET, Plan, start_process, stop_group
 from .tasks import load_task
 
 # Flower exit codes (flwr.supercore.exit.ExitCode) a device owner may meet, in words.
@@ -335,16 +335,21 @@ def agent_plan(args: argparse.Namespace, state_dir: str | None = None, task: str
                           f"--poll-interval {poll!r}).")
     if not (math.isfinite(task_timeout) and task_timeout > 0):
         raise ClientError(f"--task-timeout must be a finite number of seconds > 0. Found {task_timeout!r}.")
+    release = getattr(args, "release_worker_after", 0.0)
+    if not (math.isfinite(release) and release >= 0):
+        raise ClientError(f"--release-worker-after must be a finite number of seconds >= 0 (0: never). Found "
+                          f"{release!r}.")
     supernode = supernode_command(args)  # (it probes the coordinator: after the checks of plain values)
     state_dir = state_dir or new_state_dir()
     node_config = supernode[supernode.index("--node-config") + 1]
     node_file = Path(state_dir) / NODE_FILE
-    node_file.with_suffix(".tmp").write_text(json.dumps({"node-config": node_config,
+    node_file.with_suffix(".tmp").write_text(json.dumps({"node-config": node_config, "release-after": release,
                                                          "site-socket": getattr(args, "site_socket", None) or ""}))
     os.replace(node_file.with_suffix(".tmp"), node_file)
     node = [sys.executable, "-P", str(Path(__file__).with_name("flower_pins.py")), "supernode",
             "--poll-interval", str(poll), "--idle-poll-interval", str(idle), "--runtime-file",
-            str(Path(state_dir) / RUNTIME), *supernode[1:], "--isolation", "process",
+            str(Path(state_dir) / RUNTIME), "--received-file", str(Path(state_dir) / RECEIVED), *supernode[1:],
+            "--isolation", "process",
             "--superexec-auth-secret-file", str(Path(state_dir) / SECRET)]
     root_cert = supernode[supernode.index("--root-certificates") + 1] if "--root-certificates" in supernode else ""
     return Plan(supernode=node, worker=worker_command(state_dir, task), state_dir=state_dir,

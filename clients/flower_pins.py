@@ -89,10 +89,12 @@ class Polls:
 
 
 def patch_supernode(poll_interval: float, reply_poll: float = 0.01, pull_backoff: float = 0.02,
-                    idle_poll: float | None = None, clock=time.monotonic) -> Polls:
+                    idle_poll: float | None = None, clock=time.monotonic, received_file: str = "") -> Polls:
     """Shorten the SuperNode's waits: an empty pull waits ``poll_interval`` (Flower: 3 s), backing off to
     ``idle_poll`` once idle (:class:`Polls`; None: never), the wait for the worker's reply polls every
-    ``reply_poll`` (0.5 s), an object not there yet is retried from ``pull_backoff`` (1 s)."""
+    ``reply_poll`` (0.5 s), an object not there yet is retried from ``pull_backoff`` (1 s). Once each message is
+    stored (its task created), ``received_file`` gets the time (``time.monotonic()``, one clock for every process
+    on the host): the agent starts a released worker by it (``clients.supervisor``), whatever the log level."""
     sci = importlib.import_module("flwr.supernode.start_client_internal")
     real = time.sleep
     polls = Polls(poll_interval, poll_interval if idle_poll is None else idle_poll, clock=clock)
@@ -108,6 +110,8 @@ def patch_supernode(poll_interval: float, reply_poll: float = 0.01, pull_backoff
         run_id = pull(*args, **kwargs)
         if run_id is not None:  # a message came: the node is in a round
             polls.message()
+            if received_file:
+                write_atomically(received_file, repr(time.monotonic()))
         return run_id
 
     sci.time = types.SimpleNamespace(**{**{k: getattr(time, k) for k in dir(time) if not k.startswith("_")},
@@ -188,6 +192,14 @@ def slim_supernode() -> None:
         sys.modules[SQL_STORE] = stand_in
 
 
+def write_atomically(path: str, text: str) -> None:
+    """``text`` in ``path``, which a reader sees whole or not at all."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as fh:
+        fh.write(text)
+    os.replace(tmp, path)
+
+
 def report_runtime_address(path: str, any_port: bool = False) -> None:
     """Once the SuperNode's Runtime API listens, write its ``127.0.0.1:PORT`` to ``path`` (atomically; '': none).
     With ``any_port`` (the agent's ``--port 0``, which Flower's parser refuses) the kernel picks the port as it
@@ -204,10 +216,7 @@ def report_runtime_address(path: str, any_port: bool = False) -> None:
             host, port = server.servers[0].sockets[0].getsockname()[:2]  # (the agent binds 127.0.0.1 only)
             config.port = port  # (what flower_supernode names the Runtime API by from here on)
             if path:
-                tmp = f"{path}.tmp"
-                with open(tmp, "w") as fh:
-                    fh.write(f"{host}:{port}")
-                os.replace(tmp, path)
+                write_atomically(path, f"{host}:{port}")
         except BaseException:  # the server's thread would keep a node nobody can reach alive: stop it
             server.should_exit = True
             thread.join(10)
@@ -218,24 +227,21 @@ def report_runtime_address(path: str, any_port: bool = False) -> None:
 
 
 def run_supernode(argv: list[str]) -> None:
-    """``flower-supernode`` with the waits shortened; ``--poll-interval S``, ``--idle-poll-interval S`` and
-    ``--runtime-file PATH`` (ours) come first in argv."""
-    poll, idle, runtime_file = 0.2, EMPTY_PULL_SLEEP, ""
-    while argv[:1] in (["--poll-interval"], ["--idle-poll-interval"], ["--runtime-file"]):
-        if argv[0] == "--poll-interval":
-            poll = float(argv[1])
-        elif argv[0] == "--idle-poll-interval":
-            idle = float(argv[1])
-        else:
-            runtime_file = argv[1]
-        argv = argv[2:]
+    """``flower-supernode`` with the waits shortened; ``--poll-interval S``, ``--idle-poll-interval S``,
+    ``--runtime-file PATH`` and ``--received-file PATH`` (ours) come first in argv."""
+    ours = {"--poll-interval": "0.2", "--idle-poll-interval": str(EMPTY_PULL_SLEEP), "--runtime-file": "",
+            "--received-file": ""}
+    while argv[:1] and argv[0] in ours:
+        ours[argv[0]], argv = argv[1], argv[2:]
+    poll, idle = float(ours["--poll-interval"]), float(ours["--idle-poll-interval"])
+    runtime_file = ours["--runtime-file"]
     # --port 0 (the agent's; Flower's parser takes 1-65535): its default stands in, and report_runtime_address binds 0
     at = argv.index("--port") if "--port" in argv[:-1] else -1
     any_port = at >= 0 and argv[at + 1] == "0"
     if any_port:
         argv = argv[:at] + argv[at + 2:]
     slim_supernode()
-    patch_supernode(poll, idle_poll=idle)
+    patch_supernode(poll, idle_poll=idle, received_file=ours["--received-file"])
     if runtime_file or any_port:
         report_runtime_address(runtime_file, any_port)
     sys.argv = ["flower-supernode", *argv]

@@ -20,9 +20,11 @@ import threading
 import time
 from pathlib import Path
 
-# The agent's state dir: the worker writes READY and INFLIGHT, the agent SECRET and NODE_FILE (clients.worker, cli),
-# the SuperNode RUNTIME (its Runtime API's address, once it listens: clients.flower_pins.report_runtime_address)
+# The agent's state dir: the worker writes READY, INFLIGHT and RELEASED, the agent SECRET and NODE_FILE
+# (clients.worker, cli), the SuperNode RUNTIME (its Runtime API's address, once it listens:
+# clients.flower_pins.report_runtime_address) and RECEIVED (when it last stored a message: patch_supernode)
 READY, INFLIGHT, NODE_FILE, SECRET, RUNTIME = "ready", "inflight", "node.json", "secret", "runtime"
+RELEASED, RECEIVED = "released", "received"
 
 # Flower's own lines: its console prefix ("ERROR :     ", with colours or a timestamp), then the
 # message; an exit's message starts with its whole "Exit Code: N" line. Text that merely contains
@@ -212,23 +214,37 @@ def _status(code: int) -> str:
     return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
 
 
+def _read_time(path: str) -> float | None:
+    """The ``time.monotonic()`` a process wrote to ``path`` (None: none written)."""
+    try:
+        with open(path) as f:
+            return float(f.read())
+    except (OSError, ValueError):
+        return None
+
+
 class Workers:
-    """The one ClientApp worker: started, restarted when it dies or hangs (never two at once)."""
+    """The one ClientApp worker: started, restarted when it dies or hangs (never two at once), and started again
+    for the next message after it released its memory (``--release-worker-after``)."""
 
     def __init__(self, plan: Plan) -> None:
         self.plan, self.proc, self.deaths, self.started_at = plan, None, 0, 0.0
         self.ready_path = os.path.join(plan.state_dir, READY)
         self.inflight = os.path.join(plan.state_dir, INFLIGHT)
+        self.released_path = os.path.join(plan.state_dir, RELEASED)
+        self.received_path = os.path.join(plan.state_dir, RECEIVED)
         self.next_start = 0.0
+        self.released_at: float | None = None  # when a released worker last asked for a task (None: not released)
 
     def start(self) -> None:
         if self.plan.worker_pid:  # the first worker, started by the agent before it exec'd into this process
             self.proc, self.started_at, self.plan.worker_pid = Adopted(self.plan.worker_pid), time.monotonic(), 0
             return
-        try:
-            os.unlink(self.ready_path)
-        except FileNotFoundError:
-            pass
+        for stale in (self.ready_path, self.released_path):
+            try:
+                os.unlink(stale)
+            except FileNotFoundError:
+                pass
         self.proc, self.started_at = start_process(self.plan.worker), time.monotonic()
 
     def ready(self) -> bool:
@@ -238,7 +254,12 @@ class Workers:
         """Restart a worker that died, or kill one whose message has taken longer than ``task_timeout``."""
         now = time.monotonic()
         if self.proc is None:
-            if now >= self.next_start:
+            if self.released_at is not None:  # a message its last request for a task did not see: start it
+                if (_read_time(self.received_path) or float("-inf")) > self.released_at:
+                    _say("a message came: starting the ClientApp worker again.")
+                    self.released_at = None
+                    self.start()
+            elif now >= self.next_start:
                 self.start()
             return
         code = self.proc.poll()
@@ -255,6 +276,10 @@ class Workers:
                 self.proc.wait()
                 self.proc, self.deaths, self.next_start = None, 0, now
             return
+        if code == 0 and (released := _read_time(self.released_path)) is not None:  # idle, it freed its memory
+            os.unlink(self.released_path)
+            self.proc, self.released_at = None, released
+            return self.check()
         _mark_inflight(self.inflight, f"the ClientApp worker died ({_status(code)}) on this message")
         self.deaths += 1
         delay = min(MAX_BACKOFF, 2.0 ** (self.deaths - 1) - 1.0)

@@ -25,9 +25,9 @@ import sys
 import time
 from pathlib import Path
 
-from .flower_pins import AUTH_METHOD, patch_worker, pinned
+from .flower_pins import AUTH_METHOD, patch_worker, pinned, write_atomically
 
-from .supervisor import INFLIGHT, NODE_FILE, READY, RUNTIME, SECRET
+from .supervisor import INFLIGHT, NODE_FILE, READY, RELEASED, RUNTIME, SECRET
 
 CLIENTAPP = "clients.client_app:app"
 IDLE_POLL = 1.0  # seconds between an idle worker's task requests (a message wakes it at once)
@@ -58,8 +58,9 @@ def warm_up(node_config: dict) -> None:
 
 
 class Worker:
-    def __init__(self, state_dir: Path, poll: float, site_socket: str = "") -> None:
+    def __init__(self, state_dir: Path, poll: float, site_socket: str = "", release_after: float = 0.0) -> None:
         self.dir, self.poll = state_dir, poll
+        self.release_after = release_after  # seconds without a message after which it exits (0: never)
         self.site_socket = site_socket  # an edge aggregator's: messages go to its site ServerApp (coordinator.site)
         self.secret = (state_dir / SECRET).read_bytes()
         self.runtime, self.client = "", None  # its SuperNode's Runtime API, once connect() found it
@@ -184,19 +185,18 @@ class Worker:
         """Write the message being handled (token and metadata, no content) where a successor finds it."""
         proto = pinned("flwr.common.serde", "message_to_proto")(
             pinned("flwr.app.message", "remove_content_from_message")(message))
-        tmp = self.dir / (INFLIGHT + ".tmp")
-        tmp.write_text(json.dumps({"token": token, "message_id": message.metadata.message_id,
-                                   "message": base64.b64encode(proto.SerializeToString()).decode(),
-                                   "started": time.time(), "pid": os.getpid()}))
-        os.replace(tmp, self.dir / INFLIGHT)
+        write_atomically(str(self.dir / INFLIGHT), json.dumps({
+            "token": token, "message_id": message.metadata.message_id,
+            "message": base64.b64encode(proto.SerializeToString()).decode(), "started": time.time(), "pid": os.getpid()}))
 
     def run(self) -> None:
         (self.dir / READY).write_text(str(os.getpid()))
         self.connect()  # the supervisor starts the SuperNode now
         # Idle, it asks for a task every IDLE_POLL s at most; the supervisor wakes it (SIGUSR1, set up in main) as
         # soon as its SuperNode has received a message (10 workers asking every 20 ms took a core of two).
-        wait = self.poll
+        wait, last = self.poll, time.monotonic()
         while True:
+            asked = time.monotonic()
             try:
                 token = self.acquire()
             except Exception:  # noqa: BLE001  (the SuperNode not up yet, or restarting)
@@ -211,10 +211,20 @@ class Worker:
                 except Exception as exc:  # noqa: BLE001  (its node went away mid-message: the worker stays warm)
                     _log(f"lost the message it was handling: its SuperNode stopped answering "
                          f"({type(exc).__name__}: {str(exc)[:200]}); waiting for the next.")
-                wait = self.poll
+                wait, last = self.poll, time.monotonic()
+            elif self.release_after and asked - last >= self.release_after:
+                self.release(asked)
+                return
             else:
                 signal.sigtimedwait({signal.SIGUSR1}, wait)
                 wait = min(IDLE_POLL, wait * 2)
+
+    def release(self, asked: float) -> None:
+        """Exit to free the memory an idle worker holds (torch, the task, its data). ``RELEASED`` gets when it last
+        asked for a task: the supervisor starts a new worker for a message stored after that."""
+        write_atomically(str(self.dir / RELEASED), repr(asked))
+        _log(f"no message for {self.release_after:g} s: the ClientApp worker stopped to free its memory; the next "
+             "message starts it again (--release-worker-after).")
 
 
 def retries(moved=lambda: False):
@@ -311,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
 
     node_config = parse_config_args([plan["node-config"]]) if plan["node-config"] else {}
     patch_worker()
-    worker = Worker(args.state_dir, args.poll, plan.get("site-socket", ""))
+    worker = Worker(args.state_dir, args.poll, plan.get("site-socket", ""), float(plan.get("release-after", 0.0)))
     worker.answer_lost()  # a predecessor's message first: it needs flwr only, not the task
     if not worker.site_socket:  # (an aggregator's worker trains nothing: its site's clients do)
         warm_up(node_config)

@@ -359,6 +359,10 @@ def build_parser() -> argparse.ArgumentParser:
     ast.add_argument("--task-timeout", type=float, default=1800.0, metavar="S",
                      help="a message handled longer than this is answered with an error and the ClientApp "
                           "worker restarted (default: %(default)s)")
+    ast.add_argument("--release-worker-after", type=float, default=600.0, metavar="S",
+                     help="after S seconds without a message the ClientApp worker exits, freeing its memory "
+                          "(torch, the task and its data: ~290 MB of the agent's ~410), and the next message "
+                          "starts it again (a cold start: seconds); 0: keep it warm (default: %(default)s)")
     ast.add_argument("--site-socket", help=argparse.SUPPRESS)  # an edge aggregator's upward agent (aggregator start)
     ast.set_defaults(func=_agent_start)
 

@@ -33,9 +33,9 @@ CASES = {
     "batched_training": ["--clients", "10,730", "--repeat", "1"],
     # Flower's Ray engine has a case of its own below (its start is most of it); pfl runs where it is installed
     "simulation_scale": ["--populations", "50", "--per-round", "10", "--rounds", "2", "--skip", "flower"],
-    # a real coordinator (TLS, an enrolled key) and one agent: process starts are most of its ~35 s (2 agents took
-    # ~60 s on 2 cores); stock Flower's deployment (~10 s a round) is left out
-    "deployment": ["--agents", "1", "--rounds", "2", "--epochs", "1", "--skip", "flower"],
+    # a real coordinator (TLS, enrolled keys) and two agents, node 0 idle with its worker released until the other
+    # joins: process starts are most of its ~35 s; stock Flower's deployment (~10 s a round) is left out
+    "deployment": ["--agents", "2", "--rounds", "2", "--epochs", "1", "--skip", "flower"],
     # one process emulating 8 enrolled nodes (TLS, node authentication) against a real coordinator: ~35 s
     "node_emulator": ["--nodes", "8", "--per-round", "3", "--rounds", "2", "--dropout", "0.25", "--poll-s", "1"],
 }

@@ -481,6 +481,58 @@ def test_a_port_the_user_gave_that_another_process_took_is_one_line(capsys, monk
         "another process (--port 37469: leave it out and each node binds a free one).")
 
 
+_RELEASING_WORKER = """
+import sys, time
+from pathlib import Path
+state = Path(sys.argv[1])
+lives = state / "lives"
+life = int(lives.read_text()) + 1 if lives.exists() else 1
+lives.write_text(str(life))
+(state / "ready").write_text("")
+if life == 1:  # idle past its release time: it says when it last asked for a task, and exits
+    time.sleep(0.3)
+    (state / "released.tmp").write_text(repr(time.monotonic()))
+    (state / "released.tmp").replace(state / "released")
+    sys.exit(0)
+time.sleep(60)
+"""
+
+_NODE_WITH_A_LATE_MESSAGE = """
+import sys, time
+from pathlib import Path
+state = Path(sys.argv[1])
+def received():
+    (state / "received.tmp").write_text(repr(time.monotonic()))
+    (state / "received.tmp").replace(state / "received")
+received()  # a message before the worker's last request for a task (it took it): no new worker for it
+time.sleep(1.5)
+print("lives before the late message:", (state / "lives").read_text(), flush=True)
+received()  # one after it
+deadline = time.monotonic() + 20
+while (state / "lives").read_text() != "2" and time.monotonic() < deadline:
+    time.sleep(0.05)
+print("INFO :      Sent successfully", flush=True)
+"""
+
+
+def test_a_released_worker_is_started_again_by_a_message_stored_after_its_last_request(tmp_path, capsys):
+    """--release-worker-after: the worker exits when idle (no death: no backoff, no error reply) and is started
+    again, once, when its SuperNode stores a message its last request for a task cannot have seen."""
+    import sys
+
+    from clients import supervisor
+
+    state = tmp_path / "state"
+    state.mkdir()
+    plan = supervisor.Plan(supernode=[sys.executable, "-c", _NODE_WITH_A_LATE_MESSAGE, str(state)],
+                           worker=[sys.executable, "-c", _RELEASING_WORKER, str(state)], state_dir=str(state))
+    assert supervisor.supervise(plan) == 0
+    err = capsys.readouterr().err
+    assert "lives before the late message: 1" in err
+    assert err.count("a message came: starting the ClientApp worker again.") == 1
+    assert "died" not in err and not state.exists()
+
+
 _LIVES = """
 import sys
 from pathlib import Path

@@ -62,14 +62,14 @@ def test_flowers_supernode_parser_refuses_port_0_and_the_agent_s_wrapper_drops_i
         cli._parse_args_run_supernode().parse_args(["--port", "0"])
     seen = {}
     monkeypatch.setattr(flower_pins, "slim_supernode", lambda: None)
-    monkeypatch.setattr(flower_pins, "patch_supernode", lambda *a, **k: None)
+    monkeypatch.setattr(flower_pins, "patch_supernode", lambda *a, **k: seen.update(k))
     monkeypatch.setattr(flower_pins, "report_runtime_address",
                         lambda path, any_port: seen.update(path=path, any_port=any_port))
     monkeypatch.setattr(cli, "flower_supernode", lambda: seen.update(argv=list(flower_pins.sys.argv)))
     monkeypatch.setattr(flower_pins.sys, "argv", flower_pins.sys.argv)
     for argv, path, any_port, left in [
-            (["--runtime-file", "rt", "--insecure", "--port", "0", "--isolation", "process"], "rt", True,
-             ["--insecure", "--isolation", "process"]),
+            (["--runtime-file", "rt", "--received-file", "rc", "--insecure", "--port", "0", "--isolation",
+              "process"], "rt", True, ["--insecure", "--isolation", "process"]),
             (["--insecure", "--port", "0"], "", True, ["--insecure"]),  # (bound to 0 without a file too)
             (["--runtime-file", "rt", "--port", "9101"], "rt", False, ["--port", "9101"]),
             (["--node-config", "port=0", "--port"], None, None, ["--node-config", "port=0", "--port"])]:
@@ -77,6 +77,7 @@ def test_flowers_supernode_parser_refuses_port_0_and_the_agent_s_wrapper_drops_i
         flower_pins.run_supernode(argv)
         want = {"argv": ["flower-supernode", *left]} if path is None else \
             {"path": path, "any_port": any_port, "argv": ["flower-supernode", *left]}
+        want.update(idle_poll=flower_pins.EMPTY_PULL_SLEEP, received_file="rc" if "rc" in argv else "")
         assert seen == want, argv
 
 
@@ -145,6 +146,25 @@ def test_an_idle_node_backs_off_to_its_idle_interval_and_is_quick_again_once_a_m
             slept.append("message")
     # quick for the first 10 s, then doubling to the idle interval; quick again after a message
     assert slept == [0.2] * 10 + [0.4, 0.8, 1.6, 3.0, 3.0, "message", 0.2, 0.2]
+
+
+def test_each_stored_message_writes_when_it_came_for_the_agent(tmp_path, monkeypatch):
+    """A released worker is started again by this time (clients.supervisor), so not by a log line that
+    FLWR_LOG_LEVEL can silence; an empty pull writes nothing."""
+    import time
+
+    sci = importlib.import_module("flwr.supernode.start_client_internal")
+    for name in ("time", "pull_objects", "_pull_and_store_message"):
+        monkeypatch.setattr(sci, name, getattr(sci, name))
+    arrivals = iter([None, 7])
+    monkeypatch.setattr(sci, "_pull_and_store_message", lambda **kw: next(arrivals))
+    received = tmp_path / "received"
+    flower_pins.patch_supernode(0.2, received_file=str(received))
+    assert sci._pull_and_store_message(state=None) is None and not received.exists()
+    before = time.monotonic()
+    assert sci._pull_and_store_message(state=None) == 7
+    assert before <= float(received.read_text()) <= time.monotonic()
+    assert [p.name for p in tmp_path.iterdir()] == ["received"]  # (written whole: no temp file left)
 
 
 def test_without_an_idle_interval_the_node_keeps_its_poll_interval(monkeypatch):

@@ -130,6 +130,33 @@ def test_a_message_lost_with_its_supernode_leaves_the_worker_serving(tmp_path, c
             "gone); waiting for the next.") in capsys.readouterr().err
 
 
+def test_an_idle_worker_releases_its_memory_once_no_message_came_for_its_release_time(tmp_path, capsys,
+                                                                                       monkeypatch):
+    """--release-worker-after: each message restarts the count; once idle that long, the worker writes when it
+    last asked for a task (a message stored after it starts a new worker: clients.supervisor) and returns."""
+    listening, address = _listener()
+    w = _worker(tmp_path, monkeypatch)
+    w.release_after = 5.0
+    (tmp_path / "runtime").write_text(address)
+    now = [100.0]
+    answers = iter([None, None, "t1", None, None, None, None, "never asked for"])  # idle 2 s apart
+    asked = []
+
+    def acquire():
+        asked.append(now[0])
+        return next(answers)
+
+    monkeypatch.setattr(worker_mod.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(w, "acquire", acquire)
+    monkeypatch.setattr(w, "serve", lambda token: None)
+    monkeypatch.setattr(worker_mod.signal, "sigtimedwait", lambda sigs, timeout: now.__setitem__(0, now[0] + 2.0))
+    w.run()  # returns: released
+    listening.close()
+    assert asked == [100, 102, 104, 104, 106, 108, 110]  # after t1 at once; at 110 idle for 6 s: released
+    assert float((tmp_path / "released").read_text()) == asked[-1]
+    assert "no message for 5 s: the ClientApp worker stopped to free its memory" in capsys.readouterr().err
+
+
 def test_the_task_heartbeat_never_interrupts_the_worker(monkeypatch):
     """Flower's raised SIGINT when the node said the task was gone (a node restarted under --rejoin): the warm
     worker died with exit 130 (CI, the resume test). Ours reports it to HeartbeatSender and nothing else."""

@@ -1,6 +1,7 @@
 """The warm agent through the real service: one ClientApp worker per agent serves every message; a worker
-that crashes or hangs is a failed reply and a restarted worker, never a dead agent; a device whose task
-takes longer to import than Flower's 30 s claim window still trains.
+that crashes or hangs is a failed reply and a restarted worker, never a dead agent; an idle worker released
+(--release-worker-after) is started again by the next message; a device whose task takes longer to import
+than Flower's 30 s claim window still trains.
 
 Two agents train a task file (the built-in digits MLP). The flaky agent's task reads a plan from
 FLAKY_PLAN, one word per train message: "crash" (SIGKILL itself), "hang" (sleep past --task-timeout),
@@ -70,7 +71,8 @@ def test_a_worker_that_crashes_or_hangs_is_a_failed_reply_and_a_new_worker(tmp_p
     plan = tmp_path / "plan.txt"
     plan.write_text("crash hang")
     start_coordinator(procs, tmp_path, fedshield_bin, "coordinator", nodes=2)
-    steady = _agent(procs, tmp_path, fedshield_bin, port, 0)
+    # the steady agent waits seconds for the flaky one each round: its worker is released and started again
+    steady = _agent(procs, tmp_path, fedshield_bin, port, 0, extra=("--release-worker-after", "2"))
     flaky = _agent(procs, tmp_path, fedshield_bin, port, 1, env={"FLAKY_PLAN": str(plan)},
                    extra=("--task-timeout", "5"))
     most = 0
@@ -84,6 +86,10 @@ def test_a_worker_that_crashes_or_hangs_is_a_failed_reply_and_a_new_worker(tmp_p
     assert "for more than 5 s (--task-timeout)" in log, log[-3000:]
     assert log.count("with an error reply") == 2, log[-3000:]  # each lost message answered by the next worker
     assert most == 1  # never two workers in one agent
+    released = procs.log("agent0")
+    assert released.count("the ClientApp worker stopped to free its memory") >= 1, released[-3000:]
+    assert released.count("a message came: starting the ClientApp worker again.") >= 1, released[-3000:]
+    assert "died" not in released and "error reply" not in released, released[-3000:]
     assert flaky.poll() is None and agent_child(flaky.pid, "worker") is not None  # the agent is still serving
     rows = metrics_rows(tmp_path / "runs" / "deploy")
     assert [int(r["accepted"]) for r in rows] == [1, 1, 2], rows  # the flaky node's rounds 1-2 failed, round 3 not
