@@ -35,6 +35,8 @@ _REFUSAL = re.compile(r"\[code: (\d+)\]")  # a SuperLink's refusal, in the line 
 # fedshield's own ClientApp lines (a refusal's reason quotes the coordinator's values): never Flower's exit or refusal
 _OURS = re.compile(r"^(?:DEBUG|INFO|WARNING|ERROR|CRITICAL)[\d\-:, ]*:\s+\[fedshield\]")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_LEVEL = re.compile(r"^(DEBUG|INFO|WARNING|ERROR|CRITICAL)\b")  # a line's level, as Flower's console writes it
+_LEVELS = {"DEBUG": 10, "INFO": 20, "WARNING": 30, "WARN": 30, "ERROR": 40, "CRITICAL": 50}
 # Exit codes of a ClientApp process (a ClientApp that raised: 800; one that lost its SuperNode: 250): the
 # node stays in the run (a bad message must not take it out).
 _TASK_CODES = range(250, 300), range(800, 900)
@@ -109,8 +111,10 @@ def _watch(proc: subprocess.Popen, quiet: threading.Event | None = None, on_mess
     assert proc.stdout is not None
     stopping = skipping = traceback = waiting = False
     colour = sys.stderr.isatty()  # a log file gets no colour codes
+    shown = _shown_level()
     for line in proc.stdout:
         text = _ANSI.sub("", line)
+        level = _LEVEL.match(text)
         if line.startswith(_IGNORED_START):
             skipping = True
         retry = _RETRY.match(text)
@@ -119,7 +123,8 @@ def _watch(proc: subprocess.Popen, quiet: threading.Event | None = None, on_mess
         waiting = (waiting or bool(retry)) and "Connection successful" not in text
         if retry:
             line = text = "fedshield agent: waiting for the coordinator (it is not up, or refused: trying again)\n"
-        if not skipping and not (quiet is not None and quiet.is_set()) and not _PLUMBING.match(text):
+        if not skipping and not (quiet is not None and quiet.is_set()) and not _PLUMBING.match(text) and \
+                not (level and _LEVELS[level.group(1)] < shown):
             sys.stderr.write(line if colour else text)
         elif line.startswith(_IGNORED_END):
             skipping = False
@@ -151,6 +156,19 @@ def _watch(proc: subprocess.Popen, quiet: threading.Event | None = None, on_mess
     return seen
 
 
+def _shown_level() -> int:
+    """The least level of the SuperNode's lines echoed: the user's ``FLWR_LOG_LEVEL``. The node itself always logs
+    INFO (``node_env``): this process counts its "Sent successfully" lines (a node that served and then lost its
+    coordinator ended its part in a run; one that never served could not connect) and wakes the worker by its
+    "Received successfully"."""
+    return _LEVELS.get(os.environ.get("FLWR_LOG_LEVEL", "").strip().upper(), 0)
+
+
+def node_env() -> dict[str, str]:
+    """The SuperNode's environment beyond this process's: INFO at least, whatever ``FLWR_LOG_LEVEL`` asks."""
+    return {"FLWR_LOG_LEVEL": "INFO"} if _shown_level() > _LEVELS["INFO"] else {}
+
+
 def _messages(n: int) -> str:
     return f"{n} message{'' if n == 1 else 's'}"
 
@@ -174,9 +192,10 @@ def _say(text: str) -> None:
     print(f"fedshield agent: {text}", file=sys.stderr, flush=True)
 
 
-def start_process(cmd: list[str], **kw) -> subprocess.Popen:
-    """A child in a session of its own that gets SIGTERM if this process dies."""
-    return subprocess.Popen(cmd, env={**os.environ, "FLWR_DISABLE_UPDATE_CHECK": "1"}, start_new_session=True,
+def start_process(cmd: list[str], env: dict[str, str] | None = None, **kw) -> subprocess.Popen:
+    """A child in a session of its own that gets SIGTERM if this process dies; ``env``: beyond this process's."""
+    return subprocess.Popen(cmd, env={**os.environ, "FLWR_DISABLE_UPDATE_CHECK": "1", **(env or {})},
+                            start_new_session=True,
                             preexec_fn=die_with_parent if sys.platform.startswith("linux") else None, **kw)
 
 
@@ -288,8 +307,10 @@ class Workers:
         self.proc, self.next_start = None, now + delay
 
     def wake(self) -> None:
+        """SIGUSR1: a message came, ask for it now. Only to a READY worker: one still starting (its imports take
+        seconds) has no handler yet, and SIGUSR1's default action would end it."""
         proc = self.proc
-        if proc is not None and proc.poll() is None:
+        if proc is not None and proc.poll() is None and self.ready():
             try:
                 os.kill(proc.pid, signal.SIGUSR1)
             except ProcessLookupError:
@@ -362,7 +383,8 @@ def supervise(plan: Plan) -> int:
         served, failures, said = 0, 0, ""
         address = Path(plan.state_dir) / RUNTIME  # (each node writes it once it listens: clients.flower_pins)
         while True:
-            node = start_process(plan.supernode, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            node = start_process(plan.supernode, node_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 text=True)
             seen: list[Watched] = []
             watcher = threading.Thread(target=lambda proc, out: out.append(_watch(proc, quiet, workers.wake)),
                                        args=(node, seen), daemon=True)

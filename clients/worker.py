@@ -221,7 +221,10 @@ class Worker:
 
     def release(self, asked: float) -> None:
         """Exit to free the memory an idle worker holds (torch, the task, its data). ``RELEASED`` gets when it last
-        asked for a task: the supervisor starts a new worker for a message stored after that."""
+        asked for a task: the supervisor starts a new worker for a message stored after that. The supervisor's
+        wake-up for that message may come while this process exits (which takes a while with torch loaded), when
+        Python has put SIGUSR1's default action (exit) back: ignored from here on."""
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
         write_atomically(str(self.dir / RELEASED), repr(asked))
         _log(f"no message for {self.release_after:g} s: the ClientApp worker stopped to free its memory; the next "
              "message starts it again (--release-worker-after).")

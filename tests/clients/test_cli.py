@@ -109,6 +109,33 @@ def test_watch_counts_answered_messages_and_hides_flowers_shutdown_traceback(cap
     assert "Finished server process" not in err  # the node's Runtime API server: plumbing
 
 
+@pytest.mark.parametrize("level", ["WARNING", "error"])
+def test_a_quieter_flwr_log_level_hides_the_node_s_info_lines_but_not_what_the_agent_reads_in_them(
+        capsys, monkeypatch, level):
+    """FLWR_LOG_LEVEL=WARNING silenced the node's INFO lines, which this agent counts: a node that had answered its
+    run's messages then ended with 'could not connect to the coordinator' and exit 1. The node now logs INFO
+    always, and the agent echoes what the user's level asks for."""
+    from clients import supervisor
+
+    monkeypatch.setenv("FLWR_LOG_LEVEL", level)
+    monkeypatch.setattr(supervisor.threading, "Timer", lambda *a, **k: type("T", (), {"start": lambda self: None})())
+    assert supervisor.node_env() == {"FLWR_LOG_LEVEL": "INFO"}
+    seen = supervisor._watch(_FakeSuperNode(_SERVED_THEN_GONE))
+    assert (seen.exit_code, seen.served) == (305, 2)
+    err = capsys.readouterr().err
+    assert "Receiving" not in err and "Sent successfully" not in err
+    assert "Connection refused" in err and ("Giving up reconnection" in err) == (level == "WARNING")
+    assert supervisor._ended(seen, 1) == 0
+
+
+@pytest.mark.parametrize("level", ["", "DEBUG", "info", "nonsense"])
+def test_the_node_keeps_the_user_s_flwr_log_level_when_it_shows_info(monkeypatch, level):
+    from clients import supervisor
+
+    monkeypatch.setenv("FLWR_LOG_LEVEL", level)
+    assert supervisor.node_env() == {}
+
+
 def test_watch_leaves_out_the_nodes_plumbing_and_keeps_flowers_own_lines(capsys, monkeypatch):
     """A failed connection printed ~24 lines before the agent's one diagnosis (a newcomer's walkthrough): the
     Runtime API server's start and stop lines and Flower's SuperExec warning are not the owner's business."""
@@ -531,6 +558,32 @@ def test_a_released_worker_is_started_again_by_a_message_stored_after_its_last_r
     assert "lives before the late message: 1" in err
     assert err.count("a message came: starting the ClientApp worker again.") == 1
     assert "died" not in err and not state.exists()
+
+
+def test_the_wake_up_goes_only_to_a_ready_worker(tmp_path):
+    """SIGUSR1's default action ends a process: a worker still importing (started again for a message, or after a
+    crash) has no handler yet. The wake-up waits for READY, which the worker writes once it has one."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from clients import supervisor
+
+    state = tmp_path / "state"
+    state.mkdir()
+    workers = supervisor.Workers(supervisor.Plan(supernode=[], worker=[], state_dir=str(state)))
+    workers.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])  # no handler: like one starting
+    try:
+        workers.wake()
+        time.sleep(0.5)
+        assert workers.proc.poll() is None
+        (state / supervisor.READY).write_text("")  # (as if it had a handler: here, SIGUSR1 shows it was sent)
+        workers.wake()
+        assert workers.proc.wait(timeout=10) == -signal.SIGUSR1
+    finally:
+        workers.proc.kill()
+        workers.proc.wait()
 
 
 _LIVES = """

@@ -150,10 +150,14 @@ def test_an_idle_worker_releases_its_memory_once_no_message_came_for_its_release
     monkeypatch.setattr(w, "acquire", acquire)
     monkeypatch.setattr(w, "serve", lambda token: None)
     monkeypatch.setattr(worker_mod.signal, "sigtimedwait", lambda sigs, timeout: now.__setitem__(0, now[0] + 2.0))
+    dispositions = []  # (the supervisor's wake-up may reach it as it exits: CI saw it die of SIGUSR1 there)
+    monkeypatch.setattr(worker_mod.signal, "signal", lambda sig, handler: dispositions.append(
+        (sig, handler, (tmp_path / "released").exists())))
     w.run()  # returns: released
     listening.close()
     assert asked == [100, 102, 104, 104, 106, 108, 110]  # after t1 at once; at 110 idle for 6 s: released
     assert float((tmp_path / "released").read_text()) == asked[-1]
+    assert dispositions == [(worker_mod.signal.SIGUSR1, worker_mod.signal.SIG_IGN, False)]  # before it says so
     assert "no message for 5 s: the ClientApp worker stopped to free its memory" in capsys.readouterr().err
 
 
