@@ -508,6 +508,12 @@ class RoundDroppingGrid(InProcessGrid):
         return ids
 
 
+# Over several rounds the secure run and the plain one part by more than one round's quantization error (~1e-8):
+# each client trains from the last round's weights, which that error moved. The stochastic rounding is seeded from
+# the OS, so the gap varies: 1.5-1.8e-7 in 12 runs here, 2.4e-6 once in CI. A wrong cohort is off by ~1e-2.
+ROUNDS_ATOL = 1e-5
+
+
 def plain_by_round(tmp_path, cohorts: dict[int, list[int]], **kw) -> torch.Tensor:
     ref = SyncWorkflow(cfg(**kw), InProcessGrid(app, N), RunDirectory(tmp_path / "ref"))
     ref.select = lambda online, rnd: cohorts[rnd]
@@ -529,13 +535,13 @@ def test_pipelined_rounds_take_two_stages_and_equal_the_plain_mean(tmp_path):
         assert row["secagg_survivors"] == N and row["rejected"] == 0 and row["replies"] == 2 * N
     assert first["replies"] == 4 * N
     ref = plain_by_round(tmp_path, dict.fromkeys((1, 2, 3), ALL), **{"num-rounds": 3})
-    torch.testing.assert_close(wf.weights, ref, rtol=0, atol=1e-6)
+    torch.testing.assert_close(wf.weights, ref, rtol=0, atol=ROUNDS_ATOL)
     assert wf.version == 3
     # every round's secrets were used once and deleted: nothing is left on the nodes
     assert not [k for ctx in grid.contexts.values() for k in ctx.state.config_records if k.startswith(STATE + ":")]
     off = run(tmp_path, InProcessGrid(app, N), name="off", **SECURE, **{"num-rounds": 3, "secagg-pipeline": False})
     assert [list(r["secagg_stage_s"]) for r in off.history] == [["setup", "share-keys", "masked-input", "unmask"]] * 3
-    torch.testing.assert_close(off.weights, ref, rtol=0, atol=1e-6)
+    torch.testing.assert_close(off.weights, ref, rtol=0, atol=ROUNDS_ATOL)
 
 
 @pytest.mark.parametrize("rnd,stage,cohorts,dropped", [
@@ -556,7 +562,7 @@ def test_a_node_vanishing_in_a_pipelined_stage_leaves_each_rounds_survivors_mean
         assert row["secagg_survivors"] == len(nodes[r]) and row["secagg_dropped"] == dropped[r], row
         assert row["secagg_pipelined"] == (r > 1) and "secagg_failure" not in row
     ref = plain_by_round(tmp_path, nodes, **{"num-rounds": 3})
-    torch.testing.assert_close(wf.weights, ref, rtol=0, atol=1e-6)
+    torch.testing.assert_close(wf.weights, ref, rtol=0, atol=ROUNDS_ATOL)
 
 
 def test_partial_participation_sets_up_nodes_outside_this_round_with_messages_of_their_own(tmp_path):
@@ -568,7 +574,7 @@ def test_partial_participation_sets_up_nodes_outside_this_round_with_messages_of
     assert all(row["secagg_survivors"] == 3 and row["rejected"] == 0 for row in wf.history)
     assert [row["secagg_pipelined"] for row in wf.history] == [False, True, True, True]
     ref = plain_by_round(tmp_path, cohorts, **kw)
-    torch.testing.assert_close(wf.weights, ref, rtol=0, atol=1e-6)
+    torch.testing.assert_close(wf.weights, ref, rtol=0, atol=ROUNDS_ATOL)
     assert not [k for ctx in grid.contexts.values() for k in ctx.state.config_records if k.startswith(STATE + ":")]
 
 
@@ -616,7 +622,7 @@ def test_a_bad_piggybacked_stage_costs_the_node_the_next_round_only(tmp_path, ca
     if rule is None:
         assert "the next round's stage sent with round 1's masked-input was refused" in caplog.text
     nodes = {1: ALL, 2: [n for n in ALL if n != 1002], 3: ALL}
-    torch.testing.assert_close(wf.weights, plain_by_round(tmp_path, nodes, **{"num-rounds": 3}), rtol=0, atol=1e-6)
+    torch.testing.assert_close(wf.weights, plain_by_round(tmp_path, nodes, **{"num-rounds": 3}), rtol=0, atol=ROUNDS_ATOL)
 
 
 def test_a_piggybacked_stage_that_exhausts_memory_costs_the_node_the_next_round_only(tmp_path, monkeypatch, caplog):
