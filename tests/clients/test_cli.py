@@ -247,6 +247,10 @@ def test_agent_port_out_of_range_or_in_use_is_one_line(tmp_path, capsys):
                                       "(with --poll-interval 0.2)."),
     (["--idle-poll-interval", "nan"], "--idle-poll-interval must be in [--poll-interval, 600] seconds. Found nan "
                                       "(with --poll-interval 0.2)."),
+    (["--release-worker-after", "-1"], "--release-worker-after must be a finite number of seconds >= 0 (0: never). "
+                                       "Found -1.0."),
+    (["--release-worker-after", "inf"], "--release-worker-after must be a finite number of seconds >= 0 (0: never). "
+                                        "Found inf."),
 ])
 def test_agent_poll_intervals_out_of_range_are_one_line(tmp_path, capsys, args, line):
     np.savez(tmp_path / "d.npz", x=np.zeros((20, 64)), y=np.zeros(20, int))
