@@ -350,7 +350,8 @@ def build_parser() -> argparse.ArgumentParser:
     ast.add_argument("--rejoin", action="store_true",
                      help="stay up when the coordinator goes away or refuses this node (its run ends, it restarts "
                           "and resumes, a key is enrolled later): try again, backing off to once a minute, the "
-                          "ClientApp worker kept warm (default: the agent stops with the coordinator's run)")
+                          "ClientApp worker kept warm up to --release-worker-after (default: the agent stops with the coordinator's "
+                          "run)")
     ast.add_argument("--poll-interval", type=float, default=0.2, metavar="S",
                      help="seconds between this node's requests for work (default: %(default)s)")
     ast.add_argument("--idle-poll-interval", type=float, default=None, metavar="S",
