@@ -26,6 +26,7 @@ from ._errors import ClientError
 from .config import TaskSpec, build_config, renamed_key, resolve_path
 from .data import load_npz, save_npz
 from .flower_pins import EMPTY_PULL_SLEEP as IDLE_POLL
+from .flower_pins import write_atomically
 from .supervisor import NODE_FILE, RECEIVED, RUNTIME, SECRET, Plan, start_process, stop_group
 from .tasks import load_task
 
@@ -342,10 +343,8 @@ def agent_plan(args: argparse.Namespace, state_dir: str | None = None, task: str
     supernode = supernode_command(args)  # (it probes the coordinator: after the checks of plain values)
     state_dir = state_dir or new_state_dir()
     node_config = supernode[supernode.index("--node-config") + 1]
-    node_file = Path(state_dir) / NODE_FILE
-    node_file.with_suffix(".tmp").write_text(json.dumps({"node-config": node_config, "release-after": release,
-                                                         "site-socket": getattr(args, "site_socket", None) or ""}))
-    os.replace(node_file.with_suffix(".tmp"), node_file)
+    write_atomically(str(Path(state_dir) / NODE_FILE), json.dumps({
+        "node-config": node_config, "release-after": release, "site-socket": getattr(args, "site_socket", None) or ""}))
     node = [sys.executable, "-P", str(Path(__file__).with_name("flower_pins.py")), "supernode",
             "--poll-interval", str(poll), "--idle-poll-interval", str(idle), "--runtime-file",
             str(Path(state_dir) / RUNTIME), "--received-file", str(Path(state_dir) / RECEIVED), *supernode[1:],

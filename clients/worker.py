@@ -186,8 +186,8 @@ class Worker:
         proto = pinned("flwr.common.serde", "message_to_proto")(
             pinned("flwr.app.message", "remove_content_from_message")(message))
         write_atomically(str(self.dir / INFLIGHT), json.dumps({
-            "token": token, "message_id": message.metadata.message_id,
-            "message": base64.b64encode(proto.SerializeToString()).decode(), "started": time.time(), "pid": os.getpid()}))
+            "token": token, "message_id": message.metadata.message_id, "started": time.time(), "pid": os.getpid(),
+            "message": base64.b64encode(proto.SerializeToString()).decode()}))
 
     def run(self) -> None:
         (self.dir / READY).write_text(str(os.getpid()))

@@ -335,7 +335,8 @@ def build_parser() -> argparse.ArgumentParser:
     ast.add_argument("--eval-data", type=_path, help="this node's held-out data for federated evaluation (.npz "
                      "with x and y; with --data)")
     ast.add_argument("--partition", metavar="ID/N", help="use partition ID of N of the task's built-in data instead of --data")
-    ast.add_argument("--port", type=int, default=0, help="the SuperNode's local Runtime API port, for its worker (default 0: each node binds a free one)")
+    ast.add_argument("--port", type=int, default=0,
+                     help="the SuperNode's local Runtime API port, for its worker (default 0: each node binds a free one)")
     ast.add_argument("--link-mbps", type=float, default=0.0,
                      help="this device's uplink in Mbit/s, reported to the coordinator (slow links get a compressing codec)")
     ast.add_argument("--state-dir", type=_path,

@@ -30,6 +30,17 @@ def test_the_supernode_sleeps_it_shortens_are_still_there():
     assert "pull_objects(" in source
 
 
+def test_the_supernode_lines_the_agent_reads_are_still_logged_at_info():
+    """The supervisor counts a node's answered messages by "Sent successfully" (served, then the coordinator gone:
+    the agent's part of a run ended) and wakes the worker by "Received successfully"; it runs the node at INFO."""
+    from clients import supervisor
+
+    source = inspect.getsource(importlib.import_module("flwr.supernode.start_client_internal"))
+    for text, pattern in (("Received successfully", supervisor._RECEIVED), ("Sent successfully", supervisor._SENT)):
+        assert f'log(INFO, "{text}")' in source, f"Flower's {text!r} line moved"
+        assert pattern.search(f"INFO :      {text}"), text
+
+
 def test_a_supernode_on_port_0_writes_the_address_its_runtime_api_bound(tmp_path, monkeypatch):
     """The agent starts each SuperNode with ``--port 0``; Flower's own Runtime API server, started as
     ``flower_supernode`` starts it, then says where it listens (the worker reads it there)."""

@@ -4,16 +4,11 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from clients.cli import free_port  # noqa: F401  (the tests' ports, as the benchmarks')
 
 
 class Procs:
