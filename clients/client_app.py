@@ -185,10 +185,20 @@ def global_model_from(task: Task, layout, weights: torch.Tensor, context: Contex
     """The task's model on the training device, loaded with ``weights`` and the node's kept entries."""
     model = task.build(private).to(get_device()) if private else task.working_model(get_device())
     layout.load(model, weights)
-    kept = record_of(context.state, LOCAL_STATE, ArrayRecord)
-    if layout.local and kept is not None:
-        layout.load_local(model, kept.to_torch_state_dict())
+    if layout.local:
+        layout.load_local(model, kept_entries(context))
     return model
+
+
+def kept_entries(context: Context) -> dict[str, torch.Tensor]:
+    """What this node keeps of its model between rounds (``layout.local``: FedBN's statistics, integer
+    buffers), as its last training left it; empty before its first."""
+    kept = record_of(context.state, LOCAL_STATE, ArrayRecord)
+    return {} if kept is None else kept.to_torch_state_dict()
+
+
+def keep_entries(context: Context, entries: dict[str, torch.Tensor]) -> None:
+    context.state[LOCAL_STATE] = ArrayRecord(entries)
 
 
 @dataclasses.dataclass
@@ -254,7 +264,7 @@ def local_update(msg: Message, context: Context) -> tuple[torch.Tensor, dict[str
         job = UpdateJob(instr, task, data, weights, training_generator(instr, context), start)
         stats = train_with_local_dp(model, data, instr, local_dp, context, task)
     if layout.local:
-        context.state[LOCAL_STATE] = ArrayRecord(layout.local_state(model))
+        keep_entries(context, layout.local_state(model))
     delta = layout.flatten(model).cpu().sub_(weights)
     return delta, update_metrics(job, delta, stats, context), job.generator
 

@@ -12,7 +12,13 @@ one within float tolerance (summation order differs, nothing else):
 - a client whose epoch has ended takes no step: clients are sorted by size, so those still training at step s
   are a prefix of the chunk and only that prefix is computed and updated (the "active" mask as a slice);
 - SGD's update is torch.optim.SGD's (dampening 0, no Nesterov): the momentum buffer is the first gradient, then
-  ``buf = momentum * buf + grad``; ``p -= lr * buf`` (``p -= lr * grad`` with momentum 0).
+  ``buf = momentum * buf + grad``; ``p -= lr * buf`` (``p -= lr * grad`` with momentum 0);
+- a model with buffers (BatchNorm's running statistics and batch count, any other) or BatchNorm layers gets
+  every buffer stacked per client (updated in place inside vmap, as each client's own module would be) and no
+  padding: a step's clients are split into runs of equal real batch size (contiguous, as clients are sorted by
+  size), each computed on its real examples only, so batch statistics are each client's own;
+- the entries a client keeps (``layout().local``: integer buffers, FedBN's statistics, ``keep_local`` names)
+  start from the client's kept values (``kept``) and are handed back after training, as the ClientApp keeps them.
 
 The loss is computed per example (``task.loss`` on a batch of one, vmapped), so a task's ``loss`` must be a pure
 function of (output, target) whose batch value is the mean of its per-example values (cross-entropy, MSE, token
@@ -21,6 +27,7 @@ cross-entropy over sequences of equal length are). :func:`batched_supported` say
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -40,29 +47,23 @@ def batched_supported(task: Task, model: nn.Module) -> str | None:
     if type(task).train is not Task.train:
         return (f"task {name} brings its own train: only the default loop (Task.train) can be batched; its clients "
                 "train one at a time")
-    buffer = next((n for n, _ in model.named_buffers()), None)
-    if buffer is not None:
-        return (f"the model has buffers ({buffer!r}): BatchNorm's running statistics cannot be updated inside vmap, "
-                "and padding a client's last batch would change its batch statistics")
-    norm = next((n for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)), None)
+    norm = next((n for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+                 and m.track_running_stats and m.momentum is None), None)
     if norm is not None:
-        return (f"the model normalises by batch statistics ({norm!r}): padding a client's last batch would change "
-                "them")
+        return (f"BatchNorm {norm!r} has momentum=None (a cumulative average): it reads its batch count as a Python "
+                "number, which a step batched over clients cannot")
     drop = next((n for n, m in model.named_modules() if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0), None)
     if drop is not None:
         return (f"the model draws random numbers in training ({drop!r}, dropout): the one-by-one loop draws them "
                 "from torch's global generator in client order, which a batched step cannot reproduce")
     if not any(p.requires_grad for p in model.parameters()):
         return "the model has no trainable parameters (SGD refuses an empty parameter list)"
-    if task.layout().local:
-        return (f"task {name} keeps entries on each client ({task.layout().local[0]!r}): their per-client state is "
-                "not in the global weights")
     return None
 
 
 def train_batched(task: Task, global_flat: torch.Tensor, datasets: list[Dataset], settings: TrainSettings,
-                  generators: list[torch.Generator], *,
-                  chunk: int = DEFAULT_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+                  generators: list[torch.Generator], *, chunk: int = DEFAULT_CHUNK,
+                  kept: list[dict[str, torch.Tensor]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Train K clients from ``global_flat`` as ``task.train`` trains each one, ``chunk`` clients at a time.
 
     Parameters
@@ -75,6 +76,11 @@ def train_batched(task: Task, global_flat: torch.Tensor, datasets: list[Dataset]
         Local epochs, batch size, learning rate, momentum and FedProx's ``proximal_mu``.
     chunk
         Clients trained in one computation (memory grows with it; results do not change).
+    kept
+        One dict per client of the entries it keeps (``task.layout().local``), as ``layout.local_state`` gives
+        them; a name missing (or of another shape or dtype) starts from the built model's value, as
+        ``layout.load_local`` does. Each dict is replaced in place by the client's entries after training (CPU
+        copies). None: every client starts from the built values and nothing is handed back.
 
     Returns
     -------
@@ -83,6 +89,8 @@ def train_batched(task: Task, global_flat: torch.Tensor, datasets: list[Dataset]
         over examples of each batch's mean loss, weighted by batch size, as ``Task.train`` reports).
     """
     model = _checked_model(task, global_flat, datasets, generators, chunk)
+    if kept is not None and len(kept) != len(datasets):
+        raise ValueError(f"kept must have one dict per client. Found {len(kept)} for {len(datasets)} clients.")
     sizes = np.array([len(d) for d in datasets], dtype=np.int64)
     order = np.argsort(-sizes, kind="stable")  # largest first: the clients still training form a prefix
     deltas = torch.empty(len(datasets), task.layout().numel, dtype=torch.float32, device=global_flat.device)
@@ -90,7 +98,7 @@ def train_batched(task: Task, global_flat: torch.Tensor, datasets: list[Dataset]
     for start in range(0, len(order), chunk):
         ks = order[start:start + chunk]
         d, loss = _train_chunk(task, model, global_flat, [datasets[k] for k in ks], settings,
-                               [generators[k] for k in ks])
+                               [generators[k] for k in ks], None if kept is None else [kept[k] for k in ks])
         where = torch.as_tensor(ks, device=global_flat.device)
         deltas[where], losses[where] = d, loss
     return deltas, losses
@@ -118,30 +126,46 @@ def _checked_model(task: Task, global_flat: torch.Tensor, datasets: list[Dataset
     return model.train()
 
 
-def _initial_state(task: Task, model: nn.Module, global_flat: torch.Tensor,
-                   m: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """(trainable entries stacked m times, frozen entries once), each cast to its entry's dtype as the loop's
-    ``layout.load`` casts it."""
-    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    stacked, frozen = {}, {}
-    for e in task.layout().entries:
-        value = global_flat[e.offset:e.offset + e.numel].view(e.shape).to(e.dtype)
-        if e.name in trainable:
-            stacked[e.name] = value.expand(m, *e.shape).clone()
+def _initial_state(task: Task, model: nn.Module, global_flat: torch.Tensor, m: int,
+                   kept: list[dict[str, torch.Tensor]] | None) -> tuple[dict, dict, dict]:
+    """(trainable parameters stacked m times, buffers stacked m times, frozen parameters once): the layout's
+    entries from ``global_flat`` cast to their dtype (as ``layout.load``), the kept ones from each client's
+    ``kept`` dict where it holds them (as ``layout.load_local``), the rest as built."""
+    layout = task.layout()
+    federated = {e.name: global_flat[e.offset:e.offset + e.numel].view(e.shape).to(e.dtype) for e in layout.entries}
+    local = set(layout.local)
+
+    def stacked(name: str, built: torch.Tensor) -> torch.Tensor:
+        value = federated.get(name, built.detach())
+        out = value.expand(m, *value.shape).clone()
+        for k, saved in enumerate(kept or ()):
+            v = saved.get(name) if name in local else None
+            if v is not None and v.shape == built.shape and v.dtype == built.dtype:
+                out[k].copy_(v)
+        return out
+
+    params, buffers, frozen = {}, {}, {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            params[name] = stacked(name, p)
+        elif name in local:  # a frozen entry each client keeps for itself: its own value, never stepped
+            buffers[name] = stacked(name, p)
         else:
-            frozen[e.name] = value
-    return stacked, frozen
+            frozen[name] = federated.get(name, p.detach())
+    for name, b in model.named_buffers():
+        buffers[name] = stacked(name, b)
+    return params, buffers, frozen
 
 
 def _client_step(task: Task, model: nn.Module, frozen: dict[str, torch.Tensor]):
-    """vmap(grad_and_value) of one client's batch loss: (params, x (B, ...), y (B, ...), mask (B,)) -> (grads,
-    the mean loss over the batch's real examples)."""
+    """vmap(grad_and_value) of one client's batch loss: (params, buffers, x (B, ...), y (B, ...), mask (B,)) ->
+    (grads, the mean loss over the batch's real examples); the buffers are updated in place."""
 
     def example_loss(out, y):  # task.loss on a batch of one: a per-example value
         return task.loss(tree_map(lambda t: t.unsqueeze(0), out), y.unsqueeze(0))
 
-    def batch_loss(params, x, y, mask):
-        out = torch.func.functional_call(model, {**params, **frozen}, (x,))
+    def batch_loss(params, buffers, x, y, mask):
+        out = torch.func.functional_call(model, {**params, **buffers, **frozen}, (x,))
         per = torch.func.vmap(example_loss)(out, y)
         if per.shape != mask.shape:
             raise ValueError(f"task {type(task).__name__}'s loss must return one scalar for a batch. Found shape "
@@ -166,44 +190,62 @@ def _epoch_batches(perms: list[torch.Tensor], offsets: torch.Tensor, steps: int,
 
 @torch.no_grad()
 def _sgd_step(params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], bufs: dict[str, torch.Tensor],
-              m: int, settings: TrainSettings, anchor: dict[str, torch.Tensor]) -> None:
-    """torch.optim.SGD's step on the first ``m`` clients' stacked tensors, FedProx's gradient added first."""
+              lo: int, hi: int, settings: TrainSettings, anchor: dict[str, torch.Tensor]) -> None:
+    """torch.optim.SGD's step on clients ``lo:hi`` of the stacked tensors, FedProx's gradient added first."""
     for name, g in grads.items():
-        p = params[name][:m]
+        p = params[name][lo:hi]
         if settings.proximal_mu > 0:  # d/dp of mu/2 ||p - p_global||^2
             g = g + settings.proximal_mu * (p - anchor[name])
         if settings.momentum > 0:
-            if name not in bufs:  # SGD's first step (every client with data takes it): the buffer is the gradient
-                bufs[name] = g  # (a fresh tensor from grad_and_value: SGD's clone is not needed)
-            else:
-                g = bufs[name][:m].mul_(settings.momentum).add_(g)
+            if name not in bufs:  # zeros: a client's first step makes its buffer 0 * momentum + grad = grad, as SGD's
+                bufs[name] = torch.zeros_like(params[name])
+            g = bufs[name][lo:hi].mul_(settings.momentum).add_(g)
         p.add_(g, alpha=-settings.lr)
 
 
 def _train_chunk(task: Task, model: nn.Module, global_flat: torch.Tensor, datasets: list[Dataset],
-                 settings: TrainSettings, generators: list[torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
-    """One chunk's (deltas, losses); ``datasets`` sorted by size, largest first."""
+                 settings: TrainSettings, generators: list[torch.Generator],
+                 kept: list[dict[str, torch.Tensor]] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk's (deltas, losses); ``datasets`` sorted by size, largest first; ``kept`` replaced in place."""
     device, m = global_flat.device, len(datasets)
     x = torch.from_numpy(np.ascontiguousarray(np.concatenate([d.x for d in datasets]))).to(device)
     y = torch.from_numpy(np.ascontiguousarray(np.concatenate([d.y for d in datasets]))).to(device)
-    sizes = [len(d) for d in datasets]
+    sizes = np.array([len(d) for d in datasets], dtype=np.int64)
     offsets = torch.tensor(np.cumsum([0, *sizes[:-1]]), dtype=torch.long, device=device)
-    steps = [math.ceil(n / settings.batch_size) for n in sizes]
+    batch = settings.batch_size
+    steps = [math.ceil(n / batch) for n in sizes]
     active = [sum(s > i for s in steps) for i in range(max(steps, default=0))]  # clients still training at step i
-    params, frozen = _initial_state(task, model, global_flat, m)
+    params, buffers, frozen = _initial_state(task, model, global_flat, m, kept)
+    # batch statistics (BatchNorm) or any buffer a forward may update from its batch: real examples only
+    exact = bool(buffers) or any(isinstance(mod, nn.modules.batchnorm._BatchNorm) for mod in model.modules())
     anchor = {k: v[0].clone() for k, v in params.items()} if settings.proximal_mu > 0 else {}
     step, bufs = _client_step(task, model, frozen), {}
     total = torch.zeros(m, dtype=torch.float64, device=device)
     for _ in range(settings.local_epochs):
-        perms = [torch.randperm(n, generator=g) for n, g in zip(sizes, generators, strict=True)]
-        index, mask = _epoch_batches(perms, offsets, len(active), settings.batch_size)
+        perms = [torch.randperm(int(n), generator=g) for n, g in zip(sizes, generators, strict=True)]
+        index, mask = _epoch_batches(perms, offsets, len(active), batch)
         for i, a in enumerate(active):
-            rows, real = index[:a, i], mask[:a, i]
-            grads, loss = step({k: v[:a] for k, v in params.items()}, x[rows], y[rows], real)
-            _sgd_step(params, grads, bufs, a, settings, anchor)
-            total[:a] += loss.double() * real.sum(1)
+            if not exact:  # one computation: each client's last batch padded and masked out of its loss
+                runs = [(0, a, batch)]
+            else:  # runs of clients with equal real batch sizes (non-increasing down the sorted chunk)
+                real = np.clip(sizes[:a] - i * batch, 0, batch)
+                cuts = [0, *(np.flatnonzero(np.diff(real)) + 1).tolist(), a]
+                runs = [(lo, hi, int(real[lo])) for lo, hi in itertools.pairwise(cuts)]
+            for lo, hi, c in runs:
+                rows, real_mask = index[lo:hi, i, :c], mask[lo:hi, i, :c]
+                grads, loss = step({k: v[lo:hi] for k, v in params.items()}, {k: v[lo:hi] for k, v in buffers.items()},
+                                   x[rows], y[rows], real_mask)
+                _sgd_step(params, grads, bufs, lo, hi, settings, anchor)
+                total[lo:hi] += loss.double() * real_mask.sum(1)
+    if kept is not None:
+        for name in task.layout().local:
+            values = (params.get(name) if name in params else buffers.get(name))
+            if values is not None:
+                values = values.detach().cpu()
+                for k, saved in enumerate(kept):
+                    saved[name] = values[k].clone()
     seen = torch.tensor(sizes, dtype=torch.float64, device=device) * settings.local_epochs
-    return _deltas(task, params, frozen, global_flat, m), total / seen.clamp(min=1)
+    return _deltas(task, {**params, **buffers}, frozen, global_flat, m), total / seen.clamp(min=1)
 
 
 def _deltas(task: Task, params: dict[str, torch.Tensor], frozen: dict[str, torch.Tensor], global_flat: torch.Tensor,

@@ -20,7 +20,7 @@ from flwr.common.logger import log
 
 from aggregation import get_device
 from clients import ClientError
-from clients.client_app import app, refusal, start_update, train_reply, update_metrics
+from clients.client_app import app, keep_entries, kept_entries, refusal, start_update, train_reply, update_metrics
 from clients.protocol import CODEC, LOCAL_DP, MESSAGE_TYPE_TRAIN, codec_from_record, record_of
 
 from .batched import DEFAULT_CHUNK, batched_supported, train_batched
@@ -92,20 +92,23 @@ class BatchedGrid(InProcessGrid):
                 log(INFO, "[fedshield] in-process engine: clients train one at a time: %s", why)
         return self._support[task.spec] is None
 
-    def _compute(self, group: list) -> tuple[torch.Tensor, torch.Tensor]:
+    def _compute(self, group: list, kept: list[dict] | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(deltas, losses) of a group's jobs (``(message id, message, codec, job)`` each) trained together from
-        their global weights, each job's generator advanced as its training drew."""
+        their global weights, each job's generator advanced as its training drew and its ``kept`` entries
+        replaced by what its training left (None: the task keeps none)."""
         jobs = [job for *_, job in group]
         weights = jobs[0].weights.to(get_device())
         return train_batched(jobs[0].task, weights, [j.data for j in jobs], jobs[0].instr.train,
-                             [j.generator for j in jobs], chunk=self.chunk)
+                             [j.generator for j in jobs], chunk=self.chunk, kept=kept)
 
     def _train(self, group: list) -> None:
         """Train one group's jobs together and store each node's reply (one by one if the batch fails)."""
         jobs = [job for *_, job in group]
+        contexts = [self.contexts[msg.metadata.dst_node_id] for _, msg, *_ in group]
+        kept = [kept_entries(ctx) for ctx in contexts] if jobs[0].task.layout().local else None
         start = time.perf_counter()
         try:
-            deltas, losses = self._compute(group)
+            deltas, losses = self._compute(group, kept)
         except Exception as exc:  # noqa: BLE001 - a loss that vmap cannot run: the ClientApp, one by one
             log(WARNING, "[fedshield] in-process engine: batched training failed (%r); clients train one at a time", exc)
             self._support[jobs[0].task.spec] = repr(exc)
@@ -114,8 +117,9 @@ class BatchedGrid(InProcessGrid):
             return
         share = (time.perf_counter() - start) / len(jobs)
         deltas = deltas.cpu()
-        for k, (mid, msg, codec, job) in enumerate(group):
-            ctx = self.contexts[msg.metadata.dst_node_id]
+        for k, ((mid, msg, codec, job), ctx) in enumerate(zip(group, contexts, strict=True)):
+            if kept is not None:  # as the ClientApp keeps them: before the reply, whatever it says
+                keep_entries(ctx, kept[k])
             job.start = time.perf_counter() - share  # a node's own time: its share of the batch
             try:
                 metrics = update_metrics(job, deltas[k], {"train-loss": float(losses[k]), "train-time-s": share}, ctx)

@@ -27,7 +27,8 @@ class _ShardWorker:
         torch.set_num_threads(1)
 
     def train(self, spec: Any, weights: np.ndarray, node_configs: list[dict[str, Any]], settings: Any,
-              seeds: list[int], chunk: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+              seeds: list[int], chunk: int, kept: list[dict[str, torch.Tensor]] | None
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[dict[str, torch.Tensor]] | None]:
         from clients.data import client_data
         from clients.tasks import load_task
 
@@ -36,8 +37,8 @@ class _ShardWorker:
         task = load_task(spec)
         data = [client_data(task, config) for config in node_configs]
         gens = [torch.Generator().manual_seed(s) for s in seeds]
-        deltas, losses = train_batched(task, torch.from_numpy(weights), data, settings, gens, chunk=chunk)
-        return deltas.numpy(), losses.numpy(), torch.stack([g.get_state() for g in gens]).numpy()
+        deltas, losses = train_batched(task, torch.from_numpy(weights), data, settings, gens, chunk=chunk, kept=kept)
+        return deltas.numpy(), losses.numpy(), torch.stack([g.get_state() for g in gens]).numpy(), kept
 
 
 class ShardedBatchedGrid(BatchedGrid):
@@ -54,7 +55,7 @@ class ShardedBatchedGrid(BatchedGrid):
         worker = ray.remote(num_cpus=1)(_ShardWorker)
         self._workers = [worker.remote() for _ in range(shards)]
 
-    def _compute(self, group: list) -> tuple[torch.Tensor, torch.Tensor]:
+    def _compute(self, group: list, kept: list[dict] | None) -> tuple[torch.Tensor, torch.Tensor]:
         import ray
 
         jobs = [job for *_, job in group]
@@ -63,14 +64,18 @@ class ShardedBatchedGrid(BatchedGrid):
         spec, settings = jobs[0].task.spec, jobs[0].instr.train
         pieces = [p for p in np.array_split(np.arange(len(jobs)), len(self._workers)) if len(p)]
         refs = [w.train.remote(spec, weights, [dict(node_configs[i]) for i in piece], settings,
-                               [jobs[i].generator.initial_seed() for i in piece], self.chunk)
+                               [jobs[i].generator.initial_seed() for i in piece], self.chunk,
+                               None if kept is None else [kept[i] for i in piece])
                 for w, piece in zip(self._workers, pieces, strict=False)]
         deltas, losses = [], []
-        for piece, (d, loss, states) in zip(pieces, ray.get(refs), strict=True):
+        for piece, (d, loss, states, left) in zip(pieces, ray.get(refs), strict=True):
             deltas.append(torch.from_numpy(d))
             losses.append(torch.from_numpy(loss))
-            for i, state in zip(piece, states, strict=True):  # each node's generator as its training left it
-                jobs[i].generator.set_state(torch.from_numpy(state.copy()))
+            for j, (i, state) in enumerate(zip(piece, states, strict=True)):  # each node's generator and kept
+                jobs[i].generator.set_state(torch.from_numpy(state.copy()))  # entries as its training left them
+                if kept is not None:
+                    kept[i].clear()
+                    kept[i].update(left[j])
         return torch.cat(deltas), torch.cat(losses)
 
 

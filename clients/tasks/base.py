@@ -350,6 +350,7 @@ def _channels_last_ok(task: Task, model: nn.Module, x: torch.Tensor) -> bool:
 
 def _forward_takes_channels_last(model: nn.Module, x: torch.Tensor) -> bool:
     mode = model.training
+    saved = {name: b.detach().clone() for name, b in model.named_buffers()}  # a forward may count its calls
     model.to(memory_format=torch.channels_last)
     try:
         with torch.no_grad():
@@ -360,6 +361,9 @@ def _forward_takes_channels_last(model: nn.Module, x: torch.Tensor) -> bool:
     finally:
         model.to(memory_format=torch.contiguous_format)
         model.train(mode)
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                b.copy_(saved[name])
 
 
 def _device_of(model: nn.Module) -> torch.device:

@@ -138,21 +138,104 @@ class OwnTrain(Regression):
 
 
 class WithBatchNorm(Regression):
+    """BatchNorm1d between tied-free layers: running statistics (federated) and the batch count (kept)."""
+
     def build_model(self) -> nn.Module:
-        return nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+        return nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 2))
+
+
+class ConvBatchNorm(Regression):
+    """A CNN with BatchNorm2d on 1x4x4 images, a constant buffer and a buffer counting forwards."""
+
+    def build_model(self) -> nn.Module:
+        class Net(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.body = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
+                                          nn.Linear(64, 2))
+                self.register_buffer("scale", torch.tensor(0.5))
+                self.register_buffer("calls", torch.zeros(1))
+
+            def forward(self, x):
+                self.calls.add_(1)
+                return self.body(x.view(-1, 1, 4, 4)[:, :, :, :] * 2 * self.scale)
+
+        return Net()
+
+    def load_data(self) -> tuple[Dataset, Dataset]:
+        rng = np.random.default_rng(1)
+        x = rng.normal(size=(90, 16)).astype(np.float32)
+        return Dataset(x, np.stack([x[:, :8].sum(1), x[:, 0] * x[:, 5]], 1).astype(np.float32)), Dataset(x[:10], x[:10, :2])
+
+
+class FedBN(WithBatchNorm):
+    federate_buffers = False
+
+
+def uneven(task: Task) -> list[Dataset]:
+    """Clients of 23, 5, 40, 11 and 8 examples: with batches of 6, partial last batches of several sizes (never
+    one example, which BatchNorm refuses in training), one client with a single batch."""
+    train = task.train_set
+    return [Dataset(train.x[s:s + n], train.y[s:s + n]) for s, n in ((0, 23), (23, 5), (28, 40), (68, 11), (79, 8))]
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+@pytest.mark.parametrize("task", [WithBatchNorm(), ConvBatchNorm()], ids=["bn1d", "conv-bn"])
+def test_batchnorm_and_buffers_train_as_each_client_alone(task: Task, momentum: float) -> None:
+    """No padding in a batch-statistics model: each client's batches, statistics and counters are its own."""
+    cfg = TrainSettings(local_epochs=2, batch_size=6, lr=0.05, momentum=momentum, proximal_mu=0.1)
+    deltas = assert_equivalent(task, uneven(task), cfg, chunk=3)
+    names = task.layout().names
+    mean = task.layout().entries[names.index("1.running_mean" if "1.running_mean" in names
+                                             else "body.1.running_mean")]
+    assert deltas[:, mean.offset:mean.offset + mean.numel].abs().min(1).values.gt(0).all()  # statistics moved
+    assert len({tuple(d[mean.offset:mean.offset + 2].tolist()) for d in deltas}) == 5  # ... each client's own
+
+
+def test_kept_entries_start_from_each_client_and_come_back() -> None:
+    """FedBN: each client's statistics and batch count start from what it kept and return as its training left
+    them, as the ClientApp's load_local / local_state; the federated part equals training alone."""
+    task = FedBN()
+    data, flat = uneven(task), task.init_weights(0)
+    cfg = TrainSettings(local_epochs=2, batch_size=6, lr=0.05, momentum=0.9)
+    assert set(task.layout().local) == {"1.running_mean", "1.running_var", "1.num_batches_tracked"}
+    kept = [{"1.running_mean": torch.full((8,), float(k)), "1.running_var": torch.full((8,), 1.0 + k),
+             "1.num_batches_tracked": torch.tensor(10 * k)} for k in range(len(data))]
+    kept[2] = {}  # a client's first round: the built values
+    seeds = list(range(len(data)))
+    want, want_kept = [], []
+    for k, (d, s) in enumerate(zip(data, seeds, strict=True)):
+        model = task.build()
+        task.layout().load(model, flat)
+        task.layout().load_local(model, kept[k])
+        task.train(model, d, cfg, torch.Generator().manual_seed(s))
+        want.append(task.layout().flatten(model) - flat)
+        want_kept.append(task.layout().local_state(model))
+    out = [dict(k) for k in kept]
+    got, _ = train_batched(task, flat, data, cfg, [torch.Generator().manual_seed(s) for s in seeds], kept=out)
+    torch.testing.assert_close(got, torch.stack(want), atol=ATOL, rtol=RTOL)
+    for k in range(len(data)):
+        assert out[k].keys() == want_kept[k].keys()
+        for name, value in want_kept[k].items():
+            torch.testing.assert_close(out[k][name], value, atol=ATOL, rtol=RTOL)
+    assert [int(o["1.num_batches_tracked"]) for o in out] == [10 * k + 2 * ((len(d) + 5) // 6) if k != 2
+                                                              else 2 * ((len(d) + 5) // 6) for k, d in enumerate(data)]
+    with pytest.raises(ValueError, match="kept must have one dict per client"):
+        train_batched(task, flat, data, cfg, [torch.Generator() for _ in data], kept=[{}])
 
 
 def test_refusals_say_why(digits: Task) -> None:
     assert batched_supported(digits, digits.build()) is None
+    assert batched_supported(WithBatchNorm(), WithBatchNorm().build()) is None
     reason = batched_supported(OwnTrain(), OwnTrain().build())
     assert reason is not None and "own train" in reason and "one at a time" in reason
-    reason = batched_supported(WithBatchNorm(), WithBatchNorm().build())
-    assert reason is not None and "BatchNorm" in reason and "vmap" in reason and "padding" in reason
+    cumulative = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8, momentum=None))
+    assert "momentum=None" in batched_supported(Regression(), cumulative)
     stateless = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8, track_running_stats=False))
-    assert "batch statistics" in batched_supported(Regression(), stateless)
+    assert batched_supported(Regression(), stateless) is None
     assert "dropout" in batched_supported(Regression(), nn.Sequential(nn.Linear(6, 2), nn.Dropout(0.1)))
-    task, data = WithBatchNorm(), [Regression().train_set]
-    with pytest.raises(ValueError, match="cannot be trained batched: the model has buffers"):
+    task, data = OwnTrain(), [Regression().train_set]
+    with pytest.raises(ValueError, match="cannot be trained batched: task OwnTrain brings its own train"):
         train_batched(task, task.init_weights(0), data, TrainSettings(), [torch.Generator()])
 
 
@@ -180,3 +263,16 @@ def test_batched_on_cuda_equals_one_by_one_on_cpu(digits: Task) -> None:
     torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-3)  # (TF32 and other kernels on the GPU)
     torch.testing.assert_close(got_loss.cpu(), want_loss, atol=1e-4, rtol=1e-3)
     assert all(torch.equal(g.get_state(), w.get_state()) for g, w in zip(gens, want_gens, strict=True))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (benchmarks/gpu_check.sh runs it)")
+def test_batchnorm_batched_on_cuda_equals_one_by_one_on_cpu() -> None:
+    """A BatchNorm CNN batched on the GPU (runs of equal batch size, stacked statistics): each client alone's."""
+    task = ConvBatchNorm()
+    data = uneven(task)
+    cfg = TrainSettings(local_epochs=2, batch_size=6, lr=0.05, momentum=0.9)
+    flat, seeds = task.init_weights(0), list(range(len(data)))
+    want, want_loss, _ = one_by_one(task, flat, data, cfg, seeds)
+    got, got_loss = train_batched(task, flat.cuda(), data, cfg, [torch.Generator().manual_seed(s) for s in seeds])
+    torch.testing.assert_close(got.cpu(), want, atol=1e-4, rtol=1e-3)
+    torch.testing.assert_close(got_loss.cpu(), want_loss, atol=1e-4, rtol=1e-3)

@@ -18,9 +18,22 @@ pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs fedshield[simulation]")]
 
 
-def _run(grid, tmp_path, name):
+FEDBN = """
+import torch
+from clients.tasks import DigitsTask
+
+class FedBNDigits(DigitsTask):
+    federate_buffers = False  # BatchNorm's statistics and batch count stay on each node
+
+    def build_model(self):
+        return torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(),
+                                   torch.nn.Linear(32, 10))
+"""
+
+
+def _run(grid, tmp_path, name, **settings):
     cfg = RunConfig.from_mapping({"num-rounds": 2, "clients-per-round": 12, "partitioning": "sample",
-                                  "codec": "qsgd", "qsgd-bits": 4, "local-epochs": 2, "seed": 3})
+                                  "codec": "qsgd", "qsgd-bits": 4, "local-epochs": 2, "seed": 3, **settings})
     wf = make_workflow(cfg, grid, RunDirectory(tmp_path / name))
     wf.run()
     return wf
@@ -29,21 +42,39 @@ def _run(grid, tmp_path, name):
 def test_sharded_batched_training_equals_the_in_process_batched_engine(tmp_path):
     import ray
 
+    from clients.client_app import kept_entries
     from simulations.ray_shards import ShardedBatchedGrid
     from simulations.runner import local_ray_auth
 
+    (tmp_path / "fedbn.py").write_text(FEDBN)
+    fedbn = {"task": f"{tmp_path / 'fedbn.py'}:FedBNDigits", "codec": "dense", "num-rounds": 3, "clients-per-round": 40}
     local = _run(BatchedGrid(app, 500), tmp_path, "local")
+    local_bn = _run(bn_grid := BatchedGrid(app, 60), tmp_path, "local-bn", **fedbn)
     with local_ray_auth(joining=False):
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="WARNING")
         try:
             grid = ShardedBatchedGrid(app, 500, shards=2)
             sharded = _run(grid, tmp_path, "sharded")
+            for worker in grid._workers:  # (their CPUs, for the next grid's actors)
+                ray.kill(worker)
+            sharded_bn = _run(sharded_bn_grid := ShardedBatchedGrid(app, 60, shards=2), tmp_path, "sharded-bn", **fedbn)
         finally:
             ray.shutdown()
     assert grid.batched_messages == 24 and local.history[-1]["accepted"] == 12
     assert [r["accepted"] for r in sharded.history] == [r["accepted"] for r in local.history]
     assert sharded.version == local.version == 2
     torch.testing.assert_close(sharded.weights, local.weights, rtol=1e-5, atol=1e-6)
+    # FedBN: each node's statistics go to the actors and come back to its Context (3 rounds of 40 of 60 nodes:
+    # most are sampled again and start from what they kept)
+    assert sharded_bn_grid.batched_messages == bn_grid.batched_messages == 120
+    torch.testing.assert_close(sharded_bn.weights, local_bn.weights, rtol=1e-5, atol=1e-6)
+    kept = {node: kept_entries(ctx) for node, ctx in bn_grid.contexts.items()}
+    assert len(kept) > 40 and all("1.running_mean" in k for k in kept.values())
+    for node, want in kept.items():
+        got = kept_entries(sharded_bn_grid.contexts[node])
+        assert got.keys() == want.keys()
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6)
 
 
 def test_simulate_runs_sharded_and_refuses_more_shards_than_cpus(tmp_path):
