@@ -1,6 +1,7 @@
 """Batched local training: K clients of the digits MLP trained as one torch computation vs one by one.
 
-    python benchmarks/batched_training.py [--clients 100,1000] [--repeat 3] [--threads 1] [--json FILE]
+    python benchmarks/batched_training.py [--clients 100,1000] [--repeat 3] [--threads 1] [--model mlp|bn-mlp]
+                                          [--json FILE]
 
 Both sides do the same per-client work: load the global weights into the model, ``Task.train`` (SGD, lr 0.1,
 momentum 0.9, batch 16, 1 local epoch) with the client's own generator, flatten, subtract. The one-by-one loop
@@ -11,6 +12,10 @@ reuses one model (its cheapest form: no model is built per client); the batched 
   examples, 14.4 on average);
 - K > 718 (a Dirichlet partition would leave clients under 2 examples): each client draws U{10..30} examples
   (20 on average) with replacement, its labels skewed by its own Dirichlet(0.5) class proportions.
+
+``--model bn-mlp`` puts BatchNorm1d after the hidden layer: the batched side then stacks each client's running
+statistics and steps in runs of equal real batch size instead of padding; a client whose last batch would hold
+one example loses that example on both sides (BatchNorm refuses a batch of one in training).
 
 The two sides are timed in turns (median of ``--repeat``) and checked to agree (max |delta difference|).
 torch runs on 1 thread by default, as the issue measures.
@@ -25,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch import nn
 
 # benchmarks/ must not be on the path: benchmarks/aggregation.py would shadow the package.
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
@@ -32,11 +38,23 @@ from simulations import bench as _report  # noqa: E402
 Report = _report.Report
 
 from clients import Dataset, Task, TaskSpec, TrainSettings  # noqa: E402
-from clients.tasks import get_task  # noqa: E402
+from clients.tasks import DigitsTask, get_task  # noqa: E402
 from simulations.batched import DEFAULT_CHUNK, train_batched  # noqa: E402
 
 SETTINGS = TrainSettings(local_epochs=1, batch_size=16, lr=0.1, momentum=0.9)
 MAX_DIRICHLET = 718  # digits' 1,437 examples, >= 2 per client
+
+
+class BatchNormDigits(DigitsTask):
+    """The digits MLP with BatchNorm1d after its hidden layer (``--model bn-mlp``)."""
+
+    def build_model(self) -> nn.Module:
+        return nn.Sequential(nn.Linear(64, 128), nn.BatchNorm1d(128), nn.ReLU(), nn.Linear(128, 10))
+
+
+def no_batch_of_one(data: list[Dataset]) -> list[Dataset]:
+    """Each client less its last example where that example would make a batch of its own."""
+    return [Dataset(d.x[:-1], d.y[:-1]) if len(d) % SETTINGS.batch_size == 1 else d for d in data]
 
 
 def client_data(task: Task, k: int) -> list[Dataset]:
@@ -70,6 +88,8 @@ def one_by_one(task: Task, flat: torch.Tensor, data: list[Dataset]) -> torch.Ten
 
 def bench(rep: Report, task: Task, k: int, repeat: int, chunk: int) -> None:
     data, flat = client_data(task, k), task.init_weights(0)
+    if isinstance(task, BatchNormDigits):
+        data = no_batch_of_one(data)
     sizes = np.array([len(d) for d in data])
     kind = "Dirichlet(0.5) partitions" if k <= MAX_DIRICHLET else "U{10..30} with replacement, Dirichlet(0.5) labels"
     print(f"# K = {k}: {kind}, {sizes.min()}..{sizes.max()} examples (mean {sizes.mean():.1f})", flush=True)
@@ -91,11 +111,14 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3, help="timed runs of each side (median)")
     p.add_argument("--chunk", type=int, default=DEFAULT_CHUNK, help="clients trained in one computation")
     p.add_argument("--threads", type=int, default=1, help="torch threads (the issue measures with 1)")
+    p.add_argument("--model", choices=("mlp", "bn-mlp"), default="mlp",
+                   help="mlp: the built-in digits MLP; bn-mlp: the same with BatchNorm1d after its hidden layer")
     p.add_argument("--json")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
-    task = get_task(TaskSpec())
-    print(f"# torch {torch.__version__}, CPU, torch threads: {torch.get_num_threads()}; digits MLP 64-128-10 "
+    task = get_task(TaskSpec()) if a.model == "mlp" else BatchNormDigits()
+    print(f"# torch {torch.__version__}, CPU, torch threads: {torch.get_num_threads()}; digits MLP 64-128-10"
+          f"{' with BatchNorm1d' if a.model == 'bn-mlp' else ''} "
           f"({task.layout().numel:,} parameters); 1 local epoch, batch 16, lr 0.1, momentum 0.9; chunk {a.chunk}",
           flush=True)
     rep = Report("batched_training")
