@@ -10,7 +10,10 @@
 # 3. torch.profiler tables of the CUDA paths (benchmarks/gpu_profile.py; SKIP_PROFILE=1 skips it);
 # 4. short in-process simulations with the coordinator and the clients on the GPU (plain, topk,
 #    SecAgg+, local DP with Opacus; SKIP_SIM=1 skips them);
-# 5. with RUN_CPU=1, the benchmark's CPU cases on this machine's cores.
+# 5. with RUN_CPU=1, the benchmark's CPU cases on this machine's cores;
+# 6. benchmarks/vs_pfl.py --device cuda: ResNetMini (BatchNorm) rounds, fedshield's in-process engine training a
+#    round's clients as one batched computation on the GPU against the plain loop, pfl and Flower's Ray engine on
+#    the same GPU (each where it is installed; SKIP_VS_PFL=1 skips it).
 # Logs and the benchmark's JSON go to $OUT. Where the machine lacks the project's packages (a GPU
 # image without flwr, opacus...), wheels in .whl/ (benchmarks/gpu_wheels.sh fetches them) are
 # installed into a temporary directory first.
@@ -35,6 +38,7 @@ status=0
     nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
     $PY -c "import torch, numpy, flwr, sys; print(sys.version.split()[0], 'torch', torch.__version__, 'numpy', numpy.__version__, 'flwr', flwr.__version__, 'cuda', torch.cuda.is_available(), torch.cuda.get_device_name(0))"
     $PY -c "from aggregation import kernels; print('fused CPU kernels (numba):', kernels.enabled())"
+    $PY -c "import importlib.util as u; print('installed:', *(f'{m} {u.find_spec(m) is not None}' for m in ('ray', 'pfl')))"
     nproc
 } 2>&1 | tee "$OUT/env.txt"
 
@@ -75,8 +79,16 @@ if [ "${RUN_CPU:-0}" = 1 ]; then
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
 else echo skipped; fi
 
+echo "== 6. benchmarks/vs_pfl.py --device cuda (issue 26: >= 5x faster than Flower's engine)"
+if [ "${SKIP_VS_PFL:-0}" = 1 ]; then echo skipped; else
+    timeout 300 $PY benchmarks/vs_pfl.py --device cuda --rounds 4 --repeat 2 --json "$OUT/vs_pfl_cuda.json" 2>&1 \
+        | tee "$OUT/vs_pfl_cuda.txt"
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+
 echo "== summary"
 grep -E "passed|failed|error" "$OUT/test_cuda.txt" | tail -n 2
 grep -E "^\S.*\[cuda\]" "$OUT/aggregation_cuda.txt"
 [ -f "$OUT/simulate.txt" ] && grep -E "^final|error" "$OUT/simulate.txt"
+[ -f "$OUT/vs_pfl_cuda.txt" ] && grep -E "^fedshield vs|skipped" "$OUT/vs_pfl_cuda.txt"
 exit $status

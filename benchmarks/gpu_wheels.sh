@@ -12,5 +12,6 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
     --platform manylinux_2_34_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl \
     flwr==1.42.0 cryptography==50.0.2 cffi==2.1.1 pycparser==3.12 grpcio-health-checking==1.81.1 iterators==0.0.2 \
-    opacus==1.6.0 pycryptodome==3.24.1 tomli==2.5.0 tomli-w==1.2.0 protobuf==6.33.6 grpcio==1.85.3
+    opacus==1.6.0 pycryptodome==3.24.1 tomli==2.5.0 tomli-w==1.2.0 protobuf==6.33.6 grpcio==1.85.3 \
+    pfl==0.6.0 multiprocess==0.70.19 dill prv-accountant==0.2.0  # (pfl for vs_pfl.py; ray's wheel is past the carry)
 du -sh .whl

@@ -1,16 +1,17 @@
 """Compute-bound rounds: fedshield's fastest engine vs pfl-research vs Flower's Ray simulation vs the floor.
 
     python benchmarks/vs_pfl.py [--model resnet|cnn] [--clients 10] [--rounds 5] [--examples 200]
-                                [--skip pfl,flower] [--json FILE]
+                                [--skip pfl,flower] [--device cpu|cuda] [--json FILE]
 
 The same model on the same generated CIFAR-shaped data (examples/tasks/cifar_resnet.py's patterns:
 3x32x32, 10 classes), the same iid partition (fedshield's ``Task.partition``), every client in every
 round, ``--epochs`` local epochs of plain SGD (batch 32, lr 0.05, no momentum), one torch thread per
 process for every contender. ``--model resnet`` is CifarResNet's ResNetMini (78,042 parameters, BatchNorm);
-``--model cnn`` a smaller BatchNorm CNN (for quick runs); ``--model plain-cnn`` the same CNN without BatchNorm, which
-fedshield's batched in-process engine trains as one computation (BatchNorm models it trains one by one). Contenders, timed one after another:
+``--model cnn`` a smaller BatchNorm CNN (for quick runs); ``--model plain-cnn`` the same CNN without BatchNorm (on a
+GPU fedshield's in-process engine trains a round's clients of any of these as one batched computation; on CPU,
+convolutional models one by one). Contenders, timed one after another:
 
-- fedshield: ``simulations.simulate(engine="inprocess")`` (its fastest engine: no vectorized engine exists),
+- fedshield: ``simulations.simulate(engine="inprocess")`` (its fastest engine; batched where the model and device allow),
   each round's wall time from the run's metrics.csv (``wall_time_s`` differences: training, wire records,
   aggregation, the checkpoint, and the central evaluation on the test set after the last round, as pfl
   evaluates once: ``--central-eval-every 1`` evaluates every round, fedshield's default);
@@ -40,6 +41,11 @@ beside the project's venv, not into it, and put it on PYTHONPATH::
 
 (its PyTorch backend needs nothing else here: numpy, scipy, packaging and torch come from the venv).
 A contender whose package is missing (pfl; ray for Flower) is skipped with one line.
+
+``--device cuda`` (default: ``FEDSHIELD_DEVICE``, else CUDA where present) trains every contender on the GPU:
+the floor's model, fedshield (which then trains a round's clients as one batched computation, BatchNorm
+included: on CPU it trains convolutional models one by one), pfl (``PFL_PYTORCH_DEVICE``) and Flower's
+ClientApp (each actor 1/``--flower-actors`` of the GPU).
 """
 
 from __future__ import annotations
@@ -60,6 +66,7 @@ from torch import nn
 
 # benchmarks/ must not be on the path: benchmarks/aggregation.py would shadow the package.
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+from aggregation import AggregationError, get_device  # noqa: E402
 from clients import Dataset, TaskSpec, TrainSettings  # noqa: E402
 from clients.tasks import get_task, task_class  # noqa: E402
 
@@ -82,8 +89,7 @@ def small_cnn() -> nn.Module:
 
 
 def plain_cnn() -> nn.Module:
-    """conv(3,16)-pool-conv(16,32)-pool-fc(512,10) without BatchNorm: 10,378 parameters (``--model plain-cnn``),
-    a model fedshield's batched in-process engine trains as one computation (BatchNorm models train one by one)."""
+    """conv(3,16)-pool-conv(16,32)-pool-fc(512,10) without BatchNorm: 10,378 parameters (``--model plain-cnn``)."""
     return nn.Sequential(
         nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
         nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(4),
@@ -121,13 +127,14 @@ def median_after_first(times: list[float]) -> float:
 
 # --- the floor ----------------------------------------------------------------------------------------
 
-def run_floor(spec: TaskSpec, clients: int, rounds: int, settings: TrainSettings) -> list[float]:
+def run_floor(spec: TaskSpec, clients: int, rounds: int, settings: TrainSettings,
+              device: torch.device = torch.device("cpu")) -> list[float]:
     """Seconds per round of a plain loop: global weights into one model, each client trained in turn, the
     trained states averaged (parameters and floating buffers, a torch mean: negligible here)."""
     task = get_task(spec)
     parts = [task.partition(i, clients) for i in range(clients)]
     torch.manual_seed(0)
-    model = task.build()
+    model = task.build().to(device)
     global_state = {k: v.clone() for k, v in model.state_dict().items()}
     gen = torch.Generator().manual_seed(0)
     times = []
@@ -140,6 +147,8 @@ def run_floor(spec: TaskSpec, clients: int, rounds: int, settings: TrainSettings
             states.append({k: v.detach().clone() for k, v in model.state_dict().items()})
         global_state = {k: (torch.stack([s[k] for s in states]).float().mean(0).to(v.dtype)
                             if v.is_floating_point() else states[-1][k]) for k, v in global_state.items()}
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
     return times
 
@@ -162,10 +171,10 @@ def run_fedshield(spec: TaskSpec, clients: int, rounds: int, settings: TrainSett
     return [b - a for a, b in zip([0.0, *walls], walls)], total
 
 
-def central_eval_time(spec: TaskSpec) -> float:
+def central_eval_time(spec: TaskSpec, device: torch.device) -> float:
     """Seconds of one central evaluation on the test set (part of each fedshield round)."""
     task = get_task(spec)
-    model = task.build()
+    model = task.build().to(device)
     ts = []
     for _ in range(3):
         t0 = time.perf_counter()
@@ -196,8 +205,14 @@ def main() -> None:
                    "first pooled: the median)")
     p.add_argument("--skip", default="", help="comma-separated contenders not to run: pfl, pfl-cl (pfl with its "
                    "model in channels-last memory format by hand), flower")
+    p.add_argument("--device", default=None,
+                   help="cpu or cuda[:N] for every contender (default: FEDSHIELD_DEVICE, else CUDA where present)")
     p.add_argument("--json")
     a = p.parse_args()
+    try:
+        device = get_device(a.device)
+    except AggregationError as exc:
+        p.error(str(exc))
     if a.clients < 2 or a.rounds < 2 or a.examples < 1 or a.repeat < 1:
         p.error(f"--clients and --rounds must be >= 2, --examples and --repeat >= 1. Found {a.clients}, {a.rounds}, "
                 f"{a.examples}, {a.repeat}.")
@@ -206,6 +221,7 @@ def main() -> None:
         p.error(f"--skip takes pfl, pfl-cl and flower. Found {sorted(skip - set(CONTENDERS[1:]))}.")
 
     os.environ["FEDSHIELD_TORCH_THREADS"] = "1"
+    os.environ["FEDSHIELD_DEVICE"] = os.environ["PFL_PYTORCH_DEVICE"] = str(device)  # (fedshield's, pfl's, actors')
     os.environ[TRAIN_ENV], os.environ[TEST_ENV] = str(a.clients * a.examples), str(a.test_examples)
     torch.set_num_threads(1)
     logging.getLogger("flwr").setLevel(logging.WARNING)
@@ -215,11 +231,13 @@ def main() -> None:
     settings = TrainSettings(local_epochs=a.epochs, batch_size=a.batch, lr=a.lr, momentum=0.0)
     task = get_task(spec)
     params = sum(t.numel() for t in task.build().parameters())
-    print(f"# torch {torch.__version__}, 1 torch thread per process, {os.cpu_count()} CPUs; model {a.model} "
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    print(f"# torch {torch.__version__} on {device} ({where}), 1 torch thread per process, {os.cpu_count()} CPUs; "
+          f"model {a.model} "
           f"({params:,} parameters); {a.clients} clients x {a.examples} examples, all per round; {a.rounds} rounds; "
           f"{a.epochs} local epoch(s), batch {a.batch}, SGD lr {a.lr}", flush=True)
 
-    floor = run_floor(spec, a.clients, a.rounds, settings)
+    floor = run_floor(spec, a.clients, a.rounds, settings, device)
     print(f"# floor (plain torch loop): rounds {[round(t, 2) for t in floor]} s", flush=True)
     per_round: dict[str, float] = {}
     first: dict[str, float] = {}
@@ -243,7 +261,7 @@ def main() -> None:
                                                       channels_last=name == "pfl-cl")
                 else:
                     times, total = _report.flower_rounds(spec, a.clients, a.clients, a.rounds, settings,
-                                                         a.flower_actors)
+                                                         a.flower_actors, str(device))
                 # each contender's one evaluation round is left out: pfl's first, fedshield's last (with
                 # --central-eval-every 0; its other rounds evaluate nothing)
                 evaluated_last = name == "fedshield" and a.central_eval_every == 0 and len(times) > 2
@@ -251,8 +269,8 @@ def main() -> None:
                 first.setdefault(name, times[0])
                 print(f"# {name}: rounds {[round(t, 2) for t in times]} s; whole run {total:.1f} s", flush=True)
         per_round = {name: statistics.median(ts) for name, ts in later.items()}
-        floor += run_floor(spec, a.clients, a.rounds, settings)[1:]  # again, after the others: same load
-        eval_s = central_eval_time(spec)
+        floor += run_floor(spec, a.clients, a.rounds, settings, device)[1:]  # again, after the others: same load
+        eval_s = central_eval_time(spec, device)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     floor_s = median_after_first(floor)

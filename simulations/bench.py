@@ -156,11 +156,12 @@ def pfl_rounds(spec, population: int, cohort: int, rounds: int, settings,
 
 
 def flower_rounds(spec, population: int, cohort: int, rounds: int, settings,
-                  actors: int = 1) -> tuple[list[float], float]:
+                  actors: int = 1, device: str = "cpu") -> tuple[list[float], float]:
     """(seconds per round, the whole run's seconds incl. Ray's start) of a stock Flower app on its Ray engine:
     ``flwr.serverapp.strategy.FedAvg`` asking ``cohort`` of ``population`` supernodes a round, and a torch
     ClientApp training ``spec``'s task on ``Task.client_data`` with ``Task.train``; ``actors`` client actors
-    (one CPU each); each round timed by ``evaluate_fn``."""
+    (one CPU each, and 1/actors of the GPU with ``device`` "cuda", which the ClientApp trains on); each round
+    timed by ``evaluate_fn``."""
     import logging
     import os
     import warnings
@@ -184,9 +185,11 @@ def flower_rounds(spec, population: int, cohort: int, rounds: int, settings,
         task = get_task(spec)  # cached per actor: data made once
         model = task.build()
         model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+        model.to(device)
         data = task.client_data(int(context.node_config["partition-id"]), population)
         task.train(model, data, settings, torch.Generator().manual_seed(int(context.node_id) % 2**31))
-        return Message(RecordDict({"arrays": ArrayRecord(model.state_dict()),
+        state = {k: v.cpu() for k, v in model.state_dict().items()}
+        return Message(RecordDict({"arrays": ArrayRecord(state),
                                    "metrics": MetricRecord({"num-examples": len(data)})}), reply_to=msg)
 
     marks: list[float] = []
@@ -204,7 +207,8 @@ def flower_rounds(spec, population: int, cohort: int, rounds: int, settings,
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         run_simulation(server_app=server_app, client_app=client_app, num_supernodes=population,
-                       backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0},
+                       backend_config={"client_resources": {"num_cpus": 1,
+                                                            "num_gpus": 1 / actors if device != "cpu" else 0},
                                        "init_args": {"num_cpus": actors, "logging_level": logging.WARNING,
                                                      "log_to_driver": False}})
     total = time.perf_counter() - t0

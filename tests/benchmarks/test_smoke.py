@@ -80,7 +80,8 @@ def test_async_vs_sync_refuses_too_few_clients_in_one_line(tmp_path):
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal where no GPU is present")
-@pytest.mark.parametrize("name, args", [("aggregation", ["--device", "cuda"]), ("gpu_profile", [])])
+@pytest.mark.parametrize("name, args", [("aggregation", ["--device", "cuda"]), ("gpu_profile", []),
+                                        ("vs_pfl", ["--device", "cuda"])])
 def test_the_cuda_only_runs_refuse_in_one_line_without_a_gpu(tmp_path, name, args):
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), *args], cwd=tmp_path,
                           capture_output=True, text=True, timeout=120)
