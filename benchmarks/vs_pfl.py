@@ -128,7 +128,7 @@ def median_after_first(times: list[float]) -> float:
 # --- the floor ----------------------------------------------------------------------------------------
 
 def run_floor(spec: TaskSpec, clients: int, rounds: int, settings: TrainSettings,
-              device: torch.device = torch.device("cpu")) -> list[float]:
+              device: torch.device) -> list[float]:
     """Seconds per round of a plain loop: global weights into one model, each client trained in turn, the
     trained states averaged (parameters and floating buffers, a torch mean: negligible here)."""
     task = get_task(spec)
