@@ -192,13 +192,27 @@ def global_model_from(task: Task, layout, weights: torch.Tensor, context: Contex
 
 def kept_entries(context: Context) -> dict[str, torch.Tensor]:
     """What this node keeps of its model between rounds (``layout.local``: FedBN's statistics, integer
-    buffers), as its last training left it; empty before its first."""
+    buffers), as its last training left it, flat (``layout.load_local`` gives each its shape); empty before
+    its first round."""
     kept = record_of(context.state, LOCAL_STATE, ArrayRecord)
-    return {} if kept is None else kept.to_torch_state_dict()
+    out: dict[str, torch.Tensor] = {}
+    for name, array in (kept or {}).items():
+        try:  # as keep_entries writes them: flat npy, read at the header's offset (Flower's np.load parsed
+            out[name] = array_to_tensor(array, array.dtype)  # each header anew: 2.9 ms a ResNet's client)
+        except AggregationError:  # another dtype, or a record from before: Flower's reader
+            out[name] = torch.from_numpy(array.numpy().copy()).reshape(-1)
+    return out
 
 
 def keep_entries(context: Context, entries: dict[str, torch.Tensor]) -> None:
-    context.state[LOCAL_STATE] = ArrayRecord(entries)
+    """Keep ``entries`` (``layout.local_state``'s) in the node's Context, each one flat."""
+    arrays = {}
+    for name, tensor in entries.items():
+        try:
+            arrays[name] = tensor_to_array(tensor)
+        except AggregationError:  # a dtype outside the wire's (bfloat16): as float32, exact, cast back on load
+            arrays[name] = tensor_to_array(tensor.float())
+    context.state[LOCAL_STATE] = ArrayRecord(arrays)
 
 
 @dataclasses.dataclass

@@ -36,6 +36,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from clients import Dataset, Task, TrainSettings
+from clients.tasks.layout import fits
 
 DEFAULT_CHUNK = 512  # clients trained at once: 3 stacked states (weights, gradients, momentum) of
 # chunk x numel float32 each, ~20 MB apiece for the digits MLP (9,610 parameters); 256-512 ran fastest on CPU
@@ -78,7 +79,7 @@ def train_batched(task: Task, global_flat: torch.Tensor, datasets: list[Dataset]
         Clients trained in one computation (memory grows with it; results do not change).
     kept
         One dict per client of the entries it keeps (``task.layout().local``), as ``layout.local_state`` gives
-        them; a name missing (or of another shape or dtype) starts from the built model's value, as
+        them (or flat); a name missing (or of another size or dtype) starts from the built model's value, as
         ``layout.load_local`` does. Each dict is replaced in place by the client's entries after training (CPU
         copies). None: every client starts from the built values and nothing is handed back.
 
@@ -140,8 +141,8 @@ def _initial_state(task: Task, model: nn.Module, global_flat: torch.Tensor, m: i
         out = value.expand(m, *value.shape).clone()
         for k, saved in enumerate(kept or ()):
             v = saved.get(name) if name in local else None
-            if v is not None and v.shape == built.shape and v.dtype == built.dtype:
-                out[k].copy_(v)
+            if v is not None and fits(v, built):  # (flat or shaped, as layout.load_local)
+                out[k].copy_(v.reshape(built.shape))
         return out
 
     params, buffers, frozen = {}, {}, {}

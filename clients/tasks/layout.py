@@ -94,12 +94,20 @@ class ModelLayout:
 
     @torch.no_grad()
     def load_local(self, model: nn.Module, saved: dict[str, torch.Tensor]) -> None:
-        """Restore a client's kept entries (those of the right shape and dtype; others stay as built)."""
+        """Restore a client's kept entries, flat or shaped (those of the right size and dtype, a floating one
+        cast to the model's; others stay as built)."""
         state = model.state_dict(keep_vars=True)
         for name in self.local:
             t, v = state.get(name), saved.get(name)
-            if t is not None and v is not None and v.shape == t.shape and v.dtype == t.dtype:
-                t.copy_(v)
+            if t is not None and v is not None and fits(v, t):
+                t.copy_(v.reshape(t.shape))
 
 
-__all__ = ["Entry", "ModelLayout"]
+def fits(saved: torch.Tensor, target: torch.Tensor) -> bool:
+    """Whether a kept entry can be restored into ``target``: the same size, and the same dtype or both
+    floating point (kept as float32 where the wire lacks the model's dtype, bfloat16)."""
+    return saved.numel() == target.numel() and (saved.dtype == target.dtype or (
+        saved.is_floating_point() and target.is_floating_point()))
+
+
+__all__ = ["Entry", "ModelLayout", "fits"]

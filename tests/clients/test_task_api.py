@@ -98,6 +98,32 @@ def test_the_layout_takes_parameters_and_float_buffers_once_and_leaves_integers_
     assert int(fresh.bn.num_batches_tracked) == 7 and torch.equal(fresh.bn.weight, model.bn.weight)
 
 
+def test_a_nodes_kept_entries_round_trip_through_its_context():
+    """keep_entries stores each kept entry flat (read back at the npy header's offset); load_local gives it its
+    shape; bfloat16 is kept as float32 and cast back; a record of the earlier shaped format still loads."""
+    from flwr.app import ArrayRecord, Context, RecordDict
+
+    from clients.client_app import LOCAL_STATE, keep_entries, kept_entries
+
+    ctx = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={})
+    assert kept_entries(ctx) == {}
+    model = BnNet().to(torch.bfloat16)
+    model.bn.running_mean.copy_(torch.tensor([0.5, -1.25, 3.0, 0.125]))
+    model.bn.num_batches_tracked += 9
+    lay = ModelLayout.of(model, federate_buffers=False)
+    keep_entries(ctx, lay.local_state(model))
+    kept = kept_entries(ctx)
+    assert kept["bn.running_mean"].dtype == torch.float32 and kept["bn.num_batches_tracked"].shape == (1,)
+    fresh = BnNet().to(torch.bfloat16)
+    lay.load_local(fresh, kept)
+    assert torch.equal(fresh.bn.running_mean, model.bn.running_mean) and int(fresh.bn.num_batches_tracked) == 9
+    ctx.state[LOCAL_STATE] = ArrayRecord({"bn.num_batches_tracked": torch.tensor(4), "bn.running_var": torch.ones(4)})
+    lay.load_local(fresh, kept_entries(ctx))  # (the shaped form, as sessions before 26 kept it)
+    assert int(fresh.bn.num_batches_tracked) == 4 and torch.equal(fresh.bn.running_var, torch.ones(4, dtype=torch.bfloat16))
+    lay.load_local(fresh, {"bn.running_var": torch.zeros(3)})  # another size: left as it was
+    assert torch.equal(fresh.bn.running_var, torch.ones(4, dtype=torch.bfloat16))
+
+
 def test_half_precision_entries_travel_as_float32_and_come_back_in_their_dtype():
     model = nn.Linear(3, 2).to(torch.bfloat16)
     lay = ModelLayout.of(model)
