@@ -23,7 +23,7 @@ from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
 
 from aggregation.wire import tensor_to_array
-from clients.client_app import RESIDUAL, app
+from clients.client_app import RESIDUAL, app, keep_entries, kept_entries
 from clients.protocol import MESSAGE_TYPE_TRAIN, record_of
 from clients.secure import RESIDUAL as SECAGG_RESIDUAL
 
@@ -122,21 +122,27 @@ class InProcessGrid(Grid):
     # -- resume ----------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Each node's error-feedback residuals (the part of its updates its codec, or SecAgg+'s
-        shared-seed sparsification, has not sent yet; kept in its Context): a resumed run's clients go
-        on from them, as the uninterrupted run's do. Nothing else of a node's state is kept (SecAgg+
-        keys are not: a resumed run sets its next round up afresh; a local-DP ledger lives in the
-        node's state directory). The size is one model per node that has a residual."""
+        shared-seed sparsification, has not sent yet) and the entries its model keeps (``layout.local``:
+        batch counts, FedBN's statistics), all kept in its Context: a resumed run's clients go on from them,
+        as the uninterrupted run's do. Nothing else of a node's state is kept (SecAgg+ keys are not: a resumed
+        run sets its next round up afresh; a local-DP ledger lives in the node's state directory). The size is
+        one model per node that has a residual, plus its kept entries."""
         kept: dict[str, dict[str, torch.Tensor]] = {}
+        local: dict[str, dict[str, torch.Tensor]] = {}
         for node, ctx in self.contexts.items():  # (record_of: Flower's array_records view rebuilds a dict per call)
             for name in KEPT_STATE:
                 rec = record_of(ctx.state, name, ArrayRecord)
                 if rec is not None and "r" in rec:
                     kept.setdefault(name, {})[str(node)] = torch.from_numpy(rec["r"].numpy().copy())
-        return {"client-state": kept}
+            entries = kept_entries(ctx)
+            if entries:
+                local[str(node)] = {k: v.clone() for k, v in entries.items()}
+        return {"client-state": kept, "kept-entries": local}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s residuals (absent from earlier checkpoints; nodes this grid
-        does not have are ignored; a residual of another length is dropped by the client)."""
+        """Restore :meth:`state_dict`'s residuals and kept entries (absent from earlier checkpoints; nodes this
+        grid does not have are ignored; a residual of another length, or an entry of another size, is dropped
+        by the client)."""
         for name, per_node in dict(state.get("client-state", {})).items():
             if name not in KEPT_STATE:
                 raise ValueError(f"client state {name!r} is not one this engine keeps")
@@ -148,6 +154,16 @@ class InProcessGrid(Grid):
                     raise ValueError(f"node {node}'s {name} must be finite")
                 if node in self.contexts:
                     self.contexts[node].state.array_records[name] = ArrayRecord({"r": tensor_to_array(residual)})
+        for key, entries in dict(state.get("kept-entries", {})).items():
+            node = int(key)
+            entries = dict(entries)
+            for name, value in entries.items():
+                if not (isinstance(name, str) and isinstance(value, torch.Tensor) and value.dim() == 1):
+                    raise TypeError(f"node {node}'s kept entry {name!r} must be a 1-D tensor")
+                if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+                    raise ValueError(f"node {node}'s kept entry {name!r} must be finite")
+            if node in self.contexts:
+                keep_entries(self.contexts[node], entries)
 
     def set_run(self, run: Run) -> None:
         self._run = run

@@ -63,6 +63,27 @@ def test_a_resumed_fast_engine_run_replays_the_uninterrupted_one(tmp_path, nodes
         assert torch.equal(torch.load(tmp_path / "resumed" / "model.pt")[name], value), name
 
 
+def test_a_resumed_in_process_fedbn_run_keeps_each_nodes_statistics(tmp_path):
+    """FedBN: each node's BatchNorm statistics and batch count live in its Context only; a resume had started
+    them again as built, so the federated evaluation (eval mode: the running statistics) after the resume
+    differed from the uninterrupted run's."""
+    task = str(Path(__file__).resolve().parents[2] / "examples" / "tasks" / "cnn_digits.py") + ":CnnDigitsFedBN"
+
+    def scn(rounds):
+        return load_scenario(None, {"simulation.engine": "inprocess", "simulation.num-supernodes": 4,
+                                    "run.min-nodes": 4, "run.local-epochs": 1, "run.num-rounds": rounds,
+                                    "run.task": task, "run.federated-eval-every": 1})
+
+    run_scenario(scn(3), tmp_path / "straight", show_progress=False)
+    run_scenario(scn(2), tmp_path / "resumed", show_progress=False)
+    run_scenario(scn(3), tmp_path / "resumed", show_progress=False)
+    keys = ["round", "accepted", "fed_eval_nodes", "fed_eval_loss", "fed_eval_accuracy"]
+    straight, resumed = ([{k: r[k] for k in keys} for r in csv.DictReader(open(tmp_path / d / "metrics.csv"))]
+                         for d in ("straight", "resumed"))
+    assert len(straight) == 3 and straight[-1]["fed_eval_nodes"] == "4"
+    assert resumed == straight
+
+
 def test_unknown_workflow_is_one_clear_error():
     with pytest.raises(ConfigError, match="workflow must be one of"):
         _scn("virtual", workflow="async")

@@ -311,3 +311,22 @@ def test_the_clients_residuals_survive_a_grid_state_round_trip():
     assert not fresh.contexts[1003].state.array_records
     with pytest.raises(TypeError):
         fresh.load_state_dict({"client-state": {KEPT_STATE[0]: {"1001": torch.zeros(2, 2)}}})
+
+
+def test_the_clients_kept_entries_survive_a_grid_state_round_trip():
+    """A node's kept model entries (batch counts, FedBN's statistics) go into the checkpoint and back."""
+    from clients.client_app import keep_entries, kept_entries
+
+    grid = InProcessGrid(zeros_client, 3)
+    keep_entries(grid.contexts[1002], {"bn.num_batches_tracked": torch.tensor(7), "bn.running_mean": torch.ones(4)})
+    state = grid.state_dict()
+    assert set(state["kept-entries"]) == {"1002"}
+    fresh = InProcessGrid(zeros_client, 3)
+    fresh.load_state_dict(state)
+    back = kept_entries(fresh.contexts[1002])
+    assert int(back["bn.num_batches_tracked"]) == 7 and torch.equal(back["bn.running_mean"], torch.ones(4))
+    assert kept_entries(fresh.contexts[1001]) == {}
+    with pytest.raises(TypeError, match="must be a 1-D tensor"):
+        fresh.load_state_dict({"kept-entries": {"1001": {"bn.running_mean": torch.ones(2, 2)}}})
+    with pytest.raises(ValueError, match="must be finite"):
+        fresh.load_state_dict({"kept-entries": {"1001": {"bn.running_mean": torch.tensor([float("nan")])}}})
