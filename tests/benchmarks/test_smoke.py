@@ -146,7 +146,7 @@ def test_vs_pfl_refuses_an_unknown_contender_in_one_line(tmp_path):
 def test_batched_training_of_a_batchnorm_model_agrees_with_one_by_one(tmp_path):
     import re
 
-    proc, figures = run_benchmark("batched_training", ["--clients", "10,730", "--repeat", "1", "--model", "bn-mlp"],
+    proc, figures = run_benchmark("batched_training", ["--clients", "10,40", "--repeat", "1", "--model", "bn-mlp"],
                                   tmp_path)
     assert "with BatchNorm1d" in proc.stdout and len(figures) == 8
     diffs = [float(d) for d in re.findall(r"max \|batched - one-by-one delta\| = (\S+)", proc.stdout)]
