@@ -39,6 +39,7 @@ class BatchedGrid(InProcessGrid):
         # digits MLP) had been held beside their encoded replies
         self.piece = max(chunk, 1024)
         self._support: dict[Any, str | None] = {}
+        self._batch_norm: dict[Any, bool] = {}  # per task: whether its model normalises by batch statistics
         self.batched_messages = 0  # how many train messages were trained batched (tests, reports)
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
@@ -76,11 +77,17 @@ class BatchedGrid(InProcessGrid):
             job = start_update(msg, ctx, memo)
         except ClientError as exc:
             return refusal(msg, exc)
-        return (codec, job) if self._supported(job.task) else None
+        if not self._supported(job.task):
+            return None
+        if self._batch_norm[job.task.spec] and len(job.data) % job.instr.train.batch_size == 1:
+            return None  # a last batch of one example, which BatchNorm1d refuses: alone, so the rest stay batched
+        return codec, job
 
     def _supported(self, task: Any) -> bool:
         if task.spec not in self._support:
             model = task.build()
+            self._batch_norm[task.spec] = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
+                                              for m in model.modules())
             why = batched_supported(task, model)
             if why is None and get_device().type == "cpu" and any(
                     isinstance(m, torch.nn.modules.conv._ConvNd) for m in model.modules()):

@@ -119,3 +119,22 @@ def test_batchnorm_trains_batched_and_keeps_each_nodes_entries(tmp_path, task):
         assert int(got["1.num_batches_tracked"]) > 2 * 2  # 2 rounds of 2 epochs of several batches (exact below)
         for name in want:
             torch.testing.assert_close(got[name], want[name], rtol=1e-3, atol=1e-3)
+
+
+def test_a_node_with_a_last_batch_of_one_trains_alone_and_the_rest_stay_batched(tmp_path):
+    """BatchNorm1d refuses a batch of one example in training: the node whose data leaves one trains one by one
+    (and fails, as it would there), the others stay batched round after round, with the one-by-one result."""
+    from clients.tasks import task_name
+
+    sizes = [len(BatchNormDigits().partition(k, N)) for k in range(N)]
+    batch = next(b for b in range(5, 64) if 1 <= sum(n % b == 1 for n in sizes) < N // 2)
+    bad = sum(n % batch == 1 for n in sizes)
+    kw = {"task": task_name(BatchNormDigits), "batch-size": batch, "num-rounds": 2}
+    one, _ = run(tmp_path, InProcessGrid(app, N), "one", **kw)
+    grid = BatchedGrid(app, N)
+    many, _ = run(tmp_path, grid, "many", **kw)
+    assert grid.batched_messages == 2 * (N - bad) and list(grid._support.values()) == [None]
+    for rnd in (one, many):
+        assert [r["accepted"] for r in rnd.history] == [N - bad] * 2
+        assert [r["rejected_by_rule"] for r in rnd.history] == [{"error-reply": bad}] * 2
+    torch.testing.assert_close(many.weights, one.weights, rtol=1e-3, atol=1e-3)
