@@ -15,8 +15,9 @@ one within float tolerance (summation order differs, nothing else):
   ``buf = momentum * buf + grad``; ``p -= lr * buf`` (``p -= lr * grad`` with momentum 0);
 - a model with buffers (BatchNorm's running statistics and batch count, any other) or BatchNorm layers gets
   every buffer stacked per client (updated in place inside vmap, as each client's own module would be) and no
-  padding: a step's clients are split into runs of equal real batch size (contiguous, as clients are sorted by
-  size), each computed on its real examples only, so batch statistics are each client's own;
+  padding: each epoch's full batches go one step at a time over the clients that have one (a prefix), then
+  each client's partial last batch, those of one size in one computation (gathered by index and written back),
+  so batch statistics are each client's own and a step is computed on real examples only;
 - the entries a client keeps (``layout().local``: integer buffers, FedBN's statistics, ``keep_local`` names)
   start from the client's kept values (``kept``) and are handed back after training, as the ClientApp keeps them.
 
@@ -27,7 +28,6 @@ cross-entropy over sequences of equal length are). :func:`batched_supported` say
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import numpy as np
@@ -191,17 +191,21 @@ def _epoch_batches(perms: list[torch.Tensor], offsets: torch.Tensor, steps: int,
 
 @torch.no_grad()
 def _sgd_step(params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], bufs: dict[str, torch.Tensor],
-              lo: int, hi: int, settings: TrainSettings, anchor: dict[str, torch.Tensor]) -> None:
-    """torch.optim.SGD's step on clients ``lo:hi`` of the stacked tensors, FedProx's gradient added first."""
+              which: slice | torch.Tensor, settings: TrainSettings, anchor: dict[str, torch.Tensor]) -> None:
+    """torch.optim.SGD's step on the clients ``which`` (a slice, or client indices) of the stacked tensors,
+    FedProx's gradient added first; ``bufs``: the momentum buffers, zeros before a client's first step (then
+    ``0 * momentum + grad`` is the gradient, as SGD's first step takes it)."""
     for name, g in grads.items():
-        p = params[name][lo:hi]
+        p = params[name][which]
         if settings.proximal_mu > 0:  # d/dp of mu/2 ||p - p_global||^2
             g = g + settings.proximal_mu * (p - anchor[name])
         if settings.momentum > 0:
-            if name not in bufs:  # zeros: a client's first step makes its buffer 0 * momentum + grad = grad, as SGD's
-                bufs[name] = torch.zeros_like(params[name])
-            g = bufs[name][lo:hi].mul_(settings.momentum).add_(g)
+            g = bufs[name][which].mul_(settings.momentum).add_(g)
+            if isinstance(which, torch.Tensor):  # (indexing copied it)
+                bufs[name][which] = g
         p.add_(g, alpha=-settings.lr)
+        if isinstance(which, torch.Tensor):
+            params[name][which] = p
 
 
 def _train_chunk(task: Task, model: nn.Module, global_flat: torch.Tensor, datasets: list[Dataset],
@@ -220,24 +224,38 @@ def _train_chunk(task: Task, model: nn.Module, global_flat: torch.Tensor, datase
     # batch statistics (BatchNorm) or any buffer a forward may update from its batch: real examples only
     exact = bool(buffers) or any(isinstance(mod, nn.modules.batchnorm._BatchNorm) for mod in model.modules())
     anchor = {k: v[0].clone() for k, v in params.items()} if settings.proximal_mu > 0 else {}
-    step, bufs = _client_step(task, model, frozen), {}
+    step = _client_step(task, model, frozen)
+    bufs = {k: torch.zeros_like(v) for k, v in params.items()} if settings.momentum > 0 else {}
     total = torch.zeros(m, dtype=torch.float64, device=device)
+    full = sizes // batch  # each client's full batches
+    last = sizes % batch  # and the size of its partial one (0: none)
     for _ in range(settings.local_epochs):
         perms = [torch.randperm(int(n), generator=g) for n, g in zip(sizes, generators, strict=True)]
         index, mask = _epoch_batches(perms, offsets, len(active), batch)
-        for i, a in enumerate(active):
-            if not exact:  # one computation: each client's last batch padded and masked out of its loss
-                runs = [(0, a, batch)]
-            else:  # runs of clients with equal real batch sizes (non-increasing down the sorted chunk)
-                real = np.clip(sizes[:a] - i * batch, 0, batch)
-                cuts = [0, *(np.flatnonzero(np.diff(real)) + 1).tolist(), a]
-                runs = [(lo, hi, int(real[lo])) for lo, hi in itertools.pairwise(cuts)]
-            for lo, hi, c in runs:
-                rows, real_mask = index[lo:hi, i, :c], mask[lo:hi, i, :c]
-                grads, loss = step({k: v[lo:hi] for k, v in params.items()}, {k: v[lo:hi] for k, v in buffers.items()},
-                                   x[rows], y[rows], real_mask)
-                _sgd_step(params, grads, bufs, lo, hi, settings, anchor)
-                total[lo:hi] += loss.double() * real_mask.sum(1)
+        if not exact:  # one computation a step: each client's last batch padded and masked out of its loss
+            for i, a in enumerate(active):
+                rows, real = index[:a, i], mask[:a, i]
+                grads, loss = step({k: v[:a] for k, v in params.items()}, {}, x[rows], y[rows], real)
+                _sgd_step(params, grads, bufs, slice(0, a), settings, anchor)
+                total[:a] += loss.double() * real.sum(1)
+            continue
+        for i in range(int(full.max(initial=0))):  # full batches: the clients with one at step i are a prefix
+            a = int((full > i).sum())
+            rows = index[:a, i]
+            grads, loss = step({k: v[:a] for k, v in params.items()}, {k: v[:a] for k, v in buffers.items()},
+                               x[rows], y[rows], mask[:a, i])
+            _sgd_step(params, grads, bufs, slice(0, a), settings, anchor)
+            total[:a] += loss.double() * batch
+        for r in np.unique(last[last > 0]).tolist():  # then each client's partial batch, those of one size together
+            ks = np.flatnonzero(last == r)  # (after its full batches, as its own loop takes them)
+            at = torch.as_tensor(ks, device=device)
+            rows = index[at, torch.as_tensor(full[ks], device=device), :r]
+            sub = {k: v[at] for k, v in buffers.items()}  # (copies: written back after the step)
+            grads, loss = step({k: v[at] for k, v in params.items()}, sub, x[rows], y[rows], mask[at, 0, :r])
+            for k, v in sub.items():
+                buffers[k][at] = v
+            _sgd_step(params, grads, bufs, at, settings, anchor)
+            total[at] += loss.double() * r
     if kept is not None:
         for name in task.layout().local:
             values = (params.get(name) if name in params else buffers.get(name))
