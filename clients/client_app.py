@@ -13,7 +13,7 @@ from logging import WARNING
 from typing import Any
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 from flwr.common.logger import log
@@ -208,10 +208,12 @@ def keep_entries(context: Context, entries: dict[str, torch.Tensor]) -> None:
     """Keep ``entries`` (``layout.local_state``'s) in the node's Context, each one flat."""
     arrays = {}
     for name, tensor in entries.items():
+        if tensor.dtype == torch.bfloat16:  # (not in numpy: as float32, exact, cast back on load)
+            tensor = tensor.float()
         try:
             arrays[name] = tensor_to_array(tensor)
-        except AggregationError:  # a dtype outside the wire's (bfloat16): as float32, exact, cast back on load
-            arrays[name] = tensor_to_array(tensor.float())
+        except AggregationError:  # another dtype outside the wire's (float64, bool...): Flower's own form
+            arrays[name] = Array(tensor.detach().cpu().reshape(-1).numpy())
     context.state[LOCAL_STATE] = ArrayRecord(arrays)
 
 

@@ -135,9 +135,12 @@ def _initial_state(task: Task, model: nn.Module, global_flat: torch.Tensor, m: i
     layout = task.layout()
     federated = {e.name: global_flat[e.offset:e.offset + e.numel].view(e.shape).to(e.dtype) for e in layout.entries}
     local = set(layout.local)
+    # a client's first start for what it keeps: the values the one-by-one loop's working model holds (a kept
+    # parameter is drawn at random when built)
+    first = task.working_model(global_flat.device).state_dict() if local else {}
 
     def stacked(name: str, built: torch.Tensor) -> torch.Tensor:
-        value = federated.get(name, built.detach())
+        value = federated.get(name, first.get(name, built).detach())
         out = value.expand(m, *value.shape).clone()
         for k, saved in enumerate(kept or ()):
             v = saved.get(name) if name in local else None
@@ -197,8 +200,9 @@ def _sgd_step(params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], b
     ``0 * momentum + grad`` is the gradient, as SGD's first step takes it)."""
     for name, g in grads.items():
         p = params[name][which]
-        if settings.proximal_mu > 0:  # d/dp of mu/2 ||p - p_global||^2
-            g = g + settings.proximal_mu * (p - anchor[name])
+        if settings.proximal_mu > 0:  # d/dp of mu/2 ||p - p_start||^2
+            start = anchor[name] if anchor[name].dim() < params[name].dim() else anchor[name][which]
+            g = g + settings.proximal_mu * (p - start)
         if settings.momentum > 0:
             g = bufs[name][which].mul_(settings.momentum).add_(g)
             if isinstance(which, torch.Tensor):  # (indexing copied it)
@@ -223,7 +227,10 @@ def _train_chunk(task: Task, model: nn.Module, global_flat: torch.Tensor, datase
     params, buffers, frozen = _initial_state(task, model, global_flat, m, kept)
     # batch statistics (BatchNorm) or any buffer a forward may update from its batch: real examples only
     exact = bool(buffers) or any(isinstance(mod, nn.modules.batchnorm._BatchNorm) for mod in model.modules())
-    anchor = {k: v[0].clone() for k, v in params.items()} if settings.proximal_mu > 0 else {}
+    # FedProx's anchor: the global weights (one row for all), or a kept entry's own start (a row per client)
+    local = set(task.layout().local)
+    anchor = ({k: v.clone() if k in local else v[0].clone() for k, v in params.items()}
+              if settings.proximal_mu > 0 else {})
     step = _client_step(task, model, frozen)
     bufs = {k: torch.zeros_like(v) for k, v in params.items()} if settings.momentum > 0 else {}
     total = torch.zeros(m, dtype=torch.float64, device=device)

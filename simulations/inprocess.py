@@ -30,6 +30,15 @@ from clients.secure import RESIDUAL as SECAGG_RESIDUAL
 KEPT_STATE = (RESIDUAL, SECAGG_RESIDUAL)  # a node's Context records a resumed simulation restores
 
 ClientFn = Callable[[Message, Context], Message]
+_KEPT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.int16, torch.int32,
+                torch.int64, torch.uint8, torch.bool)
+
+
+def _plain(value: Any) -> bool:
+    """A dense tensor in CPU memory (a checkpoint could hold meta, sparse or quantized ones, whose checks raise
+    errors of their own)."""
+    return (isinstance(value, torch.Tensor) and value.layout == torch.strided and value.device.type == "cpu"
+            and not value.is_quantized)
 
 
 def ensure_task_identity(run_id: int = 1) -> None:
@@ -148,7 +157,7 @@ class InProcessGrid(Grid):
                 raise ValueError(f"client state {name!r} is not one this engine keeps")
             for key, residual in dict(per_node).items():
                 node = int(key)
-                if not (isinstance(residual, torch.Tensor) and residual.dtype == torch.float32 and residual.dim() == 1):
+                if not (_plain(residual) and residual.dtype == torch.float32 and residual.dim() == 1):
                     raise TypeError(f"node {node}'s {name} must be a 1-D float32 tensor")
                 if not bool(torch.isfinite(residual).all()):  # every later update of the node would be refused
                     raise ValueError(f"node {node}'s {name} must be finite")
@@ -158,8 +167,8 @@ class InProcessGrid(Grid):
             node = int(key)
             entries = dict(entries)
             for name, value in entries.items():
-                if not (isinstance(name, str) and isinstance(value, torch.Tensor) and value.dim() == 1):
-                    raise TypeError(f"node {node}'s kept entry {name!r} must be a 1-D tensor")
+                if not (isinstance(name, str) and _plain(value) and value.dim() == 1 and value.dtype in _KEPT_DTYPES):
+                    raise TypeError(f"node {node}'s kept entry {name!r} must be a 1-D tensor of a real dtype")
                 if value.is_floating_point() and not bool(torch.isfinite(value).all()):
                     raise ValueError(f"node {node}'s kept entry {name!r} must be finite")
             if node in self.contexts:

@@ -2,8 +2,9 @@
 
 Derived once from the model (on torch's meta device where it can be), so the wire and the aggregation
 core see one flat tensor whatever the module: parameters, and floating-point buffers such as BatchNorm's
-running statistics unless the task keeps them local (FedBN). Integer buffers (``num_batches_tracked``)
-and the entries a task keeps local never leave the client; the client keeps them between rounds.
+running statistics unless the task keeps them local (FedBN). Integer buffers and the entries a task keeps
+local never leave the client; the client keeps them between rounds. BatchNorm's ``num_batches_tracked``,
+which torch reads only when the layer's momentum is None, is kept only for such layers.
 """
 
 from __future__ import annotations
@@ -47,6 +48,11 @@ class ModelLayout:
         """The layout of ``model``: every parameter and (``federate_buffers``) floating buffer, less the
         state-dict names matching a ``keep_local`` glob; a tensor tied under two names counts once."""
         params = {id(p) for p in model.parameters()}
+        # BatchNorm's batch count is read only under momentum=None (a cumulative average): elsewhere it is kept
+        # nowhere, so such a model leaves nothing on its clients (nothing held per client, nothing checkpointed)
+        unused = {id(m.num_batches_tracked) for m in model.modules()
+                  if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.num_batches_tracked is not None
+                  and m.momentum is not None}
         entries: list[Entry] = []
         local: list[str] = []
         seen: set[int] = set()
@@ -55,6 +61,8 @@ class ModelLayout:
             if id(t) in seen:
                 continue
             seen.add(id(t))
+            if id(t) in unused and not any(fnmatch.fnmatchcase(name, pat) for pat in keep_local):
+                continue
             buffer = id(t) not in params
             if (not t.is_floating_point() or (buffer and not federate_buffers)
                     or any(fnmatch.fnmatchcase(name, pat) for pat in keep_local)):

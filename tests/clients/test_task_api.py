@@ -85,7 +85,10 @@ def test_the_layout_takes_parameters_and_float_buffers_once_and_leaves_integers_
     lay = ModelLayout.of(model)
     assert lay.names == ("emb.weight", "bn.weight", "bn.bias", "bn.running_mean", "bn.running_var",
                          "out.weight", "out.bias")
-    assert lay.local == ("bn.num_batches_tracked",) and lay.numel == 40 + 4 * 4 + 12 + 3
+    assert lay.local == () and lay.numel == 40 + 4 * 4 + 12 + 3  # the batch count: unused under momentum 0.1
+    cumulative = BnNet()
+    cumulative.bn.momentum = None  # a cumulative average reads its batch count: each client keeps it
+    assert ModelLayout.of(cumulative).local == ("bn.num_batches_tracked",)
     flat = torch.arange(lay.numel, dtype=torch.float32)
     other = BnNet()
     lay.load(other, flat)
@@ -110,7 +113,7 @@ def test_a_nodes_kept_entries_round_trip_through_its_context():
     model = BnNet().to(torch.bfloat16)
     model.bn.running_mean.copy_(torch.tensor([0.5, -1.25, 3.0, 0.125]))
     model.bn.num_batches_tracked += 9
-    lay = ModelLayout.of(model, federate_buffers=False)
+    lay = ModelLayout.of(model, federate_buffers=False, keep_local=("bn.*",))
     keep_entries(ctx, lay.local_state(model))
     kept = kept_entries(ctx)
     assert kept["bn.running_mean"].dtype == torch.float32 and kept["bn.num_batches_tracked"].shape == (1,)

@@ -316,6 +316,7 @@ def test_the_clients_residuals_survive_a_grid_state_round_trip():
 def test_the_clients_kept_entries_survive_a_grid_state_round_trip():
     """A node's kept model entries (batch counts, FedBN's statistics) go into the checkpoint and back."""
     from clients.client_app import keep_entries, kept_entries
+    from simulations.inprocess import KEPT_STATE
 
     grid = InProcessGrid(zeros_client, 3)
     keep_entries(grid.contexts[1002], {"bn.num_batches_tracked": torch.tensor(7), "bn.running_mean": torch.ones(4)})
@@ -330,3 +331,8 @@ def test_the_clients_kept_entries_survive_a_grid_state_round_trip():
         fresh.load_state_dict({"kept-entries": {"1001": {"bn.running_mean": torch.ones(2, 2)}}})
     with pytest.raises(ValueError, match="must be finite"):
         fresh.load_state_dict({"kept-entries": {"1001": {"bn.running_mean": torch.tensor([float("nan")])}}})
+    for odd in (torch.empty(2, device="meta"), torch.ones(2).to_sparse(), torch.ones(2, dtype=torch.complex64)):
+        with pytest.raises(TypeError, match="must be a 1-D tensor of a real dtype"):  # (not their own errors)
+            fresh.load_state_dict({"kept-entries": {"1001": {"x": odd}}})
+        with pytest.raises(TypeError, match="must be a 1-D float32 tensor"):
+            fresh.load_state_dict({"client-state": {KEPT_STATE[0]: {"1001": odd}}})
