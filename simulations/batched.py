@@ -42,6 +42,11 @@ DEFAULT_CHUNK = 512  # clients trained at once: 3 stacked states (weights, gradi
 # chunk x numel float32 each, ~20 MB apiece for the digits MLP (9,610 parameters); 256-512 ran fastest on CPU
 
 
+def normalises_by_batch(model: nn.Module) -> bool:
+    """Whether ``model`` has BatchNorm layers (training statistics over each batch: no padding, no batch of one)."""
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
 def batched_supported(task: Task, model: nn.Module) -> str | None:
     """None when ``task``'s ``model`` can be trained by :func:`train_batched`, else a one-line reason."""
     name = type(task).__name__
@@ -226,7 +231,7 @@ def _train_chunk(task: Task, model: nn.Module, global_flat: torch.Tensor, datase
     active = [sum(s > i for s in steps) for i in range(max(steps, default=0))]  # clients still training at step i
     params, buffers, frozen = _initial_state(task, model, global_flat, m, kept)
     # batch statistics (BatchNorm) or any buffer a forward may update from its batch: real examples only
-    exact = bool(buffers) or any(isinstance(mod, nn.modules.batchnorm._BatchNorm) for mod in model.modules())
+    exact = bool(buffers) or normalises_by_batch(model)
     # FedProx's anchor: the global weights (one row for all), or a kept entry's own start (a row per client)
     local = set(task.layout().local)
     anchor = ({k: v.clone() if k in local else v[0].clone() for k, v in params.items()}

@@ -23,7 +23,7 @@ from clients import ClientError
 from clients.client_app import app, keep_entries, kept_entries, refusal, start_update, train_reply, update_metrics
 from clients.protocol import CODEC, LOCAL_DP, MESSAGE_TYPE_TRAIN, codec_from_record, record_of
 
-from .batched import DEFAULT_CHUNK, batched_supported, train_batched
+from .batched import DEFAULT_CHUNK, batched_supported, normalises_by_batch, train_batched
 from .inprocess import InProcessGrid, call_client
 
 
@@ -80,14 +80,14 @@ class BatchedGrid(InProcessGrid):
         if not self._supported(job.task):
             return None
         if self._batch_norm[job.task.spec] and len(job.data) % job.instr.train.batch_size == 1:
-            return None  # a last batch of one example, which BatchNorm1d refuses: alone, so the rest stay batched
+            return None  # a last batch of one example (BatchNorm1d refuses it; any BatchNorm to be safe): alone, so
+            # the rest stay batched
         return codec, job
 
     def _supported(self, task: Any) -> bool:
         if task.spec not in self._support:
             model = task.build()
-            self._batch_norm[task.spec] = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm)
-                                              for m in model.modules())
+            self._batch_norm[task.spec] = normalises_by_batch(model)
             why = batched_supported(task, model)
             if why is None and get_device().type == "cpu" and any(
                     isinstance(m, torch.nn.modules.conv._ConvNd) for m in model.modules()):
