@@ -14,8 +14,9 @@ reuses one model (its cheapest form: no model is built per client); the batched 
   (20 on average) with replacement, its labels skewed by its own Dirichlet(0.5) class proportions.
 
 ``--model bn-mlp`` puts BatchNorm1d after the hidden layer: the batched side then stacks each client's running
-statistics and steps in runs of equal real batch size instead of padding; a client whose last batch would hold
-one example loses that example on both sides (BatchNorm refuses a batch of one in training).
+statistics and pads nothing (full batches first, then the partial last batches, those of one size together); a
+client whose last batch would hold one example loses that example on both sides (BatchNorm refuses a batch of one
+in training).
 
 The two sides are timed in turns (median of ``--repeat``) and checked to agree (max |delta difference|).
 torch runs on 1 thread by default, as the issue measures.
