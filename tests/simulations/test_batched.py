@@ -331,7 +331,7 @@ def test_batched_on_cuda_equals_one_by_one_on_cpu(digits: Task) -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (benchmarks/gpu_check.sh runs it)")
 def test_batchnorm_batched_on_cuda_equals_one_by_one_on_cpu() -> None:
-    """A BatchNorm CNN batched on the GPU (runs of equal batch size, stacked statistics): each client alone's."""
+    """A BatchNorm CNN batched on the GPU (no padding, stacked statistics): each client alone's."""
     task = ConvBatchNorm()
     data = uneven(task)
     cfg = TrainSettings(local_epochs=2, batch_size=6, lr=0.05, momentum=0.9)
