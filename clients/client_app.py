@@ -178,15 +178,16 @@ def global_model(msg: Message, context: Context, private: bool):
     """``global_weights`` and this node's model loaded with them and its own kept entries (FedBN's statistics):
     ``(instr, task, layout, weights, model)``."""
     instr, task, layout, weights = global_weights(msg, context, private)
-    return instr, task, layout, weights, global_model_from(task, layout, weights, context, private)
+    return instr, task, layout, weights, global_model_from(task, layout, weights, context, private, instr.seed)
 
 
-def global_model_from(task: Task, layout, weights: torch.Tensor, context: Context, private: bool):
-    """The task's model on the training device, loaded with ``weights`` and the node's kept entries."""
+def global_model_from(task: Task, layout, weights: torch.Tensor, context: Context, private: bool, seed: int):
+    """The task's model on the training device, loaded with ``weights`` and the node's kept entries (before its
+    first round, the task's ``initial_local(seed)``)."""
     model = task.build(private).to(get_device()) if private else task.working_model(get_device())
     layout.load(model, weights)
     if layout.local:
-        layout.load_local(model, kept_entries(context))
+        layout.load_local(model, {**task.initial_local(seed, private), **kept_entries(context)})
     return model
 
 
@@ -271,7 +272,7 @@ def local_update(msg: Message, context: Context) -> tuple[torch.Tensor, dict[str
         job = start_update(msg, context)
         instr, task, weights = job.instr, job.task, job.weights
         layout = task.layout()
-        model = global_model_from(task, layout, weights, context, private=False)
+        model = global_model_from(task, layout, weights, context, private=False, seed=instr.seed)
         stats = train_local(model, job.data, instr.train, job.generator, task)
     else:
         start = time.perf_counter()

@@ -69,7 +69,8 @@ def batched_supported(task: Task, model: nn.Module) -> str | None:
 
 def train_batched(task: Task, global_flat: torch.Tensor, datasets: list[Dataset], settings: TrainSettings,
                   generators: list[torch.Generator], *, chunk: int = DEFAULT_CHUNK,
-                  kept: list[dict[str, torch.Tensor]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  kept: list[dict[str, torch.Tensor]] | None = None, seed: int = 0
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Train K clients from ``global_flat`` as ``task.train`` trains each one, ``chunk`` clients at a time.
 
     Parameters
@@ -84,9 +85,11 @@ def train_batched(task: Task, global_flat: torch.Tensor, datasets: list[Dataset]
         Clients trained in one computation (memory grows with it; results do not change).
     kept
         One dict per client of the entries it keeps (``task.layout().local``), as ``layout.local_state`` gives
-        them (or flat); a name missing (or of another size or dtype) starts from the built model's value, as
-        ``layout.load_local`` does. Each dict is replaced in place by the client's entries after training (CPU
-        copies). None: every client starts from the built values and nothing is handed back.
+        them (or flat); a name missing (or of another size or dtype) starts from ``task.initial_local(seed)``, as
+        the ClientApp starts a node's first round. Each dict is replaced in place by the client's entries after
+        training (CPU copies). None: every client starts from ``initial_local(seed)`` and nothing is handed back.
+    seed
+        The run's seed (``initial_local``'s).
 
     Returns
     -------
@@ -104,7 +107,7 @@ def train_batched(task: Task, global_flat: torch.Tensor, datasets: list[Dataset]
     for start in range(0, len(order), chunk):
         ks = order[start:start + chunk]
         d, loss = _train_chunk(task, model, global_flat, [datasets[k] for k in ks], settings,
-                               [generators[k] for k in ks], None if kept is None else [kept[k] for k in ks])
+                               [generators[k] for k in ks], None if kept is None else [kept[k] for k in ks], seed)
         where = torch.as_tensor(ks, device=global_flat.device)
         deltas[where], losses[where] = d, loss
     return deltas, losses
@@ -133,19 +136,18 @@ def _checked_model(task: Task, global_flat: torch.Tensor, datasets: list[Dataset
 
 
 def _initial_state(task: Task, model: nn.Module, global_flat: torch.Tensor, m: int,
-                   kept: list[dict[str, torch.Tensor]] | None) -> tuple[dict, dict, dict]:
+                   kept: list[dict[str, torch.Tensor]] | None, seed: int) -> tuple[dict, dict, dict]:
     """(trainable parameters stacked m times, buffers stacked m times, frozen parameters once): the layout's
     entries from ``global_flat`` cast to their dtype (as ``layout.load``), the kept ones from each client's
-    ``kept`` dict where it holds them (as ``layout.load_local``), the rest as built."""
+    ``kept`` dict where it holds them (as ``layout.load_local``), else from ``task.initial_local(seed)``, the
+    rest as built."""
     layout = task.layout()
     federated = {e.name: global_flat[e.offset:e.offset + e.numel].view(e.shape).to(e.dtype) for e in layout.entries}
     local = set(layout.local)
-    # a client's first start for what it keeps: the values the one-by-one loop's working model holds (a kept
-    # parameter is drawn at random when built)
-    first = task.working_model(global_flat.device).state_dict() if local else {}
+    first = task.initial_local(seed) if local else {}  # a client's first start for what it keeps
 
     def stacked(name: str, built: torch.Tensor) -> torch.Tensor:
-        value = federated.get(name, first.get(name, built).detach())
+        value = federated.get(name, first.get(name, built).detach().to(built.device))  # (initial_local's: CPU)
         out = value.expand(m, *value.shape).clone()
         for k, saved in enumerate(kept or ()):
             v = saved.get(name) if name in local else None
@@ -219,7 +221,7 @@ def _sgd_step(params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], b
 
 def _train_chunk(task: Task, model: nn.Module, global_flat: torch.Tensor, datasets: list[Dataset],
                  settings: TrainSettings, generators: list[torch.Generator],
-                 kept: list[dict[str, torch.Tensor]] | None) -> tuple[torch.Tensor, torch.Tensor]:
+                 kept: list[dict[str, torch.Tensor]] | None, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One chunk's (deltas, losses); ``datasets`` sorted by size, largest first; ``kept`` replaced in place."""
     device, m = global_flat.device, len(datasets)
     x = torch.from_numpy(np.ascontiguousarray(np.concatenate([d.x for d in datasets]))).to(device)
@@ -229,7 +231,7 @@ def _train_chunk(task: Task, model: nn.Module, global_flat: torch.Tensor, datase
     batch = settings.batch_size
     steps = [math.ceil(n / batch) for n in sizes]
     active = [sum(s > i for s in steps) for i in range(max(steps, default=0))]  # clients still training at step i
-    params, buffers, frozen = _initial_state(task, model, global_flat, m, kept)
+    params, buffers, frozen = _initial_state(task, model, global_flat, m, kept, seed)
     # batch statistics (BatchNorm) or any buffer a forward may update from its batch: real examples only
     exact = bool(buffers) or normalises_by_batch(model)
     # FedProx's anchor: the global weights (one row for all), or a kept entry's own start (a row per client)

@@ -106,7 +106,7 @@ class BatchedGrid(InProcessGrid):
         jobs = [job for *_, job in group]
         weights = jobs[0].weights.to(get_device())
         return train_batched(jobs[0].task, weights, [j.data for j in jobs], jobs[0].instr.train,
-                             [j.generator for j in jobs], chunk=self.chunk, kept=kept)
+                             [j.generator for j in jobs], chunk=self.chunk, kept=kept, seed=jobs[0].instr.seed)
 
     def _train(self, group: list) -> None:
         """Train one group's jobs together and store each node's reply (one by one if the batch fails)."""

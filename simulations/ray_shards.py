@@ -27,7 +27,7 @@ class _ShardWorker:
         torch.set_num_threads(1)
 
     def train(self, spec: Any, weights: np.ndarray, node_configs: list[dict[str, Any]], settings: Any,
-              seeds: list[int], chunk: int, kept: list[dict[str, torch.Tensor]] | None
+              seeds: list[int], chunk: int, kept: list[dict[str, torch.Tensor]] | None, run_seed: int
               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[dict[str, torch.Tensor]] | None]:
         from clients.data import client_data
         from clients.tasks import load_task
@@ -37,7 +37,8 @@ class _ShardWorker:
         task = load_task(spec)
         data = [client_data(task, config) for config in node_configs]
         gens = [torch.Generator().manual_seed(s) for s in seeds]
-        deltas, losses = train_batched(task, torch.from_numpy(weights), data, settings, gens, chunk=chunk, kept=kept)
+        deltas, losses = train_batched(task, torch.from_numpy(weights), data, settings, gens, chunk=chunk, kept=kept,
+                                       seed=run_seed)
         return deltas.numpy(), losses.numpy(), torch.stack([g.get_state() for g in gens]).numpy(), kept
 
 
@@ -65,7 +66,7 @@ class ShardedBatchedGrid(BatchedGrid):
         pieces = [p for p in np.array_split(np.arange(len(jobs)), len(self._workers)) if len(p)]
         refs = [w.train.remote(spec, weights, [dict(node_configs[i]) for i in piece], settings,
                                [jobs[i].generator.initial_seed() for i in piece], self.chunk,
-                               None if kept is None else [kept[i] for i in piece])
+                               None if kept is None else [kept[i] for i in piece], jobs[0].instr.seed)
                 for w, piece in zip(self._workers, pieces, strict=False)]
         deltas, losses = [], []
         for piece, (d, loss, states, left) in zip(pieces, ray.get(refs), strict=True):

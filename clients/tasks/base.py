@@ -277,24 +277,18 @@ class Task(ABC):
         return _private_model(model, self.spec.task) if private else model
 
     def working_model(self, device: torch.device) -> nn.Module:
-        """A non-private model as built, on ``device``, for a message to load its weights into. The default
-        ``train`` and ``evaluate`` never change a module, so with them one model per thread and device is
-        kept and reset to its built state (its entries outside the layout; the layout's are the caller's to
-        load): a model built per message was most of a simulated client's overhead (1.4 ms of a ResNet's)."""
+        """A non-private model on ``device`` for a message to load its weights and kept entries into (the
+        layout's entries and ``layout.local`` are the caller's to load: ``initial_local`` before a node's first
+        round). The default ``train`` and ``evaluate`` never change a module, so with them one model per thread
+        and device is kept, its gradients cleared: a model built per message was most of a simulated client's
+        overhead (1.4 ms of a ResNet's)."""
         if type(self).train is not Task.train or type(self).evaluate is not Task.evaluate:
             return self.build().to(device)  # a loop of the user's may change its module: a fresh one each time
         cache = self.__dict__.setdefault("_working_models", {})
         key = (threading.get_ident(), device)
         if key not in cache:
-            model = self.build().to(device)
-            local = set(self.layout().local)
-            cache[key] = (model, {k: v.detach().clone() for k, v in model.state_dict().items() if k in local})
-            return model
-        model, built = cache[key]
-        with torch.no_grad():
-            state = model.state_dict(keep_vars=True)
-            for name, value in built.items():
-                state[name].copy_(value)
+            cache[key] = self.build().to(device)
+        model = cache[key]
         for p in model.parameters():
             p.grad = None
         return model
@@ -318,10 +312,23 @@ class Task(ABC):
 
     def init_weights(self, seed: int, private: bool = False) -> torch.Tensor:
         """The initial global model as one flat float32 tensor (seeded)."""
+        return self.layout(private).flatten(self._seeded_build(seed, private))
+
+    def initial_local(self, seed: int, private: bool = False) -> dict[str, torch.Tensor]:
+        """Where a client's kept entries (``layout.local``) start before its first round: the model
+        ``init_weights(seed)`` builds, so a kept parameter drawn at random (a personal head) starts the same on
+        every node, engine and process, whichever task instance or thread serves it (CPU copies, cached)."""
+        cache = self.__dict__.setdefault("_initial_local", {})
+        key = (seed, private)
+        if key not in cache:
+            local = self.layout(private).local
+            cache[key] = self.layout(private).local_state(self._seeded_build(seed, private)) if local else {}
+        return cache[key]
+
+    def _seeded_build(self, seed: int, private: bool) -> nn.Module:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model = self.build(private)
-        return self.layout(private).flatten(model)
+            return self.build(private)
 
     def sample_batch(self, data: Dataset, size: int) -> tuple[np.ndarray, np.ndarray]:
         """The first ``size`` examples of ``data`` (the device profile times a training step on them)."""

@@ -312,19 +312,52 @@ def test_the_probe_changes_no_state_and_models_without_2d_convolutions_are_not_p
     assert list(mlp._channels_last_verdicts.values()) == [False]
 
 
-def test_a_working_model_is_reused_and_reset_to_its_built_state_outside_the_layout():
-    task = type("FedBN", (_ImageTask,), {"federate_buffers": False})()
-    first = task.working_model(torch.device("cpu"))
-    built = {k: v.clone() for k, v in first.state_dict().items()}
-    assert set(task.layout().local) == {"bn.running_mean", "bn.running_var"}  # (the batch count: unused)
-    from clients import TrainSettings
+def test_a_working_model_is_reused_and_a_nodes_first_round_starts_from_initial_local():
+    from flwr.app import Context, RecordDict
 
+    from clients import TrainSettings
+    from clients.client_app import global_model_from
+
+    task = type("FedBN", (_ImageTask,), {"federate_buffers": False})()
+    layout = task.layout()
+    assert set(layout.local) == {"bn.running_mean", "bn.running_var"}  # (the batch count: unused)
+    first = task.working_model(torch.device("cpu"))
     task.train(first, task.train_set, TrainSettings(local_epochs=1, batch_size=16, lr=0.1), torch.Generator())
-    assert not torch.equal(first.bn.running_mean, built["bn.running_mean"]) and first.conv.weight.grad is not None
-    again = task.working_model(torch.device("cpu"))
+    assert first.conv.weight.grad is not None
+    fresh = Context(run_id=1, node_id=1, node_config={}, state=RecordDict(), run_config={})
+    again = global_model_from(task, layout, task.init_weights(3), fresh, private=False, seed=3)
     assert again is first and again.conv.weight.grad is None
-    for name in task.layout().local:  # the last client's statistics are not the next one's
-        assert torch.equal(again.state_dict()[name], built[name]), name
+    for name, value in task.initial_local(3).items():  # the last node's statistics are not a new node's
+        assert torch.equal(again.state_dict()[name], value), name
+
+
+class _Head(_ImageTask):
+    keep_local = ("fc.*",)  # a personal output layer: drawn at random when built
+
+
+def test_a_kept_parameter_starts_from_the_run_seeds_model_on_every_instance_and_thread():
+    """A personal head's first value is the model ``init_weights(seed)`` builds, whichever task instance or thread
+    serves the node (it was the first value the instance's working model happened to draw)."""
+    import threading
+
+    a, b = _Head(), _Head()
+    torch.manual_seed(1)
+    a.working_model(torch.device("cpu"))  # instances that drew their working models from other random states
+    torch.manual_seed(2)
+    b.working_model(torch.device("cpu"))
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(b.initial_local(7)))
+    thread.start()
+    thread.join()
+    names = set(a.layout().local)
+    assert names == {"fc.weight", "fc.bias"} and seen[0].keys() == a.initial_local(7).keys() == names
+    for name in names:
+        assert torch.equal(a.initial_local(7)[name], seen[0][name]), name
+        assert not torch.equal(a.initial_local(7)[name], a.initial_local(8)[name]), name  # the seed's draw
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(7)
+        built = a.build()
+    assert torch.equal(a.initial_local(7)["fc.weight"], built.fc.weight.detach())
 
 
 def test_a_task_with_its_own_loop_gets_a_fresh_model_each_time():

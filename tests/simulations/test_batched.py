@@ -233,26 +233,29 @@ def test_batchnorm_any_sizes(sizes: list[int], epochs: int, batch: int, momentum
 
 
 def assert_kept_equivalent(task: Task, data: list[Dataset], kept: list[dict[str, torch.Tensor]], cfg: TrainSettings,
-                           chunk: int = 512) -> list[dict[str, torch.Tensor]]:
-    """train_batched from each client's ``kept`` entries equals each client alone (load_local, train,
-    local_state): the deltas and the entries handed back; returns those (``kept`` itself is left as given)."""
+                           chunk: int = 512, device: str = "cpu") -> list[dict[str, torch.Tensor]]:
+    """train_batched (on ``device``) from each client's ``kept`` entries equals each client alone on the CPU as the
+    ClientApp trains it (load_local over ``initial_local``, train, local_state): the deltas and the entries handed
+    back; returns those (``kept`` itself is left as given)."""
     flat, seeds = task.init_weights(0), list(range(len(data)))
     want, want_kept = [], []
     for k, (d, s) in enumerate(zip(data, seeds, strict=True)):
         model = task.build()
         task.layout().load(model, flat)
-        task.layout().load_local(model, kept[k])
+        task.layout().load_local(model, {**task.initial_local(0), **kept[k]})
         task.train(model, d, cfg, torch.Generator().manual_seed(s))
         want.append(task.layout().flatten(model) - flat)
         want_kept.append(task.layout().local_state(model))
     out = [dict(k) for k in kept]
-    got, _ = train_batched(task, flat, data, cfg, [torch.Generator().manual_seed(s) for s in seeds], kept=out,
-                           chunk=chunk)
-    torch.testing.assert_close(got, torch.stack(want), atol=ATOL, rtol=RTOL)
+    got, _ = train_batched(task, flat.to(device), data, cfg, [torch.Generator().manual_seed(s) for s in seeds],
+                           kept=out, chunk=chunk, seed=0)
+    assert got.device.type == device
+    tol = {"atol": ATOL, "rtol": RTOL} if device == "cpu" else {"atol": 1e-4, "rtol": 1e-3}  # (TF32 on the GPU)
+    torch.testing.assert_close(got.cpu(), torch.stack(want), **tol)
     for k in range(len(data)):
         assert want_kept[k].keys() == set(task.layout().local)
         for name, value in want_kept[k].items():
-            torch.testing.assert_close(out[k][name].reshape(value.shape), value, atol=ATOL, rtol=RTOL)
+            torch.testing.assert_close(out[k][name].reshape(value.shape), value, **tol)
     return out
 
 
@@ -285,7 +288,20 @@ def test_a_kept_head_trains_from_each_clients_own_start_under_fedprox() -> None:
     cfg = TrainSettings(local_epochs=2, batch_size=6, lr=0.05, momentum=0.9, proximal_mu=1.0)
     assert {"3.weight", "3.bias"} <= set(task.layout().local)
     kept = [{"3.weight": torch.full((2, 8), 0.1 * k), "3.bias": torch.full((2,), -0.2 * k)} for k in range(len(data))]
+    kept[1] = {}  # a client's first round: the head init_weights(seed)'s model draws, as the ClientApp starts it
     assert_kept_equivalent(task, data, kept, cfg, chunk=2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (benchmarks/gpu_check.sh runs it)")
+def test_kept_heads_and_statistics_batched_on_cuda() -> None:
+    """FedBN's statistics and a personal head under FedProx, batched on the GPU: each client alone's on the CPU
+    (the first start, ``initial_local``, is kept on the CPU and moved)."""
+    task = PersonalHead()
+    data = uneven(task)
+    cfg = TrainSettings(local_epochs=2, batch_size=6, lr=0.05, momentum=0.9, proximal_mu=1.0)
+    kept = [{"3.weight": torch.full((2, 8), 0.1 * k), "3.bias": torch.full((2,), -0.2 * k)} for k in range(len(data))]
+    kept[1] = {}
+    assert_kept_equivalent(task, data, kept, cfg, chunk=2, device="cuda")
 
 
 def test_refusals_say_why(digits: Task) -> None:
