@@ -15,8 +15,7 @@ reuses one model (its cheapest form: no model is built per client); the batched 
 
 ``--model bn-mlp`` puts BatchNorm1d after the hidden layer: the batched side then stacks each client's running
 statistics and pads nothing (full batches first, then the partial last batches, those of one size together); a
-client whose last batch would hold one example loses that example on both sides (BatchNorm refuses a batch of one
-in training).
+last batch of one example joins the batch before it on both sides (BatchNorm1d refuses a batch of one in training).
 
 The two sides are timed in turns (median of ``--repeat``) and checked to agree (max |delta difference|).
 torch runs on 1 thread by default, as the issue measures.
@@ -53,11 +52,6 @@ class BatchNormDigits(DigitsTask):
         return nn.Sequential(nn.Linear(64, 128), nn.BatchNorm1d(128), nn.ReLU(), nn.Linear(128, 10))
 
 
-def no_batch_of_one(data: list[Dataset]) -> list[Dataset]:
-    """Each client less its last example where that example would make a batch of its own."""
-    return [Dataset(d.x[:-1], d.y[:-1]) if len(d) % SETTINGS.batch_size == 1 else d for d in data]
-
-
 def client_data(task: Task, k: int) -> list[Dataset]:
     """K clients' data: the task's Dirichlet partitions, or ~20 examples each drawn with replacement."""
     if k <= MAX_DIRICHLET:
@@ -89,8 +83,6 @@ def one_by_one(task: Task, flat: torch.Tensor, data: list[Dataset]) -> torch.Ten
 
 def bench(rep: Report, task: Task, k: int, repeat: int, chunk: int) -> None:
     data, flat = client_data(task, k), task.init_weights(0)
-    if isinstance(task, BatchNormDigits):
-        data = no_batch_of_one(data)
     sizes = np.array([len(d) for d in data])
     kind = "Dirichlet(0.5) partitions" if k <= MAX_DIRICHLET else "U{10..30} with replacement, Dirichlet(0.5) labels"
     print(f"# K = {k}: {kind}, {sizes.min()}..{sizes.max()} examples (mean {sizes.mean():.1f})", flush=True)

@@ -15,9 +15,10 @@ one within float tolerance (summation order differs, nothing else):
   ``buf = momentum * buf + grad``; ``p -= lr * buf`` (``p -= lr * grad`` with momentum 0);
 - a model with buffers (BatchNorm's running statistics and batch count, any other) or BatchNorm layers gets
   every buffer stacked per client (updated in place inside vmap, as each client's own module would be) and no
-  padding: each epoch's full batches go one step at a time over the clients that have one (a prefix), then
-  each client's partial last batch, those of one size in one computation (gathered by index and written back),
-  so batch statistics are each client's own and a step is computed on real examples only;
+  padding: each epoch's full batches go one step at a time over the clients that have one (a prefix: clients
+  are sorted by their full batches), then each client's partial last batch, those of one size in one
+  computation (gathered by index and written back), so batch statistics are each client's own and a step is
+  computed on real examples only; with BatchNorm a last batch of one joins the batch before it, as in the loop;
 - the entries a client keeps (``layout().local``: integer buffers, FedBN's statistics, ``keep_local`` names)
   start from the client's kept values (``kept``) and are handed back after training, as the ClientApp keeps them.
 
@@ -36,15 +37,11 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from clients import Dataset, Task, TrainSettings
+from clients.tasks.base import normalises_by_batch
 from clients.tasks.layout import fits
 
 DEFAULT_CHUNK = 512  # clients trained at once: 3 stacked states (weights, gradients, momentum) of
 # chunk x numel float32 each, ~20 MB apiece for the digits MLP (9,610 parameters); 256-512 ran fastest on CPU
-
-
-def normalises_by_batch(model: nn.Module) -> bool:
-    """Whether ``model`` has BatchNorm layers (training statistics over each batch: no padding, no batch of one)."""
-    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
 
 
 def batched_supported(task: Task, model: nn.Module) -> str | None:
@@ -101,7 +98,9 @@ def train_batched(task: Task, global_flat: torch.Tensor, datasets: list[Dataset]
     if kept is not None and len(kept) != len(datasets):
         raise ValueError(f"kept must have one dict per client. Found {len(kept)} for {len(datasets)} clients.")
     sizes = np.array([len(d) for d in datasets], dtype=np.int64)
-    order = np.argsort(-sizes, kind="stable")  # largest first: the clients still training form a prefix
+    full, _ = _split(sizes, settings.batch_size, normalises_by_batch(model))
+    # largest first (padded path: the clients still training form a prefix), by full batches (the exact path's)
+    order = np.lexsort((-sizes, -full))
     deltas = torch.empty(len(datasets), task.layout().numel, dtype=torch.float32, device=global_flat.device)
     losses = torch.zeros(len(datasets), dtype=torch.float64, device=global_flat.device)
     for start in range(0, len(order), chunk):
@@ -222,7 +221,8 @@ def _sgd_step(params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], b
 def _train_chunk(task: Task, model: nn.Module, global_flat: torch.Tensor, datasets: list[Dataset],
                  settings: TrainSettings, generators: list[torch.Generator],
                  kept: list[dict[str, torch.Tensor]] | None, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One chunk's (deltas, losses); ``datasets`` sorted by size, largest first; ``kept`` replaced in place."""
+    """One chunk's (deltas, losses); ``datasets`` sorted by full batches then size, largest first; ``kept``
+    replaced in place."""
     device, m = global_flat.device, len(datasets)
     x = torch.from_numpy(np.ascontiguousarray(np.concatenate([d.x for d in datasets]))).to(device)
     y = torch.from_numpy(np.ascontiguousarray(np.concatenate([d.y for d in datasets]))).to(device)
@@ -241,8 +241,7 @@ def _train_chunk(task: Task, model: nn.Module, global_flat: torch.Tensor, datase
     step = _client_step(task, model, frozen)
     bufs = {k: torch.zeros_like(v) for k, v in params.items()} if settings.momentum > 0 else {}
     total = torch.zeros(m, dtype=torch.float64, device=device)
-    full = sizes // batch  # each client's full batches
-    last = sizes % batch  # and the size of its partial one (0: none)
+    full, last = _split(sizes, batch, normalises_by_batch(model))
     for _ in range(settings.local_epochs):
         perms = [torch.randperm(int(n), generator=g) for n, g in zip(sizes, generators, strict=True)]
         index, mask = _epoch_batches(perms, offsets, len(active), batch)
@@ -263,9 +262,11 @@ def _train_chunk(task: Task, model: nn.Module, global_flat: torch.Tensor, datase
         for r in np.unique(last[last > 0]).tolist():  # then each client's partial batch, those of one size together
             ks = np.flatnonzero(last == r)  # (after its full batches, as its own loop takes them)
             at = torch.as_tensor(ks, device=device)
-            rows = index[at, torch.as_tensor(full[ks], device=device), :r]
+            slots = torch.as_tensor(full[ks] * batch, device=device)[:, None] + torch.arange(r, device=device)
+            rows = index.view(len(index), -1)[at[:, None], slots]  # (r may be batch + 1: a merged batch of one)
             sub = {k: v[at] for k, v in buffers.items()}  # (copies: written back after the step)
-            grads, loss = step({k: v[at] for k, v in params.items()}, sub, x[rows], y[rows], mask[at, 0, :r])
+            grads, loss = step({k: v[at] for k, v in params.items()}, sub, x[rows], y[rows],
+                               torch.ones(len(ks), r, dtype=torch.bool, device=device))
             for k, v in sub.items():
                 buffers[k][at] = v
             _sgd_step(params, grads, bufs, at, settings, anchor)
@@ -279,6 +280,16 @@ def _train_chunk(task: Task, model: nn.Module, global_flat: torch.Tensor, datase
                     saved[name] = values[k].clone()
     seen = torch.tensor(sizes, dtype=torch.float64, device=device) * settings.local_epochs
     return _deltas(task, {**params, **buffers}, frozen, global_flat, m), total / seen.clamp(min=1)
+
+
+def _split(sizes: np.ndarray, batch: int, merge_one: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Each client's full batches and the size of its last partial one (0: none), as ``epoch_batches`` splits an
+    epoch; ``merge_one`` (BatchNorm): a last batch of one joins the full batch before it (a batch + 1 one)."""
+    full, last = sizes // batch, sizes % batch
+    if merge_one:
+        one = (last == 1) & (full >= 1)
+        full, last = full - one, np.where(one, batch + 1, last)
+    return full, last
 
 
 def _deltas(task: Task, params: dict[str, torch.Tensor], frozen: dict[str, torch.Tensor], global_flat: torch.Tensor,

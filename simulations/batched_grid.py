@@ -22,8 +22,9 @@ from aggregation import get_device
 from clients import ClientError
 from clients.client_app import app, keep_entries, kept_entries, refusal, start_update, train_reply, update_metrics
 from clients.protocol import CODEC, LOCAL_DP, MESSAGE_TYPE_TRAIN, codec_from_record, record_of
+from clients.tasks.base import normalises_by_batch
 
-from .batched import DEFAULT_CHUNK, batched_supported, normalises_by_batch, train_batched
+from .batched import DEFAULT_CHUNK, batched_supported, train_batched
 from .inprocess import InProcessGrid, call_client
 
 
@@ -79,9 +80,9 @@ class BatchedGrid(InProcessGrid):
             return refusal(msg, exc)
         if not self._supported(job.task):
             return None
-        if self._batch_norm[job.task.spec] and len(job.data) % job.instr.train.batch_size == 1:
-            return None  # a last batch of one example (BatchNorm1d refuses it; any BatchNorm to be safe): alone, so
-            # the rest stay batched
+        if self._batch_norm[job.task.spec] and min(len(job.data), job.instr.train.batch_size) == 1:
+            return None  # a batch of one example (BatchNorm1d refuses it in training; any BatchNorm to be safe): alone,
+            # so the rest stay batched. (A last batch of one joins the one before it, batched or not.)
         return codec, job
 
     def _supported(self, task: Any) -> bool:

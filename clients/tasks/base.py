@@ -29,6 +29,19 @@ from .sgd import SGD
 _DTYPES = {"float32": np.float32, "int64": np.int64}
 
 
+def normalises_by_batch(model: nn.Module) -> bool:
+    """Whether ``model`` has BatchNorm layers (training statistics over each batch: no padding, no batch of one)."""
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+def epoch_batches(perm: torch.Tensor, batch_size: int, merge_one: bool) -> tuple[torch.Tensor, ...]:
+    """An epoch's batches of ``perm``; ``merge_one``: a last batch of one example joins the one before it."""
+    batches = perm.split(batch_size)
+    if merge_one and len(batches) > 1 and len(batches[-1]) == 1:
+        return (*batches[:-2], perm[-batch_size - 1:])
+    return batches
+
+
 @dataclass(frozen=True)
 class Dataset:
     """Examples as arrays: ``x`` of shape (n, ...) (features, images (n, C, H, W), token ids) and ``y`` of
@@ -103,7 +116,9 @@ class Task(ABC):
         """Train ``model`` in place on ``data``; return metrics (``train-loss`` if known).
 
         The default: SGD with momentum over shuffled mini-batches for ``settings.local_epochs`` epochs,
-        plus FedProx's proximal term ``mu / 2 * ||w - w_global||^2`` when ``settings.proximal_mu > 0``.
+        plus FedProx's proximal term ``mu / 2 * ||w - w_global||^2`` when ``settings.proximal_mu > 0``. For a
+        model with BatchNorm an epoch's last batch of one example joins the batch before it (``BatchNorm1d``
+        refuses a batch of one in training: such a client failed every round).
         """
         device = _device_of(model)
         x, y = _tensors(data, device)
@@ -114,9 +129,10 @@ class Task(ABC):
             anchor = [p.detach().clone() for p in params] if mu > 0 else []
             total, seen = 0.0, 0
             model.train()
+            merge = normalises_by_batch(model)
             for _ in range(settings.local_epochs):
                 perm = torch.randperm(len(y), generator=generator).to(device)
-                for batch in perm.split(settings.batch_size):
+                for batch in epoch_batches(perm, settings.batch_size, merge):
                     opt.zero_grad(set_to_none=True)
                     loss = self.loss(model(x[batch]), y[batch])
                     loss.backward()

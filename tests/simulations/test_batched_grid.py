@@ -128,20 +128,34 @@ def test_batchnorm_trains_batched_and_keeps_each_nodes_entries(tmp_path, task):
             torch.testing.assert_close(got[name], want[name], rtol=1e-3, atol=1e-3)
 
 
-def test_a_node_with_a_last_batch_of_one_trains_alone_and_the_rest_stay_batched(tmp_path):
-    """BatchNorm1d refuses a batch of one example in training: the node whose data leaves one trains one by one
-    (and fails, as it would there), the others stay batched round after round, with the one-by-one result."""
+def test_a_node_whose_last_batch_is_one_example_trains_batched_as_one_by_one(tmp_path):
+    """BatchNorm1d refuses a batch of one example in training: a node whose data leaves one merges it into the
+    batch before it, batched or not (such a node failed every round), and stays batched."""
     from clients.tasks import task_name
 
     sizes = [len(BatchNormDigits().partition(k, N)) for k in range(N)]
     batch = next(b for b in range(5, 64) if 1 <= sum(n % b == 1 for n in sizes) < N // 2)
-    bad = sum(n % batch == 1 for n in sizes)
     kw = {"task": task_name(BatchNormDigits), "batch-size": batch, "num-rounds": 2}
     one, _ = run(tmp_path, InProcessGrid(app, N), "one", **kw)
     grid = BatchedGrid(app, N)
     many, _ = run(tmp_path, grid, "many", **kw)
-    assert grid.batched_messages == 2 * (N - bad) and list(grid._support.values()) == [None]
+    assert grid.batched_messages == 2 * N and list(grid._support.values()) == [None]
     for rnd in (one, many):
-        assert [r["accepted"] for r in rnd.history] == [N - bad] * 2
-        assert [r["rejected_by_rule"] for r in rnd.history] == [{"error-reply": bad}] * 2
+        assert [r["accepted"] for r in rnd.history] == [N] * 2
     torch.testing.assert_close(many.weights, one.weights, rtol=1e-3, atol=1e-3)
+
+
+def test_a_node_of_one_example_trains_alone_and_the_rest_stay_batched(tmp_path):
+    """A node whose data is one example (a batch of one, whatever the batch size) trains one by one and fails there,
+    as it would in any engine; its error no longer turns batching off for the others."""
+    import numpy as np
+
+    from clients.tasks import task_name
+
+    x, y = BatchNormDigits().train_set.x[:1], BatchNormDigits().train_set.y[:1]
+    np.savez(tmp_path / "one.npz", x=x, y=y)
+    cfg = lambda i: {"data-path": str(tmp_path / "one.npz")} if i == 0 else {"partition-id": i, "num-partitions": N}  # noqa: E731
+    grid = BatchedGrid(app, N, cfg)
+    wf, _ = run(tmp_path, grid, "alone", task=task_name(BatchNormDigits), **{"num-rounds": 1, "min-nodes": N})
+    assert grid.batched_messages == N - 1 and list(grid._support.values()) == [None]
+    assert wf.history[0]["accepted"] == N - 1 and wf.history[0]["rejected_by_rule"] == {"error-reply": 1}
