@@ -56,6 +56,14 @@ class ShardedBatchedGrid(BatchedGrid):
         worker = ray.remote(num_cpus=1)(_ShardWorker)
         self._workers = [worker.remote() for _ in range(shards)]
 
+    def close(self) -> None:
+        """End the actors (their CPUs, for what runs next on the Ray instance); a later round would fail."""
+        import ray
+
+        for worker in self._workers:
+            ray.kill(worker)
+        self._workers = []
+
     def _compute(self, group: list, kept: list[dict] | None) -> tuple[torch.Tensor, torch.Tensor]:
         import ray
 

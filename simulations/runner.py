@@ -482,7 +482,10 @@ def _run_sharded(scn: Scenario, on_round: RoundCallback | None) -> dict[str, Any
                                        f"Found {scn.sim.batched_shards}.")
             grid = ShardedBatchedGrid(client_app, scn.sim.num_supernodes, _node_config(scn),
                                       shards=scn.sim.batched_shards)
-            return make_workflow(scn.run, grid, RunDirectory(scn.run.server.run_dir), on_round=on_round).run()
+            try:
+                return make_workflow(scn.run, grid, RunDirectory(scn.run.server.run_dir), on_round=on_round).run()
+            finally:
+                grid.close()  # (a cluster the run joined keeps running: its CPUs back at once)
         finally:
             ray.shutdown()
 

@@ -55,8 +55,12 @@ def test_sharded_batched_training_equals_the_in_process_batched_engine(tmp_path)
         try:
             grid = ShardedBatchedGrid(app, 500, shards=2)
             sharded = _run(grid, tmp_path, "sharded")
-            for worker in grid._workers:  # (their CPUs, for the next grid's actors)
-                ray.kill(worker)
+            workers = grid._workers
+            grid.close()  # (their CPUs, for the next grid's actors)
+            assert grid._workers == []
+            for worker in workers:
+                with pytest.raises(ray.exceptions.RayActorError):
+                    ray.get(worker.__ray_ready__.remote(), timeout=60)
             sharded_bn = _run(sharded_bn_grid := ShardedBatchedGrid(app, 60, shards=2), tmp_path, "sharded-bn", **fedbn)
         finally:
             ray.shutdown()
