@@ -24,7 +24,7 @@ from pathlib import Path
 
 from ._errors import ClientError
 from .config import TaskSpec, build_config, renamed_key, resolve_path
-from .data import load_npz, save_npz
+from .data import check_split, load_npz, save_npz
 from .flower_pins import EMPTY_PULL_SLEEP as IDLE_POLL
 from .flower_pins import write_atomically
 from .supervisor import NODE_FILE, RECEIVED, RUNTIME, SECRET, Plan, start_process, stop_group
@@ -170,6 +170,8 @@ def _data_config(args: argparse.Namespace) -> str:
         data = load_npz(args.data)
         if task is not None:
             task.check_data(data, f"--data {args.data}")
+            # (the task is this node's whatever the run's data-seed: only the task's name is checked before it runs)
+            check_split(args.data, task.spec, fields=("task",), against="in --task")
         else:
             _check_builtin(data, f"--data {args.data}")
         out = f"data-path={_literal_path(Path(args.data).resolve(), '--data')}" + own

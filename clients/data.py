@@ -99,17 +99,19 @@ def _split_value(field: str, value: Any) -> Any:
     return str(value).rpartition(":")[2] if field == "task" else value
 
 
-def check_split(path: str | os.PathLike, spec: Any) -> None:
-    """ClientError when the .npz at ``path`` records a split (``save_npz``'s ``split_*``) other than ``spec``'s:
-    its examples may be the run's test examples. A file without them (the owner's own data) passes."""
+def check_split(path: str | os.PathLike, spec: Any, fields: tuple[str, ...] = SPLIT_FIELDS,
+                against: str = "in this run") -> None:
+    """ClientError when the .npz at ``path`` records a split (``save_npz``'s ``split_*``) other than ``spec``'s
+    (in ``fields``): its examples may be the run's test examples. A file without them (the owner's own data)
+    passes. ``against``: what ``spec`` is, in the message."""
     try:  # (the owner's file: a record that is not one number or name is refused, not a traceback)
         with np.load(path, allow_pickle=False) as npz:
             recorded = {k: npz[f"split_{k}"].item() for k in SPLIT_FIELDS if f"split_{k}" in npz.files}
     except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
         raise ClientError(f"data file {path} must record its split (split_{'/'.join(SPLIT_FIELDS)}) as single "
                           f"values, as fedshield data export writes them. Found: {exc}.") from None
-    wrong = [f"{k.replace('_', '-')} {v!r} there, {getattr(spec, k)!r} in this run" for k, v in recorded.items()
-             if _split_value(k, v) != _split_value(k, getattr(spec, k))]
+    wrong = [f"{k.replace('_', '-')} {v!r} there, {getattr(spec, k)!r} {against}" for k, v in recorded.items()
+             if k in fields and _split_value(k, v) != _split_value(k, getattr(spec, k))]
     if wrong:
         raise ClientError(f"data file {path} was exported from another split of the task ({'; '.join(wrong)}): its "
                           "examples may be the coordinator's test examples. Export it again with the run's task and "

@@ -66,6 +66,7 @@ _PLUMBING = re.compile(r"^(?:INFO:\s+(?:Started server process|Waiting for appli
 _BIND = re.compile(r"error while attempting to bind on address \('([^']*)', (\d+)\): address already in use")
 _SENT = re.compile(r"Sent successfully")
 _RECEIVED = re.compile(r"Received successfully")
+_GIVE_UP = re.compile(r"^WARNING[\d\-:, ]*:\s+Giving up reconnection\b")
 _RETRY = re.compile(r"^(?:WARNING)[\d\-:, ]*:\s+Connection attempt failed, retrying in ")
 # Flower's SuperNode can end with Python's "Exception ignored in: <module 'threading'...>" and a
 # traceback of its own SystemExit(0): noise, not a failure; it is not echoed.
@@ -109,7 +110,7 @@ def _watch(proc: subprocess.Popen, quiet: threading.Event | None = None, on_mess
     """
     seen = Watched()
     assert proc.stdout is not None
-    stopping = skipping = traceback = waiting = False
+    stopping = skipping = traceback = waiting = ended = False
     colour = sys.stderr.isatty()  # a log file gets no colour codes
     shown = _shown_level()
     for line in proc.stdout:
@@ -123,8 +124,12 @@ def _watch(proc: subprocess.Popen, quiet: threading.Event | None = None, on_mess
         waiting = (waiting or bool(retry)) and "Connection successful" not in text
         if retry:
             line = text = "fedshield agent: waiting for the coordinator (it is not up, or refused: trying again)\n"
-        if not skipping and not (quiet is not None and quiet.is_set()) and not _PLUMBING.match(text) and \
-                not (level and _LEVELS[level.group(1)] < shown):
+        # a node that served gave up on a coordinator gone after its run: the agent says so in its own line, so
+        # Flower's "Giving up reconnection" and the connection error after it are not echoed
+        hide = bool(seen.served and _GIVE_UP.match(text)) or (ended and bool(level) and level.group(1) == "ERROR")
+        ended = bool(seen.served and _GIVE_UP.match(text))  # (the next line, if an ERROR, is its connection error)
+        if not skipping and not hide and not (quiet is not None and quiet.is_set()) and not _PLUMBING.match(text) \
+                and not (level and _LEVELS[level.group(1)] < shown):
             sys.stderr.write(line if colour else text)
         elif line.startswith(_IGNORED_END):
             skipping = False

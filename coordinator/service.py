@@ -18,6 +18,7 @@ import socket
 import ssl
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -224,6 +225,7 @@ class Coordinator:
         self.connect_address = host_port(connect_host(s.host), s.port)  # where this coordinator reaches it
         self.certs: CertificatePaths | None = None
         self.keys: list[Path] = []
+        self.stopping = threading.Event()  # set by stop(): what the run's stream says after it is not echoed
         if not insecure:
             self.certs = CertificatePaths.in_dir(cfg.path(s.certs_dir, "coordinator.certs-dir")).check()
             check_server_certificate(self.certs, s.host)
@@ -354,6 +356,7 @@ class Coordinator:
         running for 20-30 s, its parent gone)."""
         if self.superlink is None or self.superlink.poll() is not None:
             return
+        self.stopping.set()  # (`flwr run --stream` then reports its SuperLink unavailable: Flower's red box)
         groups = tree_groups(self.superlink.pid)
         _signal_groups(groups, signal.SIGTERM)
         try:
@@ -430,8 +433,9 @@ class Coordinator:
             assert proc.stdout is not None
             colour = sys.stdout.isatty()  # a log file gets no colour codes
             for line in proc.stdout:
-                sys.stdout.write(line if colour else _ANSI.sub("", line))
-                sys.stdout.flush()
+                if not self.stopping.is_set():
+                    sys.stdout.write(line if colour else _ANSI.sub("", line))
+                    sys.stdout.flush()
             return proc.wait()
         finally:
             if proc.poll() is None:
@@ -463,6 +467,12 @@ def start_coordinator(config: str, insecure: bool = False, run_dir: str | None =
         _, ckpt = check_run_dir(run_path, "run-dir")
         if ckpt is not None:
             check_resumable(cfg.run, ckpt, run_path, None, "flower")  # as the ServerApp would, once agents had joined
+            done, wanted = int(ckpt["round"]), cfg.run.server.num_rounds
+            if done >= wanted and (run_path / SUMMARY).is_file():  # finished: no SuperLink, no agents needed
+                print(f"fedshield coordinator: {run_path} already holds {done} rounds (>= run.num-rounds = {wanted}); "
+                      "nothing trained, its results are unchanged. Raise run.num-rounds to train more, or give another "
+                      "run-dir.", file=sys.stderr)
+                return 0
     coord.check_port_free()  # (start_superlink checks again) before the banner says it is starting there
     if cfg.run.server.run_dir:  # not in use by another run (its ServerApp holds the lock): probed before anything starts
         lock_run_dir(run_path, "run-dir")

@@ -271,6 +271,31 @@ def test_a_run_dir_of_another_configuration_is_refused_before_the_superlink_star
     assert "must hold a checkpoint of this configuration to resume. Found lr = 0.2 there, 0.1 now" in line
 
 
+def test_a_finished_run_dir_says_so_and_starts_nothing(tmp_path, capsys, monkeypatch):
+    """Restarted on a run directory that holds all its rounds, the coordinator said "resuming at round 11", waited
+    for agents and ended the run at once. Now one line says nothing is left to train, and nothing starts."""
+    import json
+
+    from coordinator import RunConfig, RunDirectory
+    from coordinator.rundir import SUMMARY
+    from coordinator.workflow import run_fingerprint
+
+    _tls_config(tmp_path)
+    numel = 64 * 128 + 128 + 128 * 10 + 10
+    cfg = RunConfig.from_mapping({"min-nodes": 1})
+    row = {"round": 1, "test_accuracy": 0.5, "test_loss": 1.0, "round_time_s": 1.0, "bytes_down": 1, "bytes_up": 1}
+    rounds = cfg.server.num_rounds
+    RunDirectory(tmp_path / "r").save_checkpoint({"round": rounds, "version": rounds, "weights": torch.zeros(numel),
+                                                  "history": [row], "optimizer": {}, "rejections": {},
+                                                  "fingerprint": run_fingerprint(cfg, numel, None, "flower")})
+    (tmp_path / "r" / SUMMARY).write_text(json.dumps({"rounds": rounds, "final_test_accuracy": 0.5}))
+    started = []
+    monkeypatch.setattr(Coordinator, "start_superlink", lambda self: started.append(1))
+    assert main(["coordinator", "start", "--config", str(tmp_path / "c.toml"), "--run-dir", str(tmp_path / "r")]) == 0
+    err = capsys.readouterr().err
+    assert not started and f"already holds {rounds} rounds (>= run.num-rounds = {rounds}); nothing trained" in err
+
+
 def test_a_run_dir_that_cannot_be_made_is_refused_before_the_superlink_starts(tmp_path, capsys, monkeypatch):
     _tls_config(tmp_path)
     line = _coordinator_error(tmp_path, capsys, monkeypatch, "--run-dir", "/proc/fedshield-no-such/run")
