@@ -23,6 +23,17 @@ def test_example_coordinator_config_loads():
     assert len(cfg.service.enrolled_keys) == 3 and cfg.run.server.min_nodes == 3
 
 
+def test_example_coordinator_for_sites_pairs_with_the_aggregator():
+    """coordinator-sites.toml enrols the aggregator's key, counts sites, and outwaits the site's round."""
+    from coordinator.aggregator import load_aggregator_config
+
+    cfg = load_coordinator_config(EXAMPLES / "coordinator-sites.toml")
+    site, up = load_aggregator_config(EXAMPLES / "aggregator.toml")
+    assert list(cfg.service.enrolled_keys) == [f"{up.key}.pub"] and cfg.run.server.min_nodes == 1
+    assert up.coordinator == f"127.0.0.1:{cfg.service.port}" and site.run.task == cfg.run.task
+    assert cfg.run.server.round_timeout > site.run.server.round_timeout
+
+
 def test_example_aggregator_config_loads():
     from coordinator.aggregator import load_aggregator_config
 
