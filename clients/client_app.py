@@ -187,7 +187,8 @@ def global_model_from(task: Task, layout, weights: torch.Tensor, context: Contex
     model = task.build(private).to(get_device()) if private else task.working_model(get_device())
     layout.load(model, weights)
     if layout.local:
-        layout.load_local(model, {**task.initial_local(seed, private), **kept_entries(context)})
+        layout.load_local(model, task.initial_local(seed, private))  # (all of them: a kept entry that no longer
+        layout.load_local(model, kept_entries(context))              # fits is skipped, never the last node's value)
     return model
 
 

@@ -27,6 +27,7 @@ from .layout import ModelLayout
 from .sgd import SGD
 
 _DTYPES = {"float32": np.float32, "int64": np.int64}
+_GLOBAL_RNG = threading.Lock()
 
 
 def normalises_by_batch(model: nn.Module) -> bool:
@@ -37,7 +38,7 @@ def normalises_by_batch(model: nn.Module) -> bool:
 def epoch_batches(perm: torch.Tensor, batch_size: int, merge_one: bool) -> tuple[torch.Tensor, ...]:
     """An epoch's batches of ``perm``; ``merge_one``: a last batch of one example joins the one before it."""
     batches = perm.split(batch_size)
-    if merge_one and len(batches) > 1 and len(batches[-1]) == 1:
+    if merge_one and batch_size > 1 and len(batches) > 1 and len(batches[-1]) == 1:
         return (*batches[:-2], perm[-batch_size - 1:])
     return batches
 
@@ -333,7 +334,8 @@ class Task(ABC):
     def initial_local(self, seed: int, private: bool = False) -> dict[str, torch.Tensor]:
         """Where a client's kept entries (``layout.local``) start before its first round: the model
         ``init_weights(seed)`` builds, so a kept parameter drawn at random (a personal head) starts the same on
-        every node, engine and process, whichever task instance or thread serves it (CPU copies, cached)."""
+        every node, engine and process, whichever task instance or thread serves it (CPU tensors, cached and
+        shared: callers copy them into their models)."""
         cache = self.__dict__.setdefault("_initial_local", {})
         key = (seed, private)
         if key not in cache:
@@ -342,7 +344,7 @@ class Task(ABC):
         return cache[key]
 
     def _seeded_build(self, seed: int, private: bool) -> nn.Module:
-        with torch.random.fork_rng(devices=[]):
+        with _GLOBAL_RNG, torch.random.fork_rng(devices=[]):  # (torch's global generator: one seeded build at a time)
             torch.manual_seed(seed)
             return self.build(private)
 

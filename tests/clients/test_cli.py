@@ -108,6 +108,10 @@ def test_watch_counts_answered_messages_and_hides_flowers_shutdown_traceback(cap
     assert "Giving up reconnection" not in err and "Connection refused" not in err
     assert "Traceback" not in err and "Exception ignored" not in err and "SystemExit" not in err
     assert "Finished server process" not in err  # the node's Runtime API server: plumbing
+    lost = [*_SERVED_THEN_GONE[:5], "ERROR :     [Errno -3] Temporary failure in name resolution\n"]
+    supervisor._watch(_FakeSuperNode(lost))  # another error after serving: the only clue to a network fault, shown
+    err = capsys.readouterr().err
+    assert "Giving up reconnection" not in err and "Temporary failure in name resolution" in err
     seen = supervisor._watch(_FakeSuperNode(_SERVED_THEN_GONE[4:]))  # a node that never served: Flower's lines stay
     assert (seen.exit_code, seen.served) == (305, 0)
     err = capsys.readouterr().err

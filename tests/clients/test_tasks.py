@@ -329,6 +329,14 @@ def test_a_working_model_is_reused_and_a_nodes_first_round_starts_from_initial_l
     assert again is first and again.conv.weight.grad is None
     for name, value in task.initial_local(3).items():  # the last node's statistics are not a new node's
         assert torch.equal(again.state_dict()[name], value), name
+    from clients.client_app import keep_entries
+
+    task.train(again, task.train_set, TrainSettings(local_epochs=1, batch_size=16, lr=0.1), torch.Generator())
+    odd = Context(run_id=1, node_id=2, node_config={}, state=RecordDict(), run_config={})
+    keep_entries(odd, {"bn.running_mean": torch.zeros(99), "bn.running_var": torch.ones(99)})  # (no longer fits)
+    model = global_model_from(task, layout, task.init_weights(3), odd, private=False, seed=3)
+    for name, value in task.initial_local(3).items():  # skipped: the start, not the last node's trained statistics
+        assert torch.equal(model.state_dict()[name], value), name
 
 
 class _Head(_ImageTask):

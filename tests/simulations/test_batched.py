@@ -203,6 +203,7 @@ def test_a_last_batch_of_one_joins_the_batch_before_it(task: Task) -> None:
     assert [len(b) for b in epoch_batches(torch.arange(13), 6, True)] == [6, 7]
     assert [len(b) for b in epoch_batches(torch.arange(13), 6, False)] == [6, 6, 1]
     assert [len(b) for b in epoch_batches(torch.arange(1), 6, True)] == [1]  # (nothing to join: refused as before)
+    assert [len(b) for b in epoch_batches(torch.arange(3), 1, True)] == [1, 1, 1]  # (batches of one by request)
     train = task.train_set
     data = [Dataset(train.x[s:s + n], train.y[s:s + n]) for s, n in ((0, 13), (13, 7), (20, 25), (45, 12), (57, 5))]
     cfg = TrainSettings(local_epochs=2, batch_size=6, lr=0.05, momentum=0.9, proximal_mu=0.1)
