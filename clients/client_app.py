@@ -187,15 +187,15 @@ def global_model_from(task: Task, layout, weights: torch.Tensor, context: Contex
     model = task.build(private).to(get_device()) if private else task.working_model(get_device())
     layout.load(model, weights)
     if layout.local:
-        layout.load_local(model, task.initial_local(seed, private))  # (all of them: a kept entry that no longer
-        layout.load_local(model, kept_entries(context))              # fits is skipped, never the last node's value)
+        # (a kept entry missing or that no longer fits starts anew, never from the last node's value)
+        layout.load_local(model, kept_entries(context), start=task.initial_local(seed, private))
     return model
 
 
 def kept_entries(context: Context) -> dict[str, torch.Tensor]:
     """What this node keeps of its model between rounds (``layout.local``: FedBN's statistics, integer
-    buffers), as its last training left it, flat (``layout.load_local`` gives each its shape); empty before
-    its first round."""
+    buffers), as its last training left it, flat (``layout.load_local`` gives each its shape; read-only views of
+    the record: copy before writing); empty before its first round."""
     kept = record_of(context.state, LOCAL_STATE, ArrayRecord)
     out: dict[str, torch.Tensor] = {}
     for name, array in (kept or {}).items():

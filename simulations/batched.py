@@ -98,7 +98,8 @@ def train_batched(task: Task, global_flat: torch.Tensor, datasets: list[Dataset]
     if kept is not None and len(kept) != len(datasets):
         raise ValueError(f"kept must have one dict per client. Found {len(kept)} for {len(datasets)} clients.")
     sizes = np.array([len(d) for d in datasets], dtype=np.int64)
-    full, _ = _split(sizes, settings.batch_size, normalises_by_batch(model))
+    by_batch = normalises_by_batch(model)
+    full, _ = _split(sizes, settings.batch_size, by_batch)
     # largest first (padded path: the clients still training form a prefix), by full batches (the exact path's)
     order = np.lexsort((-sizes, -full))
     deltas = torch.empty(len(datasets), task.layout().numel, dtype=torch.float32, device=global_flat.device)
@@ -106,7 +107,8 @@ def train_batched(task: Task, global_flat: torch.Tensor, datasets: list[Dataset]
     for start in range(0, len(order), chunk):
         ks = order[start:start + chunk]
         d, loss = _train_chunk(task, model, global_flat, [datasets[k] for k in ks], settings,
-                               [generators[k] for k in ks], None if kept is None else [kept[k] for k in ks], seed)
+                               [generators[k] for k in ks], None if kept is None else [kept[k] for k in ks], seed,
+                               by_batch)
         where = torch.as_tensor(ks, device=global_flat.device)
         deltas[where], losses[where] = d, loss
     return deltas, losses
@@ -220,9 +222,10 @@ def _sgd_step(params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], b
 
 def _train_chunk(task: Task, model: nn.Module, global_flat: torch.Tensor, datasets: list[Dataset],
                  settings: TrainSettings, generators: list[torch.Generator],
-                 kept: list[dict[str, torch.Tensor]] | None, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+                 kept: list[dict[str, torch.Tensor]] | None, seed: int, by_batch: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One chunk's (deltas, losses); ``datasets`` sorted by full batches then size, largest first; ``kept``
-    replaced in place."""
+    replaced in place; ``by_batch``: the model normalises by batch (``normalises_by_batch``)."""
     device, m = global_flat.device, len(datasets)
     x = torch.from_numpy(np.ascontiguousarray(np.concatenate([d.x for d in datasets]))).to(device)
     y = torch.from_numpy(np.ascontiguousarray(np.concatenate([d.y for d in datasets]))).to(device)
@@ -233,7 +236,7 @@ def _train_chunk(task: Task, model: nn.Module, global_flat: torch.Tensor, datase
     active = [sum(s > i for s in steps) for i in range(max(steps, default=0))]  # clients still training at step i
     params, buffers, frozen = _initial_state(task, model, global_flat, m, kept, seed)
     # batch statistics (BatchNorm) or any buffer a forward may update from its batch: real examples only
-    exact = bool(buffers) or normalises_by_batch(model)
+    exact = bool(buffers) or by_batch
     # FedProx's anchor: the global weights (one row for all), or a kept entry's own start (a row per client)
     local = set(task.layout().local)
     anchor = ({k: v.clone() if k in local else v[0].clone() for k, v in params.items()}
@@ -241,7 +244,7 @@ def _train_chunk(task: Task, model: nn.Module, global_flat: torch.Tensor, datase
     step = _client_step(task, model, frozen)
     bufs = {k: torch.zeros_like(v) for k, v in params.items()} if settings.momentum > 0 else {}
     total = torch.zeros(m, dtype=torch.float64, device=device)
-    full, last = _split(sizes, batch, normalises_by_batch(model))
+    full, last = _split(sizes, batch, by_batch)
     for _ in range(settings.local_epochs):
         perms = [torch.randperm(int(n), generator=g) for n, g in zip(sizes, generators, strict=True)]
         index, mask = _epoch_batches(perms, offsets, len(active), batch)

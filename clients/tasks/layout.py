@@ -101,12 +101,16 @@ class ModelLayout:
         return {name: state[name].detach().cpu().clone() for name in self.local}
 
     @torch.no_grad()
-    def load_local(self, model: nn.Module, saved: dict[str, torch.Tensor]) -> None:
+    def load_local(self, model: nn.Module, saved: dict[str, torch.Tensor],
+                   start: dict[str, torch.Tensor] | None = None) -> None:
         """Restore a client's kept entries, flat or shaped (those of the right size and dtype, a floating one
-        cast to the model's; others stay as built)."""
+        cast to the model's); one missing or that does not fit from ``start`` (where the client starts), else
+        it stays as the model holds it."""
         state = model.state_dict(keep_vars=True)
         for name in self.local:
             t, v = state.get(name), saved.get(name)
+            if t is not None and (v is None or not fits(v, t)):
+                v = (start or {}).get(name)
             if t is not None and v is not None and fits(v, t):
                 t.copy_(v.reshape(t.shape))
 
