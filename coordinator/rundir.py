@@ -156,6 +156,19 @@ def _check_stored(path: Path) -> None:
                                "--run-dir.")
 
 
+def finished_summary(run_dir: str | os.PathLike, done: int, wanted: int) -> dict[str, Any] | None:
+    """The summary of a run directory whose checkpoint holds ``done >= wanted`` rounds, when it is that
+    checkpoint's (``done`` rounds): nothing is left to train (its ``failure``, if any, is the run's result).
+    Else None: a run stopped after its last checkpoint and before its summary resumes to write it."""
+    if done < wanted:
+        return None
+    try:
+        summary = json.loads((Path(run_dir) / SUMMARY).read_text())
+    except (OSError, ValueError):
+        return None
+    return summary if isinstance(summary, dict) and summary.get("rounds") == done else None
+
+
 def check_run_dir(run_dir: Path, flag: str = "--run-dir") -> tuple[int, dict[str, Any] | None]:
     """Before a run starts: the rounds ``run_dir``'s checkpoint holds (0 when new) and the checkpoint.
     One CoordinatorError, leaving nothing behind, when a file is in the way, the directory cannot be made or

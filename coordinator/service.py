@@ -38,7 +38,7 @@ from ._errors import CoordinatorError
 from .config import RunConfig
 from .progress import accuracy_text
 from .live import announce_start, mark_ended
-from .rundir import SUMMARY, check_run_dir, lock_run_dir, unlock_run_dir
+from .rundir import SUMMARY, check_run_dir, finished_summary, lock_run_dir, unlock_run_dir
 from .status import StatusServer
 from .workflow import check_resumable
 from . import superlink
@@ -454,16 +454,6 @@ class Coordinator:
         return str(last.get("status", "unknown")), str(last.get("status-details", ""))
 
 
-def _finished_summary(run_path: Path, rounds: int) -> bool:
-    """Whether ``run_path``'s summary is its checkpoint's, ``rounds`` rounds, and the run did not fail (a run stopped
-    after its last checkpoint and before its summary resumes to write it; a failed one is told again)."""
-    try:
-        summary = json.loads((run_path / SUMMARY).read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(summary, dict) and summary.get("rounds") == rounds and not summary.get("failure")
-
-
 def start_coordinator(config: str, insecure: bool = False, run_dir: str | None = None) -> int:
     cfg = load_coordinator_config(config, run_dir)
     if insecure:
@@ -478,7 +468,9 @@ def start_coordinator(config: str, insecure: bool = False, run_dir: str | None =
         if ckpt is not None:
             check_resumable(cfg.run, ckpt, run_path, None, "flower")  # as the ServerApp would, once agents had joined
             done, wanted = int(ckpt["round"]), cfg.run.server.num_rounds
-            if done >= wanted and _finished_summary(run_path, done):  # no SuperLink, no agents needed
+            if (finished := finished_summary(run_path, done, wanted)) is not None:  # no SuperLink, no agents needed
+                if finished.get("failure"):
+                    raise CoordinatorError(f"the run must train. Found: {finished['failure']}; results in {run_path}")
                 print(f"fedshield coordinator: {run_path} already holds {done} rounds (>= run.num-rounds = {wanted}); "
                       "nothing trained, its results are unchanged. Raise run.num-rounds to train more, or give another "
                       "run-dir.", file=sys.stderr)

@@ -26,10 +26,9 @@ def _path(text: str) -> str:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from coordinator.rundir import check_run_dir, lock_run_dir, time_axis, time_label
+    from coordinator.rundir import check_run_dir, finished_summary, lock_run_dir, time_axis, time_label
 
     from coordinator.progress import accuracy_text as _accuracy
-    from coordinator.rundir import SUMMARY
 
     from clients.client_app import torch_threads
     from clients.config import ConfigError, resolve_path
@@ -95,7 +94,7 @@ def _simulate(args: argparse.Namespace) -> int:
     for (scn, run_dir), (done, ckpt), label in zip(runs, resumed, names if len(runs) > 1 else [""], strict=True):
         labels[run_dir] = label
         wanted = scn.run.server.num_rounds
-        if ckpt is not None and done >= wanted and (run_dir / SUMMARY).is_file():
+        if ckpt is not None and finished_summary(run_dir, done, wanted) is not None:
             # Nothing to train: say so (exit 0, the run directory is left as it was) instead of announcing rounds.
             print(f"fedshield simulate: {run_dir} already holds {done} rounds (>= the {wanted} requested); nothing "
                   f"trained, its results are unchanged. Give --rounds N with N > {done} to train more.", file=sys.stderr)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 import secrets
@@ -17,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from coordinator import CoordinatorError, RunDirectory
-from coordinator.rundir import SUMMARY
+from coordinator.rundir import finished_summary
 from coordinator.progress import RoundProgress
 from coordinator.server_app import make_server_app, make_workflow
 from clients.ledger import PREFIX as LEDGER_PREFIX, STATE_DIR
@@ -557,9 +556,9 @@ def run_scenario(scn: Scenario, run_dir: str | Path, show_progress: bool = True)
     scn = dataclasses.replace(scn, run=scn.run.replace(run_dir=str(run_dir.resolve())))
     start = RunDirectory(run_dir).load_checkpoint()
     done = int(start["round"]) if start else 0
-    summary = Path(run_dir) / SUMMARY
-    if done >= scn.run.server.num_rounds and summary.is_file():  # finished: nothing to train, no engine to start
-        return json.loads(summary.read_text())
+    finished = finished_summary(run_dir, done, scn.run.server.num_rounds)
+    if finished is not None:  # nothing to train, no engine to start
+        return finished
     check_partitions(scn)
     if done and uses_local_dp(scn):
         check_local_dp_resume(scn, Path(run_dir))

@@ -270,3 +270,18 @@ def test_a_finished_run_removes_its_lock_file_and_a_waiting_run_locks_the_new_on
     lock_run_dir(run)
     unlock_run_dir(run, remove=True)
     assert not (run / LOCK).exists()
+
+
+def test_a_finished_run_is_one_whose_summary_is_its_checkpoints(tmp_path):
+    """finished_summary: the rule coordinator start, simulate and run_scenario share for "nothing left to train"."""
+    import json
+
+    from coordinator.rundir import SUMMARY, finished_summary
+
+    assert finished_summary(tmp_path, 5, 5) is None  # no summary yet: the run resumes to write it
+    (tmp_path / SUMMARY).write_text("{not json")
+    assert finished_summary(tmp_path, 5, 5) is None
+    (tmp_path / SUMMARY).write_text(json.dumps({"rounds": 3, "final_test_accuracy": 0.5}))
+    assert finished_summary(tmp_path, 5, 5) is None  # stopped after round 5's checkpoint, before its summary
+    (tmp_path / SUMMARY).write_text(json.dumps({"rounds": 5, "final_test_accuracy": 0.5}))
+    assert finished_summary(tmp_path, 5, 6) is None and finished_summary(tmp_path, 5, 4)["rounds"] == 5

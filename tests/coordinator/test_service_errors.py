@@ -294,15 +294,18 @@ def test_a_finished_run_dir_says_so_and_starts_nothing(tmp_path, capsys, monkeyp
     assert main(["coordinator", "start", "--config", str(tmp_path / "c.toml"), "--run-dir", str(tmp_path / "r")]) == 0
     err = capsys.readouterr().err
     assert not started and f"already holds {rounds} rounds (>= run.num-rounds = {rounds}); nothing trained" in err
-    # a summary from before the last rounds (stopped before it was rewritten), or of a failed run: resumed as before
-    for summary in ({"rounds": rounds - 1, "final_test_accuracy": 0.5}, {"rounds": rounds, "failure": "no updates"}):
-        (tmp_path / "r" / SUMMARY).write_text(json.dumps(summary))
+    # a failed run's result is told again, nothing started; a summary from before the last rounds (stopped before
+    # it was rewritten): resumed, to write it
+    (tmp_path / "r" / SUMMARY).write_text(json.dumps({"rounds": rounds, "failure": "no updates"}))
+    assert main(["coordinator", "start", "--config", str(tmp_path / "c.toml"), "--run-dir", str(tmp_path / "r")]) == 2
+    assert not started and _one_error_line(capsys).startswith("fedshield: error: the run must train. Found: no updates")
+    (tmp_path / "r" / SUMMARY).write_text(json.dumps({"rounds": rounds - 1, "final_test_accuracy": 0.5}))
 
-        def start(self):
-            raise CoordinatorError("started")
-        monkeypatch.setattr(Coordinator, "start_superlink", start)
-        assert main(["coordinator", "start", "--config", str(tmp_path / "c.toml"), "--run-dir", str(tmp_path / "r")]) == 2
-        assert _one_error_line(capsys) == "fedshield: error: started"
+    def start(self):
+        raise CoordinatorError("started")
+    monkeypatch.setattr(Coordinator, "start_superlink", start)
+    assert main(["coordinator", "start", "--config", str(tmp_path / "c.toml"), "--run-dir", str(tmp_path / "r")]) == 2
+    assert _one_error_line(capsys) == "fedshield: error: started"
 
 
 def test_a_run_dir_that_cannot_be_made_is_refused_before_the_superlink_starts(tmp_path, capsys, monkeypatch):
