@@ -19,6 +19,8 @@ one within float tolerance (summation order differs, nothing else):
   are sorted by their full batches), then each client's partial last batch, those of one size in one
   computation (gathered by index and written back), so batch statistics are each client's own and a step is
   computed on real examples only; with BatchNorm a last batch of one joins the batch before it, as in the loop;
+- an embedding with ``sparse=True`` gradients is run with dense ones (the same values: vmap's autograd has no
+  sparse tensors, and the loop's SGD, momentum included, steps a sparse gradient to what a dense one gives);
 - the entries a client keeps (``layout().local``: integer buffers, FedBN's statistics, ``keep_local`` names)
   start from the client's kept values (``kept``) and are handed back after training, as the ClientApp keeps them.
 
@@ -133,6 +135,9 @@ def _checked_model(task: Task, global_flat: torch.Tensor, datasets: list[Dataset
     reason = batched_supported(task, model)
     if reason is not None:
         raise ValueError(f"task {type(task).__name__} cannot be trained batched: {reason}.")
+    for m in model.modules():  # the same gradient, dense: vmap's autograd has no sparse tensors (the loop's SGD
+        if isinstance(m, nn.Embedding | nn.EmbeddingBag):  # steps a sparse one to the same values)
+            m.sparse = False
     return model.train()
 
 

@@ -19,6 +19,7 @@ from flwr.app import ConfigRecord, Context, Message
 from flwr.common.logger import log
 
 from aggregation import get_device
+from aggregation._errors import shown
 from clients import ClientError
 from clients.client_app import app, keep_entries, kept_entries, refusal, start_update, train_reply, update_metrics
 from clients.protocol import CODEC, LOCAL_DP, MESSAGE_TYPE_TRAIN, codec_from_record, record_of
@@ -118,8 +119,10 @@ class BatchedGrid(InProcessGrid):
         try:
             deltas, losses = self._compute(group, kept)
         except Exception as exc:  # noqa: BLE001 - a loss that vmap cannot run: the ClientApp, one by one
-            log(WARNING, "[fedshield] in-process engine: batched training failed (%r); clients train one at a time", exc)
-            self._support[jobs[0].task.spec] = repr(exc)
+            reason = shown(f"{type(exc).__name__}: {exc}".split("\n", 1)[0], 300)  # (torch's can run to pages)
+            log(WARNING, "[fedshield] in-process engine: batched training failed (%s); clients train one at a time",
+                reason)
+            self._support[jobs[0].task.spec] = reason
             for mid, msg, *_ in group:
                 self._replies[mid] = call_client(self._client, msg, self.contexts[msg.metadata.dst_node_id])
             return

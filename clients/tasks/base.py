@@ -138,7 +138,7 @@ class Task(ABC):
                     loss = self.loss(model(x[batch]), y[batch])
                     loss.backward()
                     if mu > 0:  # the proximal term's gradient, mu (w - w_global), added in one fused pass
-                        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+                        grads = [_dense_grad(p) for p in params]
                         torch._foreach_add_(grads, torch._foreach_sub(params, anchor), alpha=mu)
                         for p, g in zip(params, grads, strict=True):
                             p.grad = g
@@ -389,6 +389,14 @@ def _forward_takes_channels_last(model: nn.Module, x: torch.Tensor) -> bool:
         with torch.no_grad():
             for name, b in model.named_buffers():
                 b.copy_(saved[name])
+
+
+def _dense_grad(p: torch.Tensor) -> torch.Tensor:
+    """``p``'s gradient as a dense tensor (zeros where none): the proximal term touches every entry, and a sparse
+    gradient (``nn.Embedding(sparse=True)``) cannot take a dense addend in place."""
+    if p.grad is None:
+        return torch.zeros_like(p)
+    return p.grad.to_dense() if p.grad.is_sparse else p.grad
 
 
 def _device_of(model: nn.Module) -> torch.device:

@@ -42,6 +42,56 @@ def test_a_regression_task_defined_here_runs_from_python(tmp_path):
     assert 0.0 < s["final_test_loss"] < 1.0  # the target's variance is ~14: it learnt (noise floor 0.01)
 
 
+class Ratings(Task):
+    """A recommender: user and item embeddings with sparse gradients, ratings by MSE."""
+
+    x_dtype, y_dtype, num_classes, sparse = "int64", "float32", None, True
+
+    def build_model(self) -> nn.Module:
+        return _Dot(nn.ModuleDict({"u": nn.Embedding(40, 4, sparse=self.sparse),
+                                   "i": nn.Embedding(30, 4, sparse=self.sparse)}))
+
+    def load_data(self):
+        rng = np.random.default_rng(0)
+        x = np.stack([rng.integers(0, 40, 200), rng.integers(0, 30, 200)], 1)
+        y = np.cos(x[:, 0] * 0.3 + x[:, 1]).astype(np.float32)
+        return Dataset(x[:150], y[:150]), Dataset(x[150:], y[150:])
+
+    def loss(self, output, target):
+        return nn.functional.mse_loss(output, target)
+
+
+class _Dot(nn.Module):
+    def __init__(self, embeddings: nn.ModuleDict) -> None:
+        super().__init__()
+        self.e = embeddings
+
+    def forward(self, x):
+        return (self.e["u"](x[:, 0]) * self.e["i"](x[:, 1])).sum(1)
+
+
+class DenseRatings(Ratings):
+    sparse = False
+
+
+@pytest.mark.parametrize("mu", [0.0, 0.5])
+def test_sparse_embedding_gradients_train_as_dense_ones_fedprox_included(mu):
+    """The default loop takes a sparse gradient (FedProx's term failed on it: add(sparse, dense)) and steps it,
+    momentum included, to what the dense gradient gives."""
+    from clients import TrainSettings
+
+    got = []
+    for task in (Ratings(), DenseRatings()):
+        model = task.build_model()
+        torch.manual_seed(0)
+        for p in model.parameters():
+            nn.init.normal_(p)
+        task.train(model, task.train_set, TrainSettings(local_epochs=2, batch_size=16, lr=0.05, momentum=0.9,
+                                                        proximal_mu=mu), torch.Generator().manual_seed(1))
+        got.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    torch.testing.assert_close(got[0], got[1], rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("name, rule", [
     ("no_such_module_xyz:Task", "must import. Found ModuleNotFoundError: No module named 'no_such_module_xyz'"),
     ("json:dumps", "must name a subclass of clients.Task in json. Found function under 'dumps'"),

@@ -132,6 +132,45 @@ def test_user_loss_tied_and_frozen_parameters() -> None:
     assert not deltas[:, frozen.offset:frozen.offset + frozen.numel].any()
 
 
+class SparseRecommender(Task):
+    """Matrix factorisation with sparse embedding gradients (``nn.Embedding(sparse=True)``): ratings by MSE."""
+
+    x_dtype, y_dtype, num_classes = "int64", "float32", None
+
+    def build_model(self) -> nn.Module:
+        return _Factorisation(sparse=True)
+
+    def load_data(self) -> tuple[Dataset, Dataset]:
+        rng = np.random.default_rng(0)
+        x = np.stack([rng.integers(0, 30, 120), rng.integers(0, 20, 120)], 1)
+        y = (np.sin(x[:, 0]) * np.cos(x[:, 1]) + 0.1 * rng.normal(size=120)).astype(np.float32)
+        return Dataset(x[:100], y[:100]), Dataset(x[100:], y[100:])
+
+    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(output, target)
+
+
+class _Factorisation(nn.Module):
+    def __init__(self, sparse: bool) -> None:
+        super().__init__()
+        self.users, self.items = nn.Embedding(30, 4, sparse=sparse), nn.Embedding(20, 4, sparse=sparse)
+        self.bias = nn.EmbeddingBag(20, 1, mode="sum", sparse=sparse)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.users(x[:, 0]) * self.items(x[:, 1])).sum(1) + self.bias(x[:, 1:])[:, 0]
+
+
+@pytest.mark.parametrize("mu", [0.0, 0.5])
+def test_sparse_embedding_gradients_train_batched_as_one_by_one(mu: float) -> None:
+    """vmap's autograd has no sparse tensors: the batched engine runs the embeddings dense, which must give what
+    the loop's SGD (momentum and FedProx's term included) gives with sparse gradients."""
+    task = SparseRecommender()
+    train = task.train_set
+    data = [Dataset(train.x[s:s + n], train.y[s:s + n]) for s, n in ((0, 37), (37, 9), (46, 54))]
+    assert_equivalent(task, data, TrainSettings(local_epochs=2, batch_size=8, lr=0.1, momentum=0.9, proximal_mu=mu))
+    assert all(m.sparse for m in task.build().modules() if isinstance(m, nn.Embedding | nn.EmbeddingBag))
+
+
 class OwnTrain(Regression):
     def train(self, model, data, settings, generator):
         return {}

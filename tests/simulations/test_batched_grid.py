@@ -85,6 +85,31 @@ def test_a_convolutional_model_trains_one_by_one_on_cpu(tmp_path):
     assert grid.batched_messages == 0 and "convolutions" in next(iter(grid._support.values()))
 
 
+class FailsUnderVmapDigits(DigitsTask):
+    """A loss that fails only under vmap, found once the batched step runs, with an error of many lines (as torch's
+    dispatcher errors are: a sparse gradient's ran to 5 kB)."""
+
+    def loss(self, output, target):
+        if torch._C._functorch.is_batchedtensor(output):
+            raise NotImplementedError("Could not run this op under vmap.\n" + "a backend line\n" * 300)
+        return torch.nn.functional.cross_entropy(output, target)
+
+
+def test_a_batch_that_fails_trains_one_by_one_and_says_why_in_one_line(tmp_path, caplog):
+    from clients.tasks import task_name
+
+    one, _ = run(tmp_path, InProcessGrid(app, 4), "one", task=task_name(FailsUnderVmapDigits),
+                 **{"min-nodes": 4, "num-rounds": 2})
+    grid = BatchedGrid(app, 4)
+    with caplog.at_level("WARNING"):
+        many, _ = run(tmp_path, grid, "many", task=task_name(FailsUnderVmapDigits), **{"min-nodes": 4, "num-rounds": 2})
+    said = [r.getMessage() for r in caplog.records if "batched training failed" in r.getMessage()]
+    assert len(said) == 1 and "NotImplementedError: Could not run this op under vmap." in said[0], said
+    assert "a backend line" not in said[0] and len(said[0]) < 500  # its first line, once; then one by one
+    assert grid.batched_messages == 0 and [r["accepted"] for r in many.history] == [4, 4]
+    torch.testing.assert_close(many.weights, one.weights, rtol=1e-4, atol=2e-5)
+
+
 class BatchNormDigits(DigitsTask):
     """The digits MLP with BatchNorm: running statistics federated, the batch count kept on each node."""
 
