@@ -309,7 +309,7 @@ class BufferedAsyncWorkflow(SyncWorkflow):
         extra: dict[str, Any] = {}
         self._step(self.round + 1, acc.result().mul(acc.total_weight / window["examples"]), extra)
         self.round += 1
-        test_acc, test_loss = self.evaluate_at(self.round)
+        tested = self.evaluate_at(self.round)
         now = self.clock.now()
         rejected: Counter[str] = window["rejected"]
         row: dict[str, Any] = {
@@ -317,7 +317,7 @@ class BufferedAsyncWorkflow(SyncWorkflow):
             "bytes_down": window["bytes_down"], "replies": window["replies"], "accepted": acc.count,
             "rejected": sum(rejected.values()), "rejected_by_rule": dict(rejected), "bytes_up": window["bytes_up"],
             "update_bytes_up": window["update_bytes_up"],
-            "train_loss": window["loss"].value, "test_accuracy": test_acc, "test_loss": test_loss,
+            "train_loss": window["loss"].value, **tested,
             "version": self.version, "round_time_s": now - last_release, **self._run_times(now - last_release),
             "mean_staleness": sum(window["staleness"]) / len(window["staleness"]),
         }

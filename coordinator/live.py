@@ -39,7 +39,7 @@ _LAST_ROUND = ("round", "version", "nodes_online", "selected", "replies", "accep
                "test_accuracy", "test_loss", "train_loss", "bytes_down", "bytes_up", "update_bytes_up",
                "round_time_s", "wall_time_s", "sim_time_s", "epsilon", "local_epsilon_max", "clip", "mean_staleness",
                "fed_eval_nodes", "fed_eval_accuracy", "fed_eval_loss", "fed_eval_rejected", "secagg_survivors",
-               "secagg_dropped", "secagg_failure", "rejected_by_rule")
+               "secagg_dropped", "secagg_failure", "rejected_by_rule", "test_metrics", "fed_eval_metrics")
 _RECENT = ("round", "test_accuracy", "test_loss", "accepted", "rejected", "epsilon")
 
 

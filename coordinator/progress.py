@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from rich.console import Console
@@ -18,7 +19,8 @@ def format_row(row: dict[str, Any], total: int) -> str:
     counts = (f"accepted {row['accepted']} of {row['replies']} replies (sent {row['selected']})"
               if row.get("workflow") == "fedbuff" else f"accepted {row['accepted']}/{row['selected']}")
     return (
-        f"round {row['round']:>3}/{total}  acc {row['test_accuracy']:.4f}  loss {row['test_loss']:.4f}  "
+        f"round {row['round']:>3}/{total}  {headline(row['test_accuracy'], row.get('test_metrics'))}  "
+        f"loss {row['test_loss']:.4f}  "
         f"{counts}  rejected {row['rejected']}  "
         f"down {row['bytes_down'] / 1e6:.2f} MB  up {row['bytes_up'] / 1e6:.2f} MB  {row['round_time_s']:.2f} s{privacy}"
     )
@@ -47,10 +49,30 @@ class RoundProgress:
         # In a terminal rich wraps at its width; into a file or pipe each round stays one line (no wrap at 80).
         self._progress.console.print(format_row(row, self.total), markup=False,
                                      soft_wrap=not self.console.is_terminal)
-        info = f"acc {row['test_accuracy']:.3f}"
+        info = headline(row["test_accuracy"], row.get("test_metrics"), digits=3)
         self._progress.update(self._task, completed=row["round"], info=info)
 
 
-def accuracy_text(value: object) -> str:
-    """A summary's accuracy for a line of output: "n/a" where no round was evaluated (None, nan)."""
-    return f"{value:.4f}" if isinstance(value, int | float) and value == value else "n/a"
+def _finite(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def headline(accuracy: object, metrics: object = None, digits: int = 4) -> str:
+    """A round's result in a few characters: ``acc 0.9556``; for a task without accuracy (a regression, a
+    language model) its first metric that has a value (``rmse 0.912``, ``perplexity 12.3``)."""
+    if not _finite(accuracy) and isinstance(metrics, dict):
+        for name, value in metrics.items():
+            if _finite(value):
+                return f"{name} {value:.{digits}g}"
+    return f"acc {accuracy:.{digits}f}" if _finite(accuracy) else "acc nan"
+
+
+def result_text(summary: dict[str, Any]) -> str:
+    """A run's final result for a line of output: ``test accuracy 0.9556``, else the task's first metric with
+    a value (``test rmse 0.9123``), else ``test accuracy n/a`` (no round evaluated)."""
+    accuracy, metrics = summary.get("final_test_accuracy"), summary.get("final_test_metrics")
+    if not _finite(accuracy) and isinstance(metrics, dict):
+        for name, value in metrics.items():
+            if _finite(value):
+                return f"test {name} {value:.4g}"
+    return f"test accuracy {accuracy:.4f}" if _finite(accuracy) else "test accuracy n/a"

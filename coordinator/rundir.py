@@ -13,6 +13,7 @@ import fcntl
 import hashlib
 import io
 import json
+import math
 import os
 import re
 import tempfile
@@ -38,7 +39,7 @@ METRIC_FIELDS = [
     "sim_time_s", "mean_staleness", "secagg_degree", "secagg_threshold", "secagg_survivors", "secagg_dropped",
     "secagg_server_s", "secagg_shares_left_out", "secagg_stage_s", "secagg_pipelined", "secagg_failure", "late_accepted", "reduced_work",
     "too_few_updates", "non_finite_aggregate", "fed_eval_nodes", "fed_eval_missing", "fed_eval_examples",
-    "fed_eval_loss", "fed_eval_accuracy", "fed_eval_rejected", "weight_total",
+    "fed_eval_loss", "fed_eval_accuracy", "fed_eval_rejected", "weight_total", "test_metrics", "fed_eval_metrics",
 ]
 EPSILON_PLOT = "epsilon.png"
 TIME_PLOT = "accuracy_vs_time.png"
@@ -69,6 +70,25 @@ def time_label(runs: list[list[dict[str, Any]]]) -> str:
     if kinds == {False}:
         return "rounds' wall time summed"
     return "simulated on the virtual engine, else rounds' wall time summed"
+
+
+def headline_metric(rows: list[dict[str, Any]]) -> str:
+    """What the plots show per round: ``accuracy`` where a row has one, else the task's first metric that has a
+    value (a regression's rmse: ``test_metrics``), else ``accuracy`` (nothing evaluated yet)."""
+    if any(_number(r.get("test_accuracy")) and math.isfinite(r["test_accuracy"]) for r in rows):
+        return "accuracy"
+    for r in rows:
+        for name, value in (r.get("test_metrics") or {}).items():
+            if _number(value) and math.isfinite(value):
+                return name
+    return "accuracy"
+
+
+def metric_series(rows: list[dict[str, Any]], name: str) -> list[float]:
+    """Each row's test ``name`` (``headline_metric``'s), nan where the row has none."""
+    if name == "accuracy":
+        return [r["test_accuracy"] for r in rows]
+    return [(r.get("test_metrics") or {}).get(name, math.nan) for r in rows]
 
 
 def _pyplot() -> Any:
@@ -388,17 +408,20 @@ class RunDirectory:
         self._save(fig, EPSILON_PLOT)
 
     def plot_accuracy_vs_time(self, runs: dict[str, list[dict[str, Any]]], title: str) -> None:
-        """``accuracy_vs_time.png``: test accuracy against (simulated) time, one line per run."""
+        """``accuracy_vs_time.png``: test accuracy (``headline_metric``'s, named for ``{metric}`` in ``title``) against
+        (simulated) time, one line per run."""
         plt = _pyplot()
 
         fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
-        title = _plain(title)
+        name = headline_metric([r for rows in runs.values() for r in rows])
+        title = _plain(title.replace("{metric}", name))
         for label, rows in runs.items():
             if rows:
-                ax.plot(time_axis(rows), [r["test_accuracy"] for r in rows], "o-", markersize=3, label=_plain(label))
+                ax.plot(time_axis(rows), metric_series(rows, name), "o-", markersize=3, label=_plain(label))
         ax.set_xlabel(f"time (s; {time_label([rows for rows in runs.values() if rows])})")
-        ax.set_ylabel("test accuracy")
-        ax.set_ylim(0, 1)
+        ax.set_ylabel(f"test {name}")
+        if name == "accuracy":
+            ax.set_ylim(0, 1)
         ax.set_title(title)
         ax.grid(alpha=0.3)
         ax.legend()
@@ -414,17 +437,20 @@ class RunDirectory:
         write_atomic(self.file(name), buf.getvalue())  # a temporary file of its own, as every other file here
 
     def plot(self, rows: list[dict[str, Any]], title: str) -> None:
-        """``accuracy.png``: test accuracy and loss per round."""
+        """``accuracy.png``: test accuracy (``headline_metric``'s, named for ``{metric}`` in ``title``) and loss per
+        round."""
         plt = _pyplot()
 
         rounds = [r["round"] for r in rows]
-        title = _plain(title)
+        name = headline_metric(rows)
+        title = _plain(title.replace("{metric}", name))
         fig, ax1 = plt.subplots(figsize=(7, 4), dpi=100)
-        ax1.plot(rounds, [r["test_accuracy"] for r in rows], "o-", color="tab:blue", label="test accuracy")
+        ax1.plot(rounds, metric_series(rows, name), "o-", color="tab:blue", label=_plain(f"test {name}"))
         ax1.set_xlabel("round")
         ax1.xaxis.set_major_locator(_integer_ticks())
-        ax1.set_ylabel("test accuracy", color="tab:blue")
-        ax1.set_ylim(0, 1)
+        ax1.set_ylabel(_plain(f"test {name}"), color="tab:blue")
+        if name == "accuracy":
+            ax1.set_ylim(0, 1)
         ax2 = ax1.twinx()
         ax2.plot(rounds, [r["test_loss"] for r in rows], "s--", color="tab:red", label="test loss")
         ax2.set_ylabel("test loss", color="tab:red")

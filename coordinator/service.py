@@ -36,7 +36,7 @@ from privacy import CertificatePaths, check_public_key, make_dir
 
 from ._errors import CoordinatorError
 from .config import RunConfig
-from .progress import accuracy_text
+from .progress import result_text
 from .live import announce_start, mark_ended
 from .rundir import SUMMARY, check_run_dir, finished_summary, lock_run_dir, unlock_run_dir
 from .status import StatusServer
@@ -508,7 +508,7 @@ def start_coordinator(config: str, insecure: bool = False, run_dir: str | None =
             result = json.loads(summary.read_text())
             if result.get("failure"):
                 raise CoordinatorError(f"the run must train. Found: {result['failure']}; results in {run_path}")
-            print(f"fedshield coordinator: run completed: accuracy {accuracy_text(result['final_test_accuracy'])} after "
+            print(f"fedshield coordinator: run completed: {result_text(result)} after "
                   f"{result['rounds']} rounds; results in {run_path}")
             return 0
         raise CoordinatorError(f"the run must complete. Found status {status!r}: {details or 'see the log above'}")

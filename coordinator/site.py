@@ -113,8 +113,8 @@ class SiteWorkflow(SyncWorkflow):
         self._delta = delta
         return True
 
-    def evaluate(self) -> tuple[float, float]:
-        return float("nan"), float("nan")
+    def evaluate(self) -> dict[str, Any]:
+        return {"test_accuracy": float("nan"), "test_loss": float("nan")}
 
     def fingerprint(self) -> dict[str, Any]:
         """The site's own settings only: the clients' training, the seed and the rounds come from the coordinator

@@ -36,7 +36,7 @@ from .config import IGNORABLE_KEYS, RunConfig
 from .live import NO_LIVE, recorded
 from .privacy_policy import CentralDp, DistributedDp
 from .profiles import ProfileRegistry, ascending, select_fast_fair, select_uniform
-from .progress import accuracy_text, format_row
+from .progress import format_row, result_text
 from .rundir import CONFIG as CONFIG_FILE
 from .rundir import SUMMARY, RunDirectory, weights_sha256
 from .secure import SecureRound
@@ -88,6 +88,20 @@ class StoppableClock(WallClock):
     def sleep(self, seconds: float) -> None:
         if self.stop.wait(seconds):
             raise RunInterrupted("the run was interrupted; rounds not finished are not saved")
+
+
+def eval_fields(out: dict[str, Any]) -> dict[str, Any]:
+    """A task's ``evaluate`` result as a row's fields: ``test_accuracy`` (nan where the task has none),
+    ``test_loss`` and, where it gives more metrics, ``test_metrics`` (name -> number)."""
+    extra = {}
+    for name, value in out.items():
+        if name not in ("accuracy", "loss"):
+            try:
+                extra[str(name)] = float(value)
+            except (TypeError, ValueError):
+                continue  # (a user's evaluate may return a non-number beside its metrics: not one to record)
+    fields = {"test_accuracy": float(out.get("accuracy", math.nan)), "test_loss": float(out.get("loss", math.nan))}
+    return {**fields, "test_metrics": extra} if extra else fields
 
 
 def weights_digest(weights: torch.Tensor) -> str:
@@ -563,7 +577,7 @@ class SyncWorkflow:
             pushed_at = self.clock.now()  # a remote grid's round-timeout counts from here
             sent, row["bytes_down"] = self._send(rnd, selected)
             row.update(self._collect(rnd, sent, pushed_at))
-        row["test_accuracy"], row["test_loss"] = self.evaluate_at(rnd)
+        row.update(self.evaluate_at(rnd))
         every = self.cfg.server.federated_eval_every
         if every and (rnd % every == 0 or rnd == self.cfg.server.num_rounds):
             from .evaluation import federated_evaluate
@@ -574,18 +588,20 @@ class SyncWorkflow:
         row.update(self._run_times(row["round_time_s"]))
         return row
 
-    def evaluate_at(self, rnd: int) -> tuple[float, float]:
-        """``evaluate`` in the rounds ``central-eval-every`` asks for (and the last); (nan, nan) in the others."""
+    def evaluate_at(self, rnd: int) -> dict[str, Any]:
+        """``evaluate`` in the rounds ``central-eval-every`` asks for (and the last); nan accuracy and loss in the
+        others."""
         every = self.cfg.server.central_eval_every
         if rnd >= self.cfg.server.num_rounds or (every and rnd % every == 0):
             return self.evaluate()
-        return float("nan"), float("nan")
+        return {"test_accuracy": float("nan"), "test_loss": float("nan")}
 
-    def evaluate(self) -> tuple[float, float]:
-        """(accuracy, loss) of the global model on the task's test data (accuracy nan if the task has none)."""
+    def evaluate(self) -> dict[str, Any]:
+        """The global model on the task's test data, as a row's fields: ``test_accuracy`` (nan if the task has
+        none), ``test_loss`` and, where the task's ``evaluate`` gives more (a regression's rmse, a language
+        model's perplexity), ``test_metrics``: those by name."""
         self.layout.load(self.model, self.weights)
-        out = self.task.evaluate(self.model, self.task.test_set)
-        return float(out.get("accuracy", float("nan"))), float(out.get("loss", float("nan")))
+        return eval_fields(self.task.evaluate(self.model, self.task.test_set))
 
     def _last_federated_eval(self) -> dict[str, Any]:
         """The summary's federated evaluation: the last row that has one (none when the run had none)."""
@@ -593,7 +609,8 @@ class SyncWorkflow:
         if not rows:
             return {}
         return {"final_fed_eval_accuracy": rows[-1].get("fed_eval_accuracy"),
-                "final_fed_eval_loss": rows[-1].get("fed_eval_loss"), "fed_eval_round": rows[-1]["round"]}
+                "final_fed_eval_loss": rows[-1].get("fed_eval_loss"),
+                "final_fed_eval_metrics": rows[-1].get("fed_eval_metrics", {}), "fed_eval_round": rows[-1]["round"]}
 
     def _spent(self, key: str) -> float:
         """The last row's ``key`` (``wall_time_s``, ``sim_time_s``): seconds the run had spent by then, 0 before
@@ -641,22 +658,23 @@ class SyncWorkflow:
 
     def finish(self) -> dict[str, Any]:
         last = self.history[-1] if self.history else {}
-        if last and not math.isfinite(float(last.get("test_accuracy", math.nan))):
+        if last and not math.isfinite(float(last.get("test_loss", math.nan))):
             # stopped between central-eval-every's rounds (its budget): the last row is evaluated, before the plots
-            last["test_accuracy"], last["test_loss"] = self.evaluate()
+            last.update(self.evaluate())
         # metrics.csv again: a run stopped between its last checkpoint and this file's write had nothing left
         # to train when resumed, and its last row stayed missing
         self.run_dir.write_metrics(self.history)
         self.layout.load(self.model, self.weights)
         self.run_dir.save_model({k: v.detach().cpu() for k, v in self.model.state_dict().items()})
         if self.history:
-            self.run_dir.plot(self.history, f"{self.cfg.task.label}: accuracy and loss per round")
-            self.run_dir.plot_accuracy_vs_time({self.run_dir.path.name: self.history}, f"{self.cfg.task.label}: accuracy over time")
+            self.run_dir.plot(self.history, f"{self.cfg.task.label}: {{metric}} and loss per round")
+            self.run_dir.plot_accuracy_vs_time({self.run_dir.path.name: self.history}, f"{self.cfg.task.label}: {{metric}} over time")
             if self.cfg.privacy.dp != "none":
                 self.run_dir.plot_epsilon(self.history, f"{self.cfg.task.label}: privacy spent ({self.cfg.privacy.dp} DP)")
         summary = {
             "status": self.status, "rounds": self.round, "version": self.version, "task": self.cfg.task.task,
             "final_test_accuracy": last.get("test_accuracy"), "final_test_loss": last.get("test_loss"),
+            "final_test_metrics": last.get("test_metrics", {}),
             **self._last_federated_eval(),
             "total_bytes_down": sum(r["bytes_down"] for r in self.history),
             "total_bytes_up": sum(r["bytes_up"] for r in self.history),
@@ -691,6 +709,6 @@ class SyncWorkflow:
                             f"at delta {self.cfg.privacy.dp_delta:g}. The coordinator sees clients' noised updates."})
         self.run_dir.write_json(SUMMARY, summary)
         if summary["status"] != NO_UPDATES:
-            log(INFO, "[fedshield] run complete: accuracy %s after %d rounds; results in %s",
-                accuracy_text(summary["final_test_accuracy"]), self.round, self.run_dir.path)
+            log(INFO, "[fedshield] run complete: %s after %d rounds; results in %s", result_text(summary),
+                self.round, self.run_dir.path)
         return summary

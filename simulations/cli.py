@@ -28,7 +28,7 @@ def _path(text: str) -> str:
 def _simulate(args: argparse.Namespace) -> int:
     from coordinator.rundir import check_run_dir, finished_summary, lock_run_dir, time_axis, time_label
 
-    from coordinator.progress import accuracy_text as _accuracy
+    from coordinator.progress import result_text as _result
 
     from clients.client_app import torch_threads
     from clients.config import ConfigError, resolve_path
@@ -101,9 +101,10 @@ def _simulate(args: argparse.Namespace) -> int:
             history = ckpt.get("history") or []
             acc = history[-1].get("test_accuracy") if history else None
             summary = {"final_test_accuracy": float(acc) if isinstance(acc, int | float) else float("nan"), "rounds": done,
+                       "final_test_metrics": history[-1].get("test_metrics", {}) if history else {},
                        "run_dir": str(run_dir.resolve())}
             results.append((run_dir, summary, 0.0))
-            print(f"final test accuracy {_accuracy(summary['final_test_accuracy'])} after {done} rounds (none trained now); "
+            print(f"final {_result(summary)} after {done} rounds (none trained now); "
                   f"results in {summary['run_dir']}")
             continue
         resume = f" (resuming after round {done})" if done else ""
@@ -117,17 +118,17 @@ def _simulate(args: argparse.Namespace) -> int:
             from coordinator import CoordinatorError
 
             raise CoordinatorError(f"{summary['failure']}; results in {summary['run_dir']}")
-        print(f"final test accuracy {_accuracy(summary['final_test_accuracy'])} after {summary['rounds']} rounds; "
+        print(f"final {_result(summary)} after {summary['rounds']} rounds; "
               f"wall time {wall:.1f} s; results in {summary['run_dir']}")
     if len(runs) > 1:
         from coordinator import RunDirectory
         from coordinator.rundir import TIME_PLOT
 
         histories = {labels[d]: (RunDirectory(d).load_checkpoint() or {}).get("history", []) for d, _, _ in results}
-        RunDirectory(parent).plot_accuracy_vs_time(histories, "accuracy over time")
+        RunDirectory(parent).plot_accuracy_vs_time(histories, "{metric} over time")
         for d, summary, wall in results:
             rows = histories[labels[d]]
-            print(f"  {labels[d]:<28} accuracy {_accuracy(summary['final_test_accuracy'])}  time {time_axis(rows)[-1] if rows else 0:.1f} s "
+            print(f"  {labels[d]:<28} {_result(summary).removeprefix('test ')}  time {time_axis(rows)[-1] if rows else 0:.1f} s "
                   f"({time_label([rows])})  wall {wall:.1f} s")
         print(f"comparison plot: {parent / TIME_PLOT}")
     return 0

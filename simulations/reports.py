@@ -65,6 +65,13 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
         return []
 
 
+def _named(metrics: Any) -> str:
+    """A row's task metrics (``test_metrics``, ``fed_eval_metrics``) in words: ``rmse 0.9123, mae 0.71``."""
+    if not isinstance(metrics, dict):
+        return ""
+    return ", ".join(f"{k} {v:.4g}" for k, v in list(metrics.items())[:8] if _number(v))
+
+
 def lock_holder(run_dir: Path) -> int | None:
     """The process holding ``run_dir``'s lock (a run going on there), or None. From /proc/locks (Linux), which
     lists flock holders; elsewhere, the pid the lock file names if that process exists. Reads only: taking the
@@ -269,6 +276,12 @@ def report(path: str, plots: bool = True) -> str:
         if fed:
             out.append(f"          federated {fed[-1]['fed_eval_accuracy']:.4f} (loss {_f(fed[-1].get('fed_eval_loss'), '.4f')}) "
                        f"at round {fed[-1]['round']}, {fed[-1].get('fed_eval_nodes', '?')} nodes")
+        named = [f"test {_named(last.get('test_metrics'))} after round {last.get('round')}"] if _named(
+            last.get("test_metrics")) else []
+        fed = [r for r in rows if _named(r.get("fed_eval_metrics"))]
+        named += [f"federated {_named(fed[-1]['fed_eval_metrics'])} at round {fed[-1]['round']}"] if fed else []
+        if named:  # the task's own (a regression's rmse, a language model's perplexity)
+            out.append(f"metrics   {'; '.join(named)}")
         out.append(f"losses    test {_f(last.get('test_loss'), '.4f')}, train {_f(last.get('train_loss'), '.4f')} "
                    "(last round)")
         out.append(f"bytes     down {_mb(_sum(rows, 'bytes_down'))}, up {_mb(_sum(rows, 'bytes_up'))} "
@@ -319,8 +332,8 @@ def write_plots(run_dir: Path, rows: list[dict[str, Any]], task: str, dp: str, c
 
     label = str(task).rpartition(":")[2]  # as TaskSpec.label
     rd = RunDirectory(run_dir)
-    rd.plot(rows, f"{label}: accuracy and loss per round")
-    rd.plot_accuracy_vs_time({run_dir.name: rows}, f"{label}: accuracy over time")
+    rd.plot(rows, f"{label}: {{metric}} and loss per round")
+    rd.plot_accuracy_vs_time({run_dir.name: rows}, f"{label}: {{metric}} over time")
     names = [PLOT, TIME_PLOT]
     if dp != "none" or any(_number(r.get("epsilon")) or _number(r.get("local_epsilon_max")) for r in rows):
         rd.plot_epsilon(rows, f"{label}: privacy spent ({dp} DP)")

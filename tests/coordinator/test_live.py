@@ -175,3 +175,12 @@ def test_the_page_escapes_what_it_shows():
     page = render_page({"state": "failed", "failure": "<script>alert(1)</script>", "run_dir": "/a&b",
                         "totals": {"rejected_by_rule": {"<b>rule</b>": 1}}})
     assert "<script>" not in page and "&lt;script&gt;" in page and "&lt;b&gt;rule" in page and "/a&amp;b" in page
+
+
+def test_the_page_shows_a_tasks_own_metrics_after_its_accuracy():
+    page = render_page({"state": "running", "last_round": {"round": 2, "test_accuracy": float("nan"), "test_loss": 0.5,
+                                                           "test_metrics": {"rmse": 0.7071, "<i>mae</i>": 0.5},
+                                                           "fed_eval_metrics": {"rmse": 0.75}}})
+    assert page.index("test accuracy") < page.index("test metrics") < page.index("train loss")
+    assert "rmse 0.7071, &lt;i&gt;mae&lt;/i&gt; 0.5" in page and "<i>" not in page
+    assert page.index("federated accuracy") < page.index("federated metrics") and "rmse 0.75" in page

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -150,6 +152,18 @@ def test_plots_draw_titles_and_labels_as_given(tmp_path):
     rd.plot_accuracy_vs_time({"rd_$_$ \udcff": rows}, "b$")
     assert all((tmp_path / "run" / name).stat().st_size > 0
                for name in ("accuracy.png", "epsilon.png", "accuracy_vs_time.png"))
+
+
+def test_plots_show_a_tasks_own_metric_where_it_has_no_accuracy():
+    from coordinator.rundir import headline_metric, metric_series
+
+    nan = float("nan")
+    reg = [{"round": 1, "test_accuracy": nan, "test_metrics": {"rmse": 2.0}}, {"round": 2, "test_accuracy": nan},
+           {"round": 3, "test_accuracy": nan, "test_metrics": {"rmse": 1.5, "mae": 1.0}}]
+    assert headline_metric(reg) == "rmse" and metric_series(reg, "rmse")[::2] == [2.0, 1.5]
+    assert math.isnan(metric_series(reg, "rmse")[1])  # a round not evaluated (central-eval-every)
+    cls = [{"round": 1, "test_accuracy": nan, "test_metrics": {"f1": 0.3}}, {"round": 2, "test_accuracy": 0.8}]
+    assert headline_metric(cls) == "accuracy" and headline_metric([]) == "accuracy"
 
 
 def test_check_run_dir_names_a_link_to_nowhere(tmp_path):

@@ -4,10 +4,19 @@ statistics, and each feature aggregates it."""
 
 from __future__ import annotations
 
+import csv
+import json
+import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from torch import nn
+
+from clients import Dataset, Task
+from clients.tasks import task_name
+from coordinator.rundir import METRICS
 
 from clients.client_app import app
 from clients.tasks import get_task
@@ -112,6 +121,8 @@ def test_each_example_scenario_runs_as_it_is(tmp_path, scenario, band):
     scn = load_scenario(EXAMPLES / "scenarios" / f"{scenario}.toml", {"run.num-rounds": 2})
     s = run_scenario(scn, tmp_path / scenario, show_progress=False)
     assert s["rounds"] == 2 and band[0] <= s["final_test_accuracy"] <= band[1]
+    if scenario == "next-token":  # its own metric, recorded: the test set's perplexity
+        assert s["final_test_metrics"] == {"perplexity": pytest.approx(math.exp(s["final_test_loss"]), rel=1e-6)}
 
 
 def test_federated_evaluation_runs_the_task_evaluate_on_each_clients_held_out_data(tmp_path):
@@ -149,6 +160,73 @@ def test_a_hostile_evaluation_reply_is_refused_and_the_rest_still_count(tmp_path
     row = wf.history[-1]
     assert row["fed_eval_rejected"] == {"non-finite": 1, "bad-num-examples": 1} and row["fed_eval_nodes"] == N - 2
     assert 0 < row["fed_eval_loss"] < 10 and s["status"] == "completed"
+
+
+class Ratings(Task):
+    """A regression with metrics of its own (rmse, mae) and no accuracy."""
+
+    y_dtype, num_classes = "float32", None
+
+    def build_model(self) -> nn.Module:
+        return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 1), nn.Flatten(0))
+
+    def load_data(self):
+        rng = np.random.default_rng(0)
+        x = rng.normal(size=(360, 5)).astype(np.float32)
+        y = (x @ np.array([1.0, -2.0, 0.5, 0.0, 1.5]) + rng.normal(0, 0.1, 360)).astype(np.float32)
+        return Dataset(x[:300], y[:300]), Dataset(x[300:], y[300:])
+
+    def loss(self, output, target):
+        return nn.functional.mse_loss(output, target)
+
+    def metrics(self, output, target):
+        return {"rmse": float(nn.functional.mse_loss(output, target).sqrt()), "mae": float((output - target).abs().mean())}
+
+
+def test_a_tasks_own_metrics_are_recorded_centrally_and_federated(tmp_path):
+    """A task's metrics besides loss and accuracy (they were dropped: a regression's run said only 'acc nan'):
+    each round's test_metrics and fed_eval_metrics, the summary's, metrics.csv's, the round line's and the report's."""
+    from coordinator.progress import format_row, result_text
+    from simulations.reports import report
+
+    wf, s = run(tmp_path, task=task_name(Ratings), partitioning="iid", **{"federated-eval-every": 1})
+    for r in wf.history:  # the test set is one batch of evaluate's: its rmse is the square root of its loss
+        assert set(r["test_metrics"]) == {"rmse", "mae"} and set(r["fed_eval_metrics"]) == {"rmse", "mae"}
+        assert r["test_metrics"]["rmse"] == pytest.approx(math.sqrt(r["test_loss"]), rel=1e-5)
+        # every test example once, on the same model: the clients' weighted mean is the coordinator's own mae
+        assert r["fed_eval_metrics"]["mae"] == pytest.approx(r["test_metrics"]["mae"], rel=1e-4)
+    last = wf.history[-1]
+    assert math.isnan(s["final_test_accuracy"]) and s["final_test_metrics"] == last["test_metrics"]
+    assert s["final_fed_eval_metrics"] == last["fed_eval_metrics"] and s["final_fed_eval_accuracy"] is None
+    assert f"  rmse {last['test_metrics']['rmse']:.4g}  loss " in format_row(last, 2)
+    assert result_text(s) == f"test rmse {last['test_metrics']['rmse']:.4g}"
+    with open(tmp_path / "r" / METRICS) as fh:
+        csv_rows = list(csv.DictReader(fh))
+    assert json.loads(csv_rows[-1]["test_metrics"]) == pytest.approx(last["test_metrics"])
+    assert f"metrics   test rmse {last['test_metrics']['rmse']:.4g}" in report(tmp_path / "r")
+
+
+def test_a_metric_some_replies_lack_is_the_mean_of_those_that_give_it_and_odd_names_are_refused(tmp_path, monkeypatch):
+    import clients.client_app as ca
+
+    real, sent = ca.run_evaluate, {}
+
+    def partial(msg, context):
+        reply = real(msg, context)
+        metrics, pid = reply.content["metrics"], context.node_config["partition-id"]
+        if pid == 0:
+            sent["mae"] = metrics["eval-mae"]
+        elif pid == 1:
+            metrics["eval-\x1b[31mloss"] = 1.0  # a name that would forge terminal colours in the log
+        else:
+            del metrics["eval-mae"]
+        return reply
+
+    monkeypatch.setattr(ca, "run_evaluate", partial)
+    wf, _ = run(tmp_path, task=task_name(Ratings), partitioning="iid", **{"num-rounds": 1, "federated-eval-every": 1})
+    row = wf.history[-1]
+    assert row["fed_eval_rejected"] == {"malformed": 1} and row["fed_eval_nodes"] == N - 1
+    assert row["fed_eval_metrics"]["mae"] == pytest.approx(sent["mae"])  # node 0's alone: not diluted by the rest
 
 
 def test_the_virtual_engine_runs_a_user_task_on_simulated_time(tmp_path):
