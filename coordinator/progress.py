@@ -59,20 +59,21 @@ def _finite(value: object) -> bool:
 
 def headline(accuracy: object, metrics: object = None, digits: int = 4) -> str:
     """A round's result in a few characters: ``acc 0.9556``; for a task without accuracy (a regression, a
-    language model) its first metric that has a value (``rmse 0.912``, ``perplexity 12.3``)."""
+    language model) its first metric by name that has a value (``rmse 0.912``, ``perplexity 12.3``): by name, as
+    summary.json and metrics.csv keep them, so every place shows the same one."""
     if not _finite(accuracy) and isinstance(metrics, dict):
-        for name, value in metrics.items():
+        for name, value in sorted(metrics.items()):
             if _finite(value):
                 return f"{name} {value:.{digits}g}"
     return f"acc {accuracy:.{digits}f}" if _finite(accuracy) else "acc nan"
 
 
 def result_text(summary: dict[str, Any]) -> str:
-    """A run's final result for a line of output: ``test accuracy 0.9556``, else the task's first metric with
-    a value (``test rmse 0.9123``), else ``test accuracy n/a`` (no round evaluated)."""
+    """A run's final result for a line of output: ``test accuracy 0.9556``, else the task's first metric by name
+    with a value (``test rmse 0.9123``), else ``test accuracy n/a`` (no round evaluated)."""
     accuracy, metrics = summary.get("final_test_accuracy"), summary.get("final_test_metrics")
     if not _finite(accuracy) and isinstance(metrics, dict):
-        for name, value in metrics.items():
+        for name, value in sorted(metrics.items()):
             if _finite(value):
                 return f"test {name} {value:.4g}"
     return f"test accuracy {accuracy:.4f}" if _finite(accuracy) else "test accuracy n/a"

@@ -73,12 +73,12 @@ def time_label(runs: list[list[dict[str, Any]]]) -> str:
 
 
 def headline_metric(rows: list[dict[str, Any]]) -> str:
-    """What the plots show per round: ``accuracy`` where a row has one, else the task's first metric that has a
-    value (a regression's rmse: ``test_metrics``), else ``accuracy`` (nothing evaluated yet)."""
+    """What the plots show per round: ``accuracy`` where a row has one, else the task's first metric by name that
+    has a value (a regression's rmse: ``test_metrics``), else ``accuracy`` (nothing evaluated yet)."""
     if any(_number(r.get("test_accuracy")) and math.isfinite(r["test_accuracy"]) for r in rows):
         return "accuracy"
     for r in rows:
-        for name, value in (r.get("test_metrics") or {}).items():
+        for name, value in sorted((r.get("test_metrics") or {}).items()):
             if _number(value) and math.isfinite(value):
                 return name
     return "accuracy"

@@ -101,7 +101,7 @@ def render_page(doc: dict[str, Any]) -> str:
                               ("fed_eval_metrics", "federated metrics", "federated accuracy")):
         if isinstance(last.get(key), dict) and last[key]:  # the task's own (a regression's rmse): after accuracy
             at = next(i for i, (k, _) in enumerate(rows) if k == after) + 1
-            rows.insert(at, (label, ", ".join(f"{k} {_fmt(v, '.4g')}" for k, v in list(last[key].items())[:8])))
+            rows.insert(at, (label, ", ".join(f"{k} {_fmt(v, '.4g')}" for k, v in sorted(last[key].items())[:8])))
     if doc.get("failure"):
         rows.insert(1, ("failure", doc["failure"]))
     table = "".join(f"<tr><th>{e(k)}</th><td>{e(_fmt(v))}</td></tr>" for k, v in rows)

@@ -65,11 +65,21 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
         return []
 
 
+def _result(accuracy: float | None, metrics: dict[str, Any]) -> str:
+    """A run's accuracy for the table, else the task's first metric by name with a value as ``name=value`` (``rmse=0.912``:
+    one word, as every cell), else ``-``."""
+    if accuracy is None:
+        named = next((f"{k}={v:.4g}" for k, v in sorted(metrics.items()) if _number(v) and math.isfinite(v)), None)
+        if named:
+            return named.replace(" ", "_")
+    return _f(accuracy, ".4f")
+
+
 def _named(metrics: Any) -> str:
     """A row's task metrics (``test_metrics``, ``fed_eval_metrics``) in words: ``rmse 0.9123, mae 0.71``."""
     if not isinstance(metrics, dict):
         return ""
-    return ", ".join(f"{k} {v:.4g}" for k, v in list(metrics.items())[:8] if _number(v))
+    return ", ".join(f"{k} {v:.4g}" for k, v in sorted(metrics.items())[:8] if _number(v))
 
 
 def lock_holder(run_dir: Path) -> int | None:
@@ -120,6 +130,8 @@ class RunInfo:
     failure: str = ""
     summary: dict[str, Any] = field(default_factory=dict)
     live: dict[str, Any] = field(default_factory=dict)
+    test_metrics: dict[str, Any] = field(default_factory=dict)  # the task's own, shown where it has no accuracy
+    fed_metrics: dict[str, Any] = field(default_factory=dict)
 
 
 def _mtime(path: Path) -> float:
@@ -168,8 +180,11 @@ def run_info(run_dir: Path, rows: list[dict[str, Any]] | None = None) -> RunInfo
     total = live.get("num_rounds") if _number(live.get("num_rounds")) else None
     if total is None:
         total = (_json(run_dir / CONFIG) or {}).get("num-rounds")
+    named = last.get("test_metrics") or (summary.get("final_test_metrics") if current else None) or {}
+    fed_named = next((r["fed_eval_metrics"] for r in reversed(rows) if isinstance(r.get("fed_eval_metrics"), dict)), {})
     return RunInfo(run_dir, status, rounds, int(total) if _number(total) else None, acc, fed,
-                   eps if _number(eps) else None, wall if _number(wall) else None, modified, failure, summary, live)
+                   eps if _number(eps) else None, wall if _number(wall) else None, modified, failure, summary, live,
+                   named if isinstance(named, dict) else {}, fed_named)
 
 
 def find_runs(top: Path) -> list[Path]:
@@ -215,12 +230,13 @@ def _duration(seconds: Any) -> str:
 def format_runs(runs: list[RunInfo], top: str) -> str:
     """A plain, aligned table (one run a line; nothing wraps or is cut, piped or not)."""
     root = Path(top).expanduser()
-    head = ("RUN", "STATUS", "ROUNDS", "TEST ACC", "FED ACC", "EPSILON", "WALL", "MODIFIED")
+    head = ("RUN", "STATUS", "ROUNDS", "TEST", "FED", "EPSILON", "WALL", "MODIFIED")
     lines = [head]
     for r in runs:
         name = str(r.path.relative_to(root)) if r.path != root else r.path.name or str(r.path)
         rounds = f"{r.rounds}/{r.num_rounds}" if r.num_rounds else str(r.rounds)
-        lines.append((name, r.status, rounds, _f(r.test_accuracy, ".4f"), _f(r.fed_accuracy, ".4f"),
+        lines.append((name, r.status, rounds, _result(r.test_accuracy, r.test_metrics),
+                      _result(r.fed_accuracy, r.fed_metrics),
                       _f(r.epsilon, ".3g"), _duration(r.wall_time_s),
                       time.strftime("%Y-%m-%d %H:%M", time.localtime(r.modified))))
     widths = [max(len(row[i]) for row in lines) for i in range(len(head))]

@@ -40,7 +40,7 @@ def runs(tmp_path_factory):
 def test_runs_lists_each_run_directory_with_its_figures_oldest_first(runs, capsys):
     assert main(["runs", str(runs)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["RUN", "STATUS", "ROUNDS", "TEST", "ACC", "FED", "ACC", "EPSILON", "WALL", "MODIFIED"]
+    assert lines[0].split() == ["RUN", "STATUS", "ROUNDS", "TEST", "FED", "EPSILON", "WALL", "MODIFIED"]
     names = [line.split()[0] for line in lines[1:]]
     assert names == ["compare-x/dp", "plain", "killed"]
     rows = {line.split()[0]: line.split() for line in lines[1:]}

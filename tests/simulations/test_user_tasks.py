@@ -187,7 +187,7 @@ def test_a_tasks_own_metrics_are_recorded_centrally_and_federated(tmp_path):
     """A task's metrics besides loss and accuracy (they were dropped: a regression's run said only 'acc nan'):
     each round's test_metrics and fed_eval_metrics, the summary's, metrics.csv's, the round line's and the report's."""
     from coordinator.progress import format_row, result_text
-    from simulations.reports import report
+    from simulations.reports import format_runs, list_runs, report
 
     wf, s = run(tmp_path, task=task_name(Ratings), partitioning="iid", **{"federated-eval-every": 1})
     for r in wf.history:  # the test set is one batch of evaluate's: its rmse is the square root of its loss
@@ -198,12 +198,14 @@ def test_a_tasks_own_metrics_are_recorded_centrally_and_federated(tmp_path):
     last = wf.history[-1]
     assert math.isnan(s["final_test_accuracy"]) and s["final_test_metrics"] == last["test_metrics"]
     assert s["final_fed_eval_metrics"] == last["fed_eval_metrics"] and s["final_fed_eval_accuracy"] is None
-    assert f"  rmse {last['test_metrics']['rmse']:.4g}  loss " in format_row(last, 2)
-    assert result_text(s) == f"test rmse {last['test_metrics']['rmse']:.4g}"
+    mae, rmse = last["test_metrics"]["mae"], last["test_metrics"]["rmse"]  # shown: the first by name
+    assert f"  mae {mae:.4g}  loss " in format_row(last, 2) and result_text(s) == f"test mae {mae:.4g}"
     with open(tmp_path / "r" / METRICS) as fh:
         csv_rows = list(csv.DictReader(fh))
     assert json.loads(csv_rows[-1]["test_metrics"]) == pytest.approx(last["test_metrics"])
-    assert f"metrics   test rmse {last['test_metrics']['rmse']:.4g}" in report(tmp_path / "r")
+    assert f"metrics   test mae {mae:.4g}, rmse {rmse:.4g} after round 2" in report(tmp_path / "r")
+    row = format_runs(list_runs(str(tmp_path)), str(tmp_path)).splitlines()[1].split()  # fedshield runs
+    assert row[3:5] == [f"mae={mae:.4g}", f"mae={last['fed_eval_metrics']['mae']:.4g}"]
 
 
 def test_a_metric_some_replies_lack_is_the_mean_of_those_that_give_it_and_odd_names_are_refused(tmp_path, monkeypatch):
