@@ -40,7 +40,9 @@ read as dense float32: the plain format any Flower ClientApp can send, with "num
 
 from __future__ import annotations
 
+import numbers
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -60,6 +62,7 @@ WORK_METRICS = ("train-time-s", CLIENT_TIME)  # the reported times a simulated d
 MESSAGE_TYPE_TRAIN = "train"
 MESSAGE_TYPE_EVALUATE = "evaluate"  # the train message's arrays and config; the reply: metrics only
 EVAL_PREFIX = "eval-"  # an evaluate reply's metrics: num-examples and eval-NAME (eval-loss, eval-accuracy, ...)
+MAX_EVAL_METRICS, MAX_METRIC_NAME = 32, 64  # an evaluation's metrics besides num-examples, and a name's characters
 MESSAGE_TYPE_SECAGG = "train.secagg"
 SECAGG, SECAGG_KEYS, SECAGG_SHARES, MASKED = "secagg", "secagg-keys", "secagg-shares", "masked"
 SECAGG_UNOPENED = "secagg-unopened"  # masked-input reply: {node: b""} for shares it could not open
@@ -196,3 +199,22 @@ def node_map(record: ConfigRecord | None, what: str) -> dict[int, bytes]:
             raise ClientError(f"'{what}' must map node ids (ASCII digits) to bytes. Found key {key[:20]!r}.")
         out[int(key)] = value
     return out
+
+
+def metric_values(out: Mapping[Any, Any]) -> dict[str, float]:
+    """A task's ``evaluate`` result as fedshield records it, on the coordinator and on a client alike: each number
+    (an int or float, a numpy scalar, a 0-d tensor; not a bool) under its name, where the name is printable text
+    of 1 to ``MAX_METRIC_NAME`` characters; at most ``MAX_EVAL_METRICS`` of them. Anything else is left out."""
+    values: dict[str, float] = {}
+    for name, value in out.items():
+        if len(values) == MAX_EVAL_METRICS:
+            break
+        if not (isinstance(name, str) and name.isprintable() and 0 < len(name) <= MAX_METRIC_NAME):
+            continue
+        if isinstance(value, bool) or not (isinstance(value, numbers.Real) or getattr(value, "shape", None) == ()):
+            continue
+        try:
+            values[name] = float(value)
+        except (TypeError, ValueError, RuntimeError):
+            continue
+    return values

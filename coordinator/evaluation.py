@@ -1,6 +1,7 @@
 """Federated evaluation: the global model evaluated by the clients, each with the task's own evaluate on
-its held-out data; the coordinator takes the example-weighted mean of each metric (over the replies that give
-it): loss and accuracy in their own fields, the task's others (a regression's rmse) in ``fed_eval_metrics``.
+its held-out data; the coordinator takes the example-weighted mean of each metric the task's evaluate gives (over
+the replies that give it; a name it does not give is not recorded): loss and accuracy in their own fields, the
+task's others (a regression's rmse) in ``fed_eval_metrics``.
 
 Every reply is validated before use (one metrics record of finite numbers within bounds, from the node
 asked, within 64 KiB); a refused reply is counted and logged with its reason, and the others still count.
@@ -18,14 +19,12 @@ from flwr.common.logger import log
 
 from aggregation import tensor_to_array
 from aggregation._errors import shown
-from clients.protocol import (ARRAYS, CONFIG, EVAL_PREFIX, MESSAGE_TYPE_EVALUATE, METRICS, WEIGHTS, TrainInstruction,
-                              message_nbytes, record_of)
+from clients.protocol import (ARRAYS, CONFIG, EVAL_PREFIX, MAX_EVAL_METRICS, MAX_METRIC_NAME, MESSAGE_TYPE_EVALUATE,
+                              METRICS, WEIGHTS, TrainInstruction, message_nbytes, record_of)
 
 from .validation import MAX_SIDE_BYTES, deadline_of, pull_bounded, pushed
 
-MAX_EVAL_METRICS = 32  # a reply's metrics besides num-examples
 MAX_METRIC = 1e30  # |value| past this is no loss or accuracy: refused
-MAX_NAME = 64  # characters in a metric's name
 
 
 class _Refused(Exception):
@@ -52,8 +51,8 @@ def _check_reply(reply: Message, node: int, max_examples: int) -> tuple[int, dic
     if len(values) > MAX_EVAL_METRICS or len(values) != len(metrics) - 1:
         raise _Refused("malformed", f"at most {MAX_EVAL_METRICS} metrics, each named {EVAL_PREFIX}NAME")
     for key, v in values.items():
-        if not (key.isprintable() and 0 < len(key) <= MAX_NAME):  # (it is recorded, logged and shown on a page)
-            raise _Refused("malformed", f"metric names must be 1 to {MAX_NAME} printable characters; found "
+        if not (key.isprintable() and 0 < len(key) <= MAX_METRIC_NAME):  # (logged; as metric_values names them)
+            raise _Refused("malformed", f"metric names must be 1 to {MAX_METRIC_NAME} printable characters; found "
                            f"{shown(key, 40)}")
         if not (isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and abs(v) <= MAX_METRIC):
             raise _Refused("non-finite", f"metric {key[:40]!r} must be a finite number with |value| <= {MAX_METRIC:g}")
@@ -70,6 +69,7 @@ def federated_evaluate(wf: Any, rnd: int, nodes: list[int]) -> dict[str, Any]:
                     ttl=s.round_timeout + 60.0) for n in nodes]
     started = wf.clock.now()
     sent = {mid: m.metadata.dst_node_id for mid, m in pushed(wf.grid, msgs)}
+    names = wf.eval_names  # what the task's evaluate gives: another name a client sends is not recorded
     sums: dict[str, float] = {}
     weights: Counter[str] = Counter()  # each metric's examples: a reply that gives no such metric does not dilute it
     examples, accepted, rejected = 0, 0, Counter()
@@ -84,8 +84,9 @@ def federated_evaluate(wf: Any, rnd: int, nodes: list[int]) -> dict[str, Any]:
             continue
         examples, accepted = examples + n, accepted + 1
         for key, v in values.items():
-            sums[key] = sums.get(key, 0.0) + n * v
-            weights[key] += n
+            if key in names:
+                sums[key] = sums.get(key, 0.0) + n * v
+                weights[key] += n
     means = {k: v / weights[k] for k, v in sums.items()}
     out = {"fed_eval_nodes": accepted, "fed_eval_missing": len(sent) - len(replies), "fed_eval_examples": examples,
            "fed_eval_loss": means.pop("loss", None), "fed_eval_accuracy": means.pop("accuracy", None),

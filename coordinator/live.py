@@ -40,7 +40,7 @@ _LAST_ROUND = ("round", "version", "nodes_online", "selected", "replies", "accep
                "round_time_s", "wall_time_s", "sim_time_s", "epsilon", "local_epsilon_max", "clip", "mean_staleness",
                "fed_eval_nodes", "fed_eval_accuracy", "fed_eval_loss", "fed_eval_rejected", "secagg_survivors",
                "secagg_dropped", "secagg_failure", "rejected_by_rule", "test_metrics", "fed_eval_metrics")
-_RECENT = ("round", "test_accuracy", "test_loss", "accepted", "rejected", "epsilon")
+_RECENT = ("round", "test_accuracy", "test_loss", "test_metrics", "accepted", "rejected", "epsilon")
 
 
 def _number(v: Any) -> bool:

@@ -151,6 +151,10 @@ def _inconsistency(state: dict[str, Any]) -> str | None:
             value = row.get(key)
             if not (_number(value) or (optional and value is None)):
                 return f"round {row['round']}'s {key} must be a number. Found {str(value)[:20]!r}"
+        for key in ("test_metrics", "fed_eval_metrics"):  # a task's own metrics, by name, where it gives any
+            value = row.get(key, {})
+            if not (isinstance(value, dict) and all(isinstance(k, str) and _number(v) for k, v in value.items())):
+                return f"round {row['round']}'s {key} must map names to numbers. Found {str(value)[:20]!r}"
     if not all(isinstance(k, str) for k in state["rejections"]):
         return "rejection counts must be keyed by rule names"
     if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in state["rejections"].values()):

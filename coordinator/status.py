@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import html
 import json
+import math
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -17,7 +18,7 @@ from typing import Any
 
 from ._errors import CoordinatorError
 from .live import ENDED
-from .rundir import STATUS
+from .rundir import STATUS, headline_metric, metric_series
 
 HOST = "127.0.0.1"
 REFRESH_S = 3
@@ -54,17 +55,26 @@ def _mb(value: Any) -> str:
 
 
 def _chart(recent: list[dict[str, Any]]) -> str:
-    """Test accuracy per round as an inline SVG polyline (empty without two evaluated rounds)."""
-    pts = [(r["round"], r["test_accuracy"]) for r in recent
-           if isinstance(r.get("round"), int) and isinstance(r.get("test_accuracy"), int | float)]
+    """Test accuracy per round as an inline SVG polyline, or a task's own metric where it has no accuracy (the
+    plots' ``headline_metric``, scaled to its range); empty without two evaluated rounds."""
+    rows = [r for r in recent if isinstance(r, dict) and isinstance(r.get("round"), int)]
+    try:
+        name = headline_metric(rows)
+        pts = [(r["round"], y) for r, y in zip(rows, metric_series(rows, name), strict=True)
+               if isinstance(y, int | float) and not isinstance(y, bool) and math.isfinite(y)]
+    except (AttributeError, TypeError):  # (status.json is a file: a damaged one shows no chart)
+        return ""
     if len(pts) < 2:
         return ""
     x0, x1 = pts[0][0], pts[-1][0]
+    lo, hi = (0.0, 1.0) if name == "accuracy" else (min(y for _, y in pts), max(y for _, y in pts))
     w, h = 480, 120
-    coords = " ".join(f"{(x - x0) / max(1, x1 - x0) * (w - 10) + 5:.1f},{(1 - min(max(y, 0), 1)) * (h - 10) + 5:.1f}"
-                      for x, y in pts)
-    return (f'<h2>Test accuracy, rounds {x0}-{x1}</h2><svg width="{w}" height="{h}" role="img" '
-            f'aria-label="test accuracy per round"><rect width="{w}" height="{h}" fill="#f6f6f6"/>'
+    coords = " ".join(f"{(x - x0) / max(1, x1 - x0) * (w - 10) + 5:.1f},"
+                      f"{(1 - min(max((y - lo) / ((hi - lo) or 1.0), 0), 1)) * (h - 10) + 5:.1f}" for x, y in pts)
+    label = html.escape(f"test {name}")
+    span = "" if name == "accuracy" else f" ({lo:.4g} to {hi:.4g})"
+    return (f'<h2>Test {html.escape(name)}{span}, rounds {x0}-{x1}</h2><svg width="{w}" height="{h}" role="img" '
+            f'aria-label="{label} per round"><rect width="{w}" height="{h}" fill="#f6f6f6"/>'
             f'<polyline fill="none" stroke="#1f77b4" stroke-width="2" points="{coords}"/></svg>')
 
 

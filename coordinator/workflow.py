@@ -14,6 +14,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from functools import cached_property
 from logging import INFO, WARNING
 from typing import Any, Protocol
 
@@ -26,7 +27,7 @@ from aggregation import AggregationError, create_server_optimizer, get_device, t
 from aggregation._errors import shown
 from aggregation.staleness import create_staleness
 from clients.protocol import (ARRAYS, CLIENT_TIME, CODEC, CONFIG, LOCAL_DP, MESSAGE_TYPE_TRAIN, METRICS, WEIGHTS, TrainInstruction,
-                              message_nbytes, update_nbytes)
+                              message_nbytes, metric_values, update_nbytes)
 from clients.tasks import get_task, load_task
 
 from ._errors import CoordinatorError
@@ -90,17 +91,18 @@ class StoppableClock(WallClock):
             raise RunInterrupted("the run was interrupted; rounds not finished are not saved")
 
 
+def _evaluated(row: dict[str, Any]) -> bool:
+    """Whether a row holds a central evaluation: a finite accuracy, loss or task metric (nan in the rounds
+    ``central-eval-every`` skips)."""
+    values = [row.get("test_accuracy"), row.get("test_loss"), *(row.get("test_metrics") or {}).values()]
+    return any(isinstance(v, int | float) and math.isfinite(v) for v in values)
+
+
 def eval_fields(out: dict[str, Any]) -> dict[str, Any]:
     """A task's ``evaluate`` result as a row's fields: ``test_accuracy`` (nan where the task has none),
     ``test_loss`` and, where it gives more metrics, ``test_metrics`` (name -> number)."""
-    extra = {}
-    for name, value in out.items():
-        if name not in ("accuracy", "loss"):
-            try:
-                extra[str(name)] = float(value)
-            except (TypeError, ValueError):
-                continue  # (a user's evaluate may return a non-number beside its metrics: not one to record)
-    fields = {"test_accuracy": float(out.get("accuracy", math.nan)), "test_loss": float(out.get("loss", math.nan))}
+    extra = metric_values(out)  # the numbers under plain names, as a client's federated evaluation sends them
+    fields = {"test_accuracy": extra.pop("accuracy", math.nan), "test_loss": extra.pop("loss", math.nan)}
     return {**fields, "test_metrics": extra} if extra else fields
 
 
@@ -603,6 +605,14 @@ class SyncWorkflow:
         self.layout.load(self.model, self.weights)
         return eval_fields(self.task.evaluate(self.model, self.task.test_set))
 
+    @cached_property
+    def eval_names(self) -> frozenset[str]:
+        """The metric names this run's task's ``evaluate`` gives (loss, accuracy where it has one, its others), from
+        one evaluation of its test data: federated evaluation averages these, and no other name a client sends
+        (one client's made-up metric, or an accuracy for a regression, would otherwise be a run's figure)."""
+        self.layout.load(self.model, self.weights)
+        return frozenset(metric_values(self.task.evaluate(self.model, self.task.test_set)))
+
     def _last_federated_eval(self) -> dict[str, Any]:
         """The summary's federated evaluation: the last row that has one (none when the run had none)."""
         rows = [r for r in self.history if r.get("fed_eval_nodes")]
@@ -658,7 +668,7 @@ class SyncWorkflow:
 
     def finish(self) -> dict[str, Any]:
         last = self.history[-1] if self.history else {}
-        if last and not math.isfinite(float(last.get("test_loss", math.nan))):
+        if last and not _evaluated(last):
             # stopped between central-eval-every's rounds (its budget): the last row is evaluated, before the plots
             last.update(self.evaluate())
         # metrics.csv again: a run stopped between its last checkpoint and this file's write had nothing left

@@ -61,6 +61,16 @@ def batched_supported(task: Task, model: nn.Module) -> str | None:
     if drop is not None:
         return (f"the model draws random numbers in training ({drop!r}, dropout): the one-by-one loop draws them "
                 "from torch's global generator in client order, which a batched step cannot reproduce")
+    emb = next((n for n, m in model.named_modules() if isinstance(m, nn.Embedding | nn.EmbeddingBag)
+                and (m.max_norm is not None or m.scale_grad_by_freq)), None)
+    if emb is not None:
+        return (f"embedding {emb!r} renormalises its rows in place as it reads them (max_norm) or scales its gradient "
+                "by how often a batch reads each row (scale_grad_by_freq), which a step batched over clients (each "
+                "example's loss apart) cannot reproduce")
+    bag = next((n for n, m in model.named_modules() if isinstance(m, nn.EmbeddingBag) and m.sparse
+                and m.mode == "max"), None)
+    if bag is not None:  # the loop refuses it (torch: "max mode does not support sparse weights"): so must this
+        return f"EmbeddingBag {bag!r} has mode='max' with sparse gradients, which torch does not train"
     if not any(p.requires_grad for p in model.parameters()):
         return "the model has no trainable parameters (SGD refuses an empty parameter list)"
     return None

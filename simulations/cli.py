@@ -94,15 +94,12 @@ def _simulate(args: argparse.Namespace) -> int:
     for (scn, run_dir), (done, ckpt), label in zip(runs, resumed, names if len(runs) > 1 else [""], strict=True):
         labels[run_dir] = label
         wanted = scn.run.server.num_rounds
-        if ckpt is not None and finished_summary(run_dir, done, wanted) is not None:
+        finished = finished_summary(run_dir, done, wanted) if ckpt is not None else None
+        if finished is not None:
             # Nothing to train: say so (exit 0, the run directory is left as it was) instead of announcing rounds.
             print(f"fedshield simulate: {run_dir} already holds {done} rounds (>= the {wanted} requested); nothing "
                   f"trained, its results are unchanged. Give --rounds N with N > {done} to train more.", file=sys.stderr)
-            history = ckpt.get("history") or []
-            acc = history[-1].get("test_accuracy") if history else None
-            summary = {"final_test_accuracy": float(acc) if isinstance(acc, int | float) else float("nan"), "rounds": done,
-                       "final_test_metrics": history[-1].get("test_metrics", {}) if history else {},
-                       "run_dir": str(run_dir.resolve())}
+            summary = {**finished, "run_dir": str(run_dir.resolve())}  # (its figures: the last row re-evaluated)
             results.append((run_dir, summary, 0.0))
             print(f"final {_result(summary)} after {done} rounds (none trained now); "
                   f"results in {summary['run_dir']}")

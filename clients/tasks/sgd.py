@@ -1,4 +1,5 @@
-"""Plain SGD with momentum: torch.optim.SGD's update (dampening 0, no Nesterov, no weight decay), bit for bit.
+"""Plain SGD with momentum: torch.optim.SGD's update (dampening 0, no Nesterov, no weight decay), bit for bit
+(for a sparse gradient with momentum, to float rounding: its momentum buffer is dense here).
 
 Why not torch.optim.SGD: its first step imports torch._dynamo (2 s and 71 MB in a fresh agent worker, which
 never compiles), and its construction per client is a measurable part of a simulated client's overhead.
@@ -38,7 +39,8 @@ class SGD:
                 torch._foreach_mul_(kept, self.momentum)
                 torch._foreach_add_(kept, [steps[j] for j in old])
             for j, i in enumerate(live):
-                if self.buffers[i] is None:  # the first step: buf = grad
-                    self.buffers[i] = torch.clone(steps[j]).detach()
+                if self.buffers[i] is None:  # the first step: buf = grad (dense: a sparse buffer that
+                    g = steps[j]  # takes each step's rows uncoalesced grows without bound, and slows every step)
+                    self.buffers[i] = g.to_dense() if g.is_sparse else torch.clone(g).detach()
             steps = [self.buffers[i] for i in live]
         torch._foreach_add_(params, steps, alpha=-self.lr)

@@ -286,3 +286,14 @@ def test_a_long_codec_name_or_parameter_is_cut_in_the_reason(record):
     with pytest.raises(ClientError) as info:
         run_train(_train_message(torch.zeros(4), record), _context())
     assert len(str(info.value)) < 1000
+
+
+def test_metric_values_keep_numbers_under_plain_names_as_both_sides_record_them():
+    from clients.protocol import MAX_EVAL_METRICS, metric_values
+
+    out = {"loss": 0.5, "rmse": np.float32(0.25), "n": 3, "mean": torch.tensor(1.5), "flag": True,
+           "tensor": torch.ones(2), "text": "0.7", "bad\x1bname": 1.0, "x" * 65: 1.0, "": 1.0, 7: 1.0, "acc": float("nan")}
+    got = metric_values(out)
+    assert got == pytest.approx({"loss": 0.5, "rmse": 0.25, "n": 3.0, "mean": 1.5, "acc": float("nan")}, nan_ok=True)
+    assert all(type(v) is float for v in got.values())
+    assert len(metric_values({f"m{i}": float(i) for i in range(40)})) == MAX_EVAL_METRICS

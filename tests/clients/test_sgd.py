@@ -43,3 +43,22 @@ def test_no_gradient_no_step_and_zero_grad_keeps_tensors_when_asked():
     opt.step()
     opt.zero_grad(set_to_none=False)
     assert torch.equal(p.detach(), torch.zeros(3)) and torch.equal(p.grad, torch.zeros(3))
+
+
+def test_a_sparse_gradient_with_momentum_keeps_a_dense_buffer_and_torchs_values():
+    """torch's sparse momentum buffer takes each step's rows uncoalesced: 1,500 steps on a 5,000-row table took
+    15 s against 0.3 s dense (a review). Ours is dense from its first step, with the same values to rounding."""
+    torch.manual_seed(0)
+    ours, theirs = nn.Embedding(300, 8, sparse=True), nn.Embedding(300, 8, sparse=True)
+    theirs.load_state_dict(ours.state_dict())
+    opt_ours, opt_theirs = SGD(ours.parameters(), lr=0.1, momentum=0.9), torch.optim.SGD(theirs.parameters(), lr=0.1,
+                                                                                       momentum=0.9)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(40):
+        idx = torch.randint(0, 300, (16,), generator=gen)
+        for model, opt in ((ours, opt_ours), (theirs, opt_theirs)):
+            opt.zero_grad(set_to_none=True)
+            model(idx).pow(2).sum().backward()
+            opt.step()
+    assert not opt_ours.buffers[0].is_sparse
+    torch.testing.assert_close(ours.weight, theirs.weight, rtol=1e-5, atol=1e-6)

@@ -184,3 +184,11 @@ def test_the_page_shows_a_tasks_own_metrics_after_its_accuracy():
     assert page.index("test accuracy") < page.index("test metrics") < page.index("train loss")
     assert "&lt;i&gt;mae&lt;/i&gt; 0.5, rmse 0.7071" in page and "<i>" not in page  # by name, escaped
     assert page.index("federated accuracy") < page.index("federated metrics") and "rmse 0.75" in page
+
+
+def test_the_pages_chart_draws_a_tasks_own_metric_where_it_has_no_accuracy():
+    nan = float("nan")
+    recent = [{"round": r, "test_accuracy": nan, "test_metrics": {"rmse": 2.0 / r}} for r in (1, 2, 3)]
+    page = render_page({"state": "running", "recent": recent})
+    assert "<h2>Test rmse (0.6667 to 2), rounds 1-3</h2>" in page and page.count("<polyline") == 1
+    assert "<polyline" not in render_page({"state": "running", "recent": [{"round": 1, "test_metrics": [1]}] * 3})

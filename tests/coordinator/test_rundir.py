@@ -67,6 +67,10 @@ def _state(**changes):
     ({"history": [_row(1), {"round": 2}]}, "round 2's test_accuracy must be a number. Found 'None'"),
     ({"history": [_row(1), _row(2, bytes_down="x")]}, "round 2's bytes_down must be a number. Found 'x'"),
     ({"rejections": {1: 2, "a": 3}}, "rejection counts must be keyed by rule names"),
+    ({"history": [_row(1), _row(2, test_metrics=[1.0])]},
+     r"round 2's test_metrics must map names to numbers. Found '\[1.0\]'"),
+    ({"history": [_row(1, fed_eval_metrics={"rmse": "x"}), _row(2)]},
+     "round 1's fed_eval_metrics must map names to numbers. Found \"{'rmse': 'x'}\""),
 ])
 def test_a_checkpoint_whose_parts_disagree_is_one_error(tmp_path, changes, problem):
     """Each of these loaded and then ended in a traceback, or ran on silently (NaN weights: every reply refused)."""

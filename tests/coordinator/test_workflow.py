@@ -660,3 +660,14 @@ def test_federated_evaluation_keeps_the_same_deadline_and_bounded_pulls(tmp_path
     # train: push 0-20 s, asks end at 30, 40, 50; evaluation: push 50-70 s (deadline 95), asks end at 80, 90, 100
     assert row["accepted"] == 12 and row["fed_eval_nodes"] == 12 and row["fed_eval_missing"] == 4
     assert grid.asks == [4, 4, 4, 4, 4, 4]
+
+
+def test_a_row_counts_as_evaluated_by_any_figure_of_the_tasks():
+    """The end of a run evaluates its last row again only when it holds none (a task without accuracy, or
+    without a loss, was evaluated twice at every end)."""
+    from coordinator.workflow import _evaluated
+
+    nan = float("nan")
+    assert _evaluated({"test_accuracy": 0.9, "test_loss": nan}) and _evaluated({"test_accuracy": nan, "test_loss": 1.0})
+    assert _evaluated({"test_accuracy": nan, "test_loss": nan, "test_metrics": {"auc": 0.7}})
+    assert not _evaluated({"test_accuracy": nan, "test_loss": nan}) and not _evaluated({"test_metrics": {"auc": nan}})

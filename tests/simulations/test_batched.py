@@ -374,6 +374,14 @@ def test_refusals_say_why(digits: Task) -> None:
     stateless = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8, track_running_stats=False))
     assert batched_supported(Regression(), stateless) is None
     assert "dropout" in batched_supported(Regression(), nn.Sequential(nn.Linear(6, 2), nn.Dropout(0.1)))
+    # an embedding that renormalises its rows as it reads them, or scales its gradient by a batch's counts, trains
+    # otherwise batched than one by one (by 0.02-0.4, a review); a sparse max-bag, which torch does not train at all
+    for emb in (nn.Embedding(9, 2, max_norm=1.0), nn.EmbeddingBag(9, 2, max_norm=1.0),
+                nn.Embedding(9, 2, scale_grad_by_freq=True)):
+        assert "max_norm" in batched_supported(SparseRecommender(), nn.Sequential(emb))
+    assert "mode='max'" in batched_supported(SparseRecommender(), nn.Sequential(nn.EmbeddingBag(9, 2, mode="max",
+                                                                                                 sparse=True)))
+    assert batched_supported(SparseRecommender(), nn.Sequential(nn.EmbeddingBag(9, 2, mode="max"))) is None
     task, data = OwnTrain(), [Regression().train_set]
     with pytest.raises(ValueError, match="cannot be trained batched: task OwnTrain brings its own train"):
         train_batched(task, task.init_weights(0), data, TrainSettings(), [torch.Generator()])

@@ -222,6 +222,8 @@ def test_a_metric_some_replies_lack_is_the_mean_of_those_that_give_it_and_odd_na
             metrics["eval-\x1b[31mloss"] = 1.0  # a name that would forge terminal colours in the log
         else:
             del metrics["eval-mae"]
+            if pid == 2:  # names the task does not give: an accuracy for a regression, one first by name
+                metrics["eval-accuracy"], metrics["eval-!"] = 1.0, 5.0
         return reply
 
     monkeypatch.setattr(ca, "run_evaluate", partial)
@@ -229,6 +231,7 @@ def test_a_metric_some_replies_lack_is_the_mean_of_those_that_give_it_and_odd_na
     row = wf.history[-1]
     assert row["fed_eval_rejected"] == {"malformed": 1} and row["fed_eval_nodes"] == N - 1
     assert row["fed_eval_metrics"]["mae"] == pytest.approx(sent["mae"])  # node 0's alone: not diluted by the rest
+    assert set(row["fed_eval_metrics"]) == {"mae", "rmse"} and row["fed_eval_accuracy"] is None
 
 
 def test_the_virtual_engine_runs_a_user_task_on_simulated_time(tmp_path):
