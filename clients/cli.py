@@ -28,7 +28,7 @@ from .data import check_split, load_npz, save_npz
 from .flower_pins import EMPTY_PULL_SLEEP as IDLE_POLL
 from .flower_pins import write_atomically
 from .supervisor import NODE_FILE, RECEIVED, RUNTIME, SECRET, Plan, start_process, stop_group
-from .tasks import load_task
+from .tasks import Task, load_task
 
 # Flower exit codes (flwr.supercore.exit.ExitCode) a device owner may meet, in words.
 def export_partitions(task: str, num_partitions: int, out: str, partitioning: str = "dirichlet",
@@ -49,6 +49,8 @@ def export_partitions(task: str, num_partitions: int, out: str, partitioning: st
         spec = build_config(TaskSpec, {"task": task, "partitioning": partitioning, "dirichlet-alpha": alpha, "data-seed": seed})
         t = load_task(spec)
         parts = [t.client_data(k, num_partitions) for k in range(num_partitions)]  # raises on a bad split, nothing made yet
+        if type(t).client_data is not Task.client_data:  # a task's own split: each part checked, as an agent will
+            parts = [t.check_data(part, f"task {task!r} partition {k}") for k, part in enumerate(parts)]
     except ClientError as exc:  # named as the command's flags, not as the scenario keys they fill
         raise ClientError(renamed_key(str(exc), flags)) from None
     created = missing_ancestor(out_dir)

@@ -28,7 +28,7 @@ from .profile import measure_profile
 from .config import build_config
 from .protocol import ARRAYS as ARRAYS_NAME
 from .protocol import CONFIG as CONFIG_NAME
-from .protocol import (CLIENT_TIME, CODEC, EVAL_PREFIX, LOCAL_DP, METRICS, WEIGHTS, TrainInstruction, codec_from_record, metric_values, parse_train_message, record_of,
+from .protocol import (CLIENT_TIME, CODEC, EVAL_PREFIX, LOCAL_DP, MAX_METRIC, METRICS, WEIGHTS, TrainInstruction, codec_from_record, metric_values, parse_train_message, record_of,
                        train_reply_content)
 from .config import BUILTIN_TASKS, TaskSpec
 from .tasks import Task, load_task
@@ -336,7 +336,8 @@ def run_evaluate(msg: Message, context: Context) -> Message:
         raise ClientError(f"task {task.spec.task!r}: evaluate must return a dict of metrics. Found {type(out).__name__}.")
     metrics: dict[str, int | float] = {"num-examples": len(data)}
     for key, value in metric_values(out).items():  # as the coordinator records its own evaluation's
-        if math.isfinite(value):  # (a metric without a value on this node's data: left out, not the whole reply)
+        if math.isfinite(value) and abs(value) <= MAX_METRIC:  # (one without a usable value on this node's data: left
+            # out, not the whole reply, which the coordinator would refuse)
             metrics[f"{EVAL_PREFIX}{key}"] = value
     return Message(RecordDict({METRICS: MetricRecord(metrics)}), reply_to=msg)
 

@@ -46,6 +46,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 
 from aggregation import AggregationError
@@ -63,6 +64,7 @@ MESSAGE_TYPE_TRAIN = "train"
 MESSAGE_TYPE_EVALUATE = "evaluate"  # the train message's arrays and config; the reply: metrics only
 EVAL_PREFIX = "eval-"  # an evaluate reply's metrics: num-examples and eval-NAME (eval-loss, eval-accuracy, ...)
 MAX_EVAL_METRICS, MAX_METRIC_NAME = 32, 64  # an evaluation's metrics besides num-examples, and a name's characters
+MAX_METRIC = 1e30  # |value| of an evaluation metric past this is no loss or accuracy: refused in a reply
 MESSAGE_TYPE_SECAGG = "train.secagg"
 SECAGG, SECAGG_KEYS, SECAGG_SHARES, MASKED = "secagg", "secagg-keys", "secagg-shares", "masked"
 SECAGG_UNOPENED = "secagg-unopened"  # masked-input reply: {node: b""} for shares it could not open
@@ -202,19 +204,37 @@ def node_map(record: ConfigRecord | None, what: str) -> dict[int, bytes]:
 
 
 def metric_values(out: Mapping[Any, Any]) -> dict[str, float]:
-    """A task's ``evaluate`` result as fedshield records it, on the coordinator and on a client alike: each number
-    (an int or float, a numpy scalar, a 0-d tensor; not a bool) under its name, where the name is printable text
-    of 1 to ``MAX_METRIC_NAME`` characters; at most ``MAX_EVAL_METRICS`` of them. Anything else is left out."""
+    """A task's ``evaluate`` result as fedshield records it, on the coordinator and on a client alike: each real
+    number (an int or float, a numpy or torch value of one element; not a bool, not complex, not text) under its
+    name, where the name is printable text of 1 to ``MAX_METRIC_NAME`` characters; ``loss`` and ``accuracy``
+    first, then the others in order, ``MAX_EVAL_METRICS`` in all. Anything else is left out."""
+    first = [k for k in ("loss", "accuracy") if k in out]
     values: dict[str, float] = {}
-    for name, value in out.items():
+    for name in (*first, *(k for k in out if k not in first)):
         if len(values) == MAX_EVAL_METRICS:
             break
-        if not (isinstance(name, str) and name.isprintable() and 0 < len(name) <= MAX_METRIC_NAME):
-            continue
-        if isinstance(value, bool) or not (isinstance(value, numbers.Real) or getattr(value, "shape", None) == ()):
-            continue
-        try:
-            values[name] = float(value)
-        except (TypeError, ValueError, RuntimeError):
-            continue
+        if isinstance(name, str) and name.isprintable() and 0 < len(name) <= MAX_METRIC_NAME:
+            number = _real(out[name])
+            if number is not None:
+                values[name] = number
     return values
+
+
+def _real(value: Any) -> float | None:
+    """``value`` as a float where it is one real number (see ``metric_values``), else None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        if isinstance(value, numbers.Real):
+            return float(value)
+        if hasattr(value, "detach"):  # a torch tensor: off the graph and the device first
+            value = value.detach().cpu().numpy()
+        if not hasattr(value, "dtype"):
+            return None
+        arr = np.asarray(value)
+        if arr.size != 1 or arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.number) \
+                or np.issubdtype(arr.dtype, np.complexfloating):
+            return None
+        return float(arr.reshape(()))
+    except (TypeError, ValueError, OverflowError, RuntimeError):
+        return None  # (an int past float's range, a tensor torch cannot hand to numpy)

@@ -19,12 +19,10 @@ from flwr.common.logger import log
 
 from aggregation import tensor_to_array
 from aggregation._errors import shown
-from clients.protocol import (ARRAYS, CONFIG, EVAL_PREFIX, MAX_EVAL_METRICS, MAX_METRIC_NAME, MESSAGE_TYPE_EVALUATE,
-                              METRICS, WEIGHTS, TrainInstruction, message_nbytes, record_of)
+from clients.protocol import (ARRAYS, CONFIG, EVAL_PREFIX, MAX_EVAL_METRICS, MAX_METRIC, MAX_METRIC_NAME,
+                              MESSAGE_TYPE_EVALUATE, METRICS, WEIGHTS, TrainInstruction, message_nbytes, record_of)
 
 from .validation import MAX_SIDE_BYTES, deadline_of, pull_bounded, pushed
-
-MAX_METRIC = 1e30  # |value| past this is no loss or accuracy: refused
 
 
 class _Refused(Exception):
@@ -67,9 +65,9 @@ def federated_evaluate(wf: Any, rnd: int, nodes: list[int]) -> dict[str, Any]:
     s = wf.cfg.server
     msgs = [Message(content, dst_node_id=n, message_type=MESSAGE_TYPE_EVALUATE, group_id=f"eval-{rnd}",
                     ttl=s.round_timeout + 60.0) for n in nodes]
-    started = wf.clock.now()
+    names = wf.eval_names  # what the task's evaluate gives: another name a client sends is not recorded (first:
+    started = wf.clock.now()  # where no central evaluation told them yet, it evaluates, outside the clients' time)
     sent = {mid: m.metadata.dst_node_id for mid, m in pushed(wf.grid, msgs)}
-    names = wf.eval_names  # what the task's evaluate gives: another name a client sends is not recorded
     sums: dict[str, float] = {}
     weights: Counter[str] = Counter()  # each metric's examples: a reply that gives no such metric does not dilute it
     examples, accepted, rejected = 0, 0, Counter()

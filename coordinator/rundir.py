@@ -87,7 +87,7 @@ def headline_metric(rows: list[dict[str, Any]]) -> str:
 def metric_series(rows: list[dict[str, Any]], name: str) -> list[float]:
     """Each row's test ``name`` (``headline_metric``'s), nan where the row has none."""
     if name == "accuracy":
-        return [r["test_accuracy"] for r in rows]
+        return [r.get("test_accuracy", math.nan) for r in rows]
     return [(r.get("test_metrics") or {}).get(name, math.nan) for r in rows]
 
 

@@ -14,7 +14,6 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from functools import cached_property
 from logging import INFO, WARNING
 from typing import Any, Protocol
 
@@ -217,6 +216,7 @@ class SyncWorkflow:
         # the global model: built as clients build it (local DP: as Opacus fixed it), seen through its layout
         self.layout = self.task.layout(cfg.private_model)
         self.model = self.task.build(cfg.private_model).to(self.device)
+        self._eval_names: set[str] = set()  # what the task's evaluate has given here (eval_names)
         self.numel = self.layout.numel
         self.optimizer = create_server_optimizer(cfg.server.server_optimizer, **cfg.server.optimizer_params())
         self.codec, self.codec_header, self.max_update_bytes = self._codec_plan(cfg.aggregation.make_codec())
@@ -603,15 +603,20 @@ class SyncWorkflow:
         none), ``test_loss`` and, where the task's ``evaluate`` gives more (a regression's rmse, a language
         model's perplexity), ``test_metrics``: those by name."""
         self.layout.load(self.model, self.weights)
-        return eval_fields(self.task.evaluate(self.model, self.task.test_set))
+        fields = eval_fields(self.task.evaluate(self.model, self.task.test_set))
+        self._eval_names.update(k for k, v in (("accuracy", fields["test_accuracy"]), ("loss", fields["test_loss"]),
+                                               *fields.get("test_metrics", {}).items()) if not math.isnan(v))
+        return fields
 
-    @cached_property
+    @property
     def eval_names(self) -> frozenset[str]:
-        """The metric names this run's task's ``evaluate`` gives (loss, accuracy where it has one, its others), from
-        one evaluation of its test data: federated evaluation averages these, and no other name a client sends
-        (one client's made-up metric, or an accuracy for a regression, would otherwise be a run's figure)."""
-        self.layout.load(self.model, self.weights)
-        return frozenset(metric_values(self.task.evaluate(self.model, self.task.test_set)))
+        """The metric names this run's task's ``evaluate`` has given on the coordinator (loss, accuracy where it has
+        one, its others), over every central evaluation of this session (a metric may have no value on some
+        weights); one is run first where none has been. Federated evaluation averages these and no other name a
+        client sends (one client's made-up metric, or an accuracy for a regression, would be a run's figure)."""
+        if not self._eval_names:
+            self.evaluate()
+        return frozenset(self._eval_names)
 
     def _last_federated_eval(self) -> dict[str, Any]:
         """The summary's federated evaluation: the last row that has one (none when the run had none)."""

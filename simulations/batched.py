@@ -61,12 +61,13 @@ def batched_supported(task: Task, model: nn.Module) -> str | None:
     if drop is not None:
         return (f"the model draws random numbers in training ({drop!r}, dropout): the one-by-one loop draws them "
                 "from torch's global generator in client order, which a batched step cannot reproduce")
-    emb = next((n for n, m in model.named_modules() if isinstance(m, nn.Embedding | nn.EmbeddingBag)
+    emb = next(((n, m) for n, m in model.named_modules() if isinstance(m, nn.Embedding | nn.EmbeddingBag)
                 and (m.max_norm is not None or m.scale_grad_by_freq)), None)
     if emb is not None:
-        return (f"embedding {emb!r} renormalises its rows in place as it reads them (max_norm) or scales its gradient "
-                "by how often a batch reads each row (scale_grad_by_freq), which a step batched over clients (each "
-                "example's loss apart) cannot reproduce")
+        what = ("renormalises the rows it reads in place (max_norm)" if emb[1].max_norm is not None else
+                "scales its gradient by how often a batch reads each row (scale_grad_by_freq)")
+        return (f"embedding {emb[0]!r} {what}, which a step batched over clients (each example's loss apart) "
+                "cannot reproduce")
     bag = next((n for n, m in model.named_modules() if isinstance(m, nn.EmbeddingBag) and m.sparse
                 and m.mode == "max"), None)
     if bag is not None:  # the loop refuses it (torch: "max mode does not support sparse weights"): so must this

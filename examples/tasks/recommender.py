@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from clients import Dataset, Task
+from clients import ConfigError, Dataset, Task
 
 USERS, ITEMS, RANK, DIM, RATINGS = 400, 200, 4, 8, 24_000
 
@@ -51,6 +51,9 @@ class Recommender(Task):
         return Dataset(x[:cut], y[:cut]), Dataset(x[cut:], y[cut:])
 
     def client_data(self, partition_id: int, num_partitions: int) -> Dataset:
+        if not 0 <= partition_id < num_partitions <= USERS:  # each client holds one user at least
+            raise ConfigError(f"partitions must number 1 to {USERS} (the users), and the id lie below them. Found "
+                              f"partition {partition_id} of {num_partitions}.")
         train = self.train_set  # a client's users: those whose id falls to it
         mine = train.x[:, 0] % num_partitions == partition_id
         return Dataset(train.x[mine], train.y[mine])

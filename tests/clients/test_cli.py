@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -21,6 +23,24 @@ def test_export_too_many_partitions_leaves_no_empty_directory(tmp_path):
     with pytest.raises(ClientError, match="num-partitions must be"):
         export_partitions("digits", 5000, str(tmp_path / "deep" / "out"))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_export_of_a_tasks_own_split_checks_each_part_before_writing(tmp_path):
+    """A task's own client_data that leaves a partition empty wrote an empty client-K.npz, found only when an
+    agent loaded it (a review); the task's own refusal is one line too."""
+    (tmp_path / "t.py").write_text(
+        "import numpy as np\nfrom torch import nn\nfrom clients import Dataset, Task\n"
+        "class Halves(Task):\n    num_classes = 2\n"
+        "    def build_model(self):\n        return nn.Linear(3, 2)\n"
+        "    def load_data(self):\n        x = np.ones((8, 3), np.float32)\n"
+        "        return Dataset(x, np.arange(8) % 2), Dataset(x[:2], np.arange(2))\n"
+        "    def client_data(self, pid, num):\n        return Dataset(self.train_set.x[pid:4], self.train_set.y[pid:4])\n")
+    with pytest.raises(ClientError, match="partition 4.* must hold n > 0 examples"):
+        export_partitions(f"{tmp_path / 't.py'}:Halves", 5, str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+    recommender = str(Path(__file__).resolve().parents[2] / "examples" / "tasks" / "recommender.py") + ":Recommender"
+    with pytest.raises(ClientError, match="partitions must number 1 to 400 .*Found partition 0 of 401"):
+        export_partitions(recommender, 401, str(tmp_path / "out"))
 
 
 def test_export_into_a_file_or_under_one(tmp_path):

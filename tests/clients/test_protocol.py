@@ -288,12 +288,16 @@ def test_a_long_codec_name_or_parameter_is_cut_in_the_reason(record):
     assert len(str(info.value)) < 1000
 
 
-def test_metric_values_keep_numbers_under_plain_names_as_both_sides_record_them():
+def test_metric_values_keep_real_numbers_under_plain_names_as_both_sides_record_them():
     from clients.protocol import MAX_EVAL_METRICS, metric_values
 
-    out = {"loss": 0.5, "rmse": np.float32(0.25), "n": 3, "mean": torch.tensor(1.5), "flag": True,
-           "tensor": torch.ones(2), "text": "0.7", "bad\x1bname": 1.0, "x" * 65: 1.0, "": 1.0, 7: 1.0, "acc": float("nan")}
+    out = {"rmse": np.float32(0.25), "n": 3, "mean": torch.tensor(1.5, requires_grad=True), "one": torch.ones(1),
+           "flag": True, "npflag": np.bool_(True), "tflag": torch.tensor(True), "tensor": torch.ones(2),
+           "text": "0.7", "nptext": np.str_("0.7"), "complex": np.complex128(1 + 2j), "huge": 10**400,
+           "bad\x1bname": 1.0, "x" * 65: 1.0, "": 1.0, 7: 1.0, "acc": float("nan"), "loss": 0.5}
     got = metric_values(out)
-    assert got == pytest.approx({"loss": 0.5, "rmse": 0.25, "n": 3.0, "mean": 1.5, "acc": float("nan")}, nan_ok=True)
-    assert all(type(v) is float for v in got.values())
-    assert len(metric_values({f"m{i}": float(i) for i in range(40)})) == MAX_EVAL_METRICS
+    assert got == pytest.approx({"loss": 0.5, "rmse": 0.25, "n": 3.0, "mean": 1.5, "one": 1.0, "acc": float("nan")},
+                                nan_ok=True)
+    assert list(got)[0] == "loss" and all(type(v) is float for v in got.values())
+    many = metric_values({**{f"m{i}": float(i) for i in range(40)}, "accuracy": 0.9, "loss": 1.0})
+    assert len(many) == MAX_EVAL_METRICS and many["loss"] == 1.0 and many["accuracy"] == 0.9  # kept first

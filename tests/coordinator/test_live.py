@@ -192,3 +192,4 @@ def test_the_pages_chart_draws_a_tasks_own_metric_where_it_has_no_accuracy():
     page = render_page({"state": "running", "recent": recent})
     assert "<h2>Test rmse (0.6667 to 2), rounds 1-3</h2>" in page and page.count("<polyline") == 1
     assert "<polyline" not in render_page({"state": "running", "recent": [{"round": 1, "test_metrics": [1]}] * 3})
+    assert "<polyline" not in render_page({"state": "running", "recent": [{"round": 1}, {"round": 2}]})  # (damaged)

@@ -376,9 +376,9 @@ def test_refusals_say_why(digits: Task) -> None:
     assert "dropout" in batched_supported(Regression(), nn.Sequential(nn.Linear(6, 2), nn.Dropout(0.1)))
     # an embedding that renormalises its rows as it reads them, or scales its gradient by a batch's counts, trains
     # otherwise batched than one by one (by 0.02-0.4, a review); a sparse max-bag, which torch does not train at all
-    for emb in (nn.Embedding(9, 2, max_norm=1.0), nn.EmbeddingBag(9, 2, max_norm=1.0),
-                nn.Embedding(9, 2, scale_grad_by_freq=True)):
-        assert "max_norm" in batched_supported(SparseRecommender(), nn.Sequential(emb))
+    for emb, what in ((nn.Embedding(9, 2, max_norm=1.0), "(max_norm)"), (nn.EmbeddingBag(9, 2, max_norm=1.0), "(max_norm)"),
+                      (nn.Embedding(9, 2, scale_grad_by_freq=True), "(scale_grad_by_freq)")):
+        assert what in batched_supported(SparseRecommender(), nn.Sequential(emb))
     assert "mode='max'" in batched_supported(SparseRecommender(), nn.Sequential(nn.EmbeddingBag(9, 2, mode="max",
                                                                                                  sparse=True)))
     assert batched_supported(SparseRecommender(), nn.Sequential(nn.EmbeddingBag(9, 2, mode="max"))) is None
