@@ -213,11 +213,17 @@ def metric_values(out: Mapping[Any, Any]) -> dict[str, float]:
     for name in (*first, *(k for k in out if k not in first)):
         if len(values) == MAX_EVAL_METRICS:
             break
-        if isinstance(name, str) and name.isprintable() and 0 < len(name) <= MAX_METRIC_NAME:
+        if metric_name_ok(name):
             number = _real(out[name])
             if number is not None:
                 values[name] = number
     return values
+
+
+def metric_name_ok(name: Any) -> bool:
+    """An evaluation metric's name as recorded, logged and shown: printable text of 1 to ``MAX_METRIC_NAME``
+    characters."""
+    return isinstance(name, str) and name.isprintable() and 0 < len(name) <= MAX_METRIC_NAME
 
 
 def _real(value: Any) -> float | None:

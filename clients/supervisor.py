@@ -127,9 +127,9 @@ def _watch(proc: subprocess.Popen, quiet: threading.Event | None = None, on_mess
         # a node that served gave up on a coordinator gone after its run: the agent says so in its own line, so
         # Flower's "Giving up reconnection" and the refused connection after it are not echoed (another error is:
         # the only clue to a network fault)
-        hide = bool(seen.served and _GIVE_UP.match(text)) or (ended and bool(level) and level.group(1) == "ERROR"
-                                                              and "Connection refused" in text)
-        ended = bool(seen.served and _GIVE_UP.match(text))  # (the next line, if an ERROR, is its connection error)
+        gave_up = bool(seen.served and _GIVE_UP.match(text))
+        hide = gave_up or (ended and bool(level) and level.group(1) == "ERROR" and "Connection refused" in text)
+        ended = gave_up  # (the next line, if an ERROR, is its connection error)
         if not skipping and not hide and not (quiet is not None and quiet.is_set()) and not _PLUMBING.match(text) \
                 and not (level and _LEVELS[level.group(1)] < shown):
             sys.stderr.write(line if colour else text)

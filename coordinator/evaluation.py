@@ -20,7 +20,8 @@ from flwr.common.logger import log
 from aggregation import tensor_to_array
 from aggregation._errors import shown
 from clients.protocol import (ARRAYS, CONFIG, EVAL_PREFIX, MAX_EVAL_METRICS, MAX_METRIC, MAX_METRIC_NAME,
-                              MESSAGE_TYPE_EVALUATE, METRICS, WEIGHTS, TrainInstruction, message_nbytes, record_of)
+                              MESSAGE_TYPE_EVALUATE, METRICS, WEIGHTS, TrainInstruction, message_nbytes, metric_name_ok,
+                              record_of)
 
 from .validation import MAX_SIDE_BYTES, deadline_of, pull_bounded, pushed
 
@@ -49,7 +50,7 @@ def _check_reply(reply: Message, node: int, max_examples: int) -> tuple[int, dic
     if len(values) > MAX_EVAL_METRICS or len(values) != len(metrics) - 1:
         raise _Refused("malformed", f"at most {MAX_EVAL_METRICS} metrics, each named {EVAL_PREFIX}NAME")
     for key, v in values.items():
-        if not (key.isprintable() and 0 < len(key) <= MAX_METRIC_NAME):  # (logged; as metric_values names them)
+        if not metric_name_ok(key):  # (logged; as metric_values names them)
             raise _Refused("malformed", f"metric names must be 1 to {MAX_METRIC_NAME} printable characters; found "
                            f"{shown(key, 40)}")
         if not (isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and abs(v) <= MAX_METRIC):

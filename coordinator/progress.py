@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from .rundir import finite, first_metric
 
 
 def format_row(row: dict[str, Any], total: int) -> str:
@@ -53,27 +54,18 @@ class RoundProgress:
         self._progress.update(self._task, completed=row["round"], info=info)
 
 
-def _finite(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def headline(accuracy: object, metrics: object = None, digits: int = 4) -> str:
     """A round's result in a few characters: ``acc 0.9556``; for a task without accuracy (a regression, a
-    language model) its first metric by name that has a value (``rmse 0.912``, ``perplexity 12.3``): by name, as
-    summary.json and metrics.csv keep them, so every place shows the same one."""
-    if not _finite(accuracy) and isinstance(metrics, dict):
-        for name, value in sorted(metrics.items()):
-            if _finite(value):
-                return f"{name} {value:.{digits}g}"
-    return f"acc {accuracy:.{digits}f}" if _finite(accuracy) else "acc nan"
+    language model) its ``first_metric`` (``rmse 0.912``, ``perplexity 12.3``)."""
+    named = None if finite(accuracy) else first_metric(metrics)
+    return f"{named[0]} {named[1]:.{digits}g}" if named else f"acc {accuracy:.{digits}f}"
 
 
 def result_text(summary: dict[str, Any]) -> str:
-    """A run's final result for a line of output: ``test accuracy 0.9556``, else the task's first metric by name
-    with a value (``test rmse 0.9123``), else ``test accuracy n/a`` (no round evaluated)."""
-    accuracy, metrics = summary.get("final_test_accuracy"), summary.get("final_test_metrics")
-    if not _finite(accuracy) and isinstance(metrics, dict):
-        for name, value in sorted(metrics.items()):
-            if _finite(value):
-                return f"test {name} {value:.4g}"
-    return f"test accuracy {accuracy:.4f}" if _finite(accuracy) else "test accuracy n/a"
+    """A run's final result for a line of output: ``test accuracy 0.9556``, else the task's ``first_metric``
+    (``test rmse 0.9123``), else ``test accuracy n/a`` (no round evaluated)."""
+    accuracy = summary.get("final_test_accuracy")
+    named = None if finite(accuracy) else first_metric(summary.get("final_test_metrics"))
+    if named:
+        return f"test {named[0]} {named[1]:.4g}"
+    return f"test accuracy {accuracy:.4f}" if finite(accuracy) else "test accuracy n/a"

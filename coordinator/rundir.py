@@ -72,16 +72,26 @@ def time_label(runs: list[list[dict[str, Any]]]) -> str:
     return "simulated on the virtual engine, else rounds' wall time summed"
 
 
+def finite(value: Any) -> bool:
+    """A finite int or float (not a bool): a figure that has a value."""
+    return _number(value) and math.isfinite(value)
+
+
+def first_metric(metrics: Any) -> tuple[str, float] | None:
+    """The one of a task's own metrics (``test_metrics``, ``fed_eval_metrics``) that is shown where the task has no
+    accuracy: the first by name with a value (by name, as summary.json and metrics.csv keep them, so every place
+    shows the same one); None where there is none."""
+    if isinstance(metrics, dict):
+        return next(((k, v) for k, v in sorted(metrics.items()) if finite(v)), None)
+    return None
+
+
 def headline_metric(rows: list[dict[str, Any]]) -> str:
-    """What the plots show per round: ``accuracy`` where a row has one, else the task's first metric by name that
-    has a value (a regression's rmse: ``test_metrics``), else ``accuracy`` (nothing evaluated yet)."""
-    if any(_number(r.get("test_accuracy")) and math.isfinite(r["test_accuracy"]) for r in rows):
+    """What the plots show per round: ``accuracy`` where a row has one, else ``first_metric``'s name of the first
+    row that has one (a regression's rmse), else ``accuracy`` (nothing evaluated yet)."""
+    if any(finite(r.get("test_accuracy")) for r in rows):
         return "accuracy"
-    for r in rows:
-        for name, value in sorted((r.get("test_metrics") or {}).items()):
-            if _number(value) and math.isfinite(value):
-                return name
-    return "accuracy"
+    return next((named[0] for r in rows if (named := first_metric(r.get("test_metrics")))), "accuracy")
 
 
 def metric_series(rows: list[dict[str, Any]], name: str) -> list[float]:

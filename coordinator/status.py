@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import html
 import json
-import math
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -18,7 +17,7 @@ from typing import Any
 
 from ._errors import CoordinatorError
 from .live import ENDED
-from .rundir import STATUS, headline_metric, metric_series
+from .rundir import STATUS, finite, headline_metric, metric_series
 
 HOST = "127.0.0.1"
 REFRESH_S = 3
@@ -60,8 +59,7 @@ def _chart(recent: list[dict[str, Any]]) -> str:
     rows = [r for r in recent if isinstance(r, dict) and isinstance(r.get("round"), int)]
     try:
         name = headline_metric(rows)
-        pts = [(r["round"], y) for r, y in zip(rows, metric_series(rows, name), strict=True)
-               if isinstance(y, int | float) and not isinstance(y, bool) and math.isfinite(y)]
+        pts = [(r["round"], y) for r, y in zip(rows, metric_series(rows, name), strict=True) if finite(y)]
     except (AttributeError, TypeError):  # (status.json is a file: a damaged one shows no chart)
         return ""
     if len(pts) < 2:

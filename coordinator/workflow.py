@@ -38,7 +38,7 @@ from .privacy_policy import CentralDp, DistributedDp
 from .profiles import ProfileRegistry, ascending, select_fast_fair, select_uniform
 from .progress import format_row, result_text
 from .rundir import CONFIG as CONFIG_FILE
-from .rundir import SUMMARY, RunDirectory, weights_sha256
+from .rundir import SUMMARY, RunDirectory, finite, weights_sha256
 from .secure import SecureRound
 from .validation import (
     LossMean,
@@ -94,13 +94,13 @@ def _evaluated(row: dict[str, Any]) -> bool:
     """Whether a row holds a central evaluation: a finite accuracy, loss or task metric (nan in the rounds
     ``central-eval-every`` skips)."""
     values = [row.get("test_accuracy"), row.get("test_loss"), *(row.get("test_metrics") or {}).values()]
-    return any(isinstance(v, int | float) and math.isfinite(v) for v in values)
+    return any(finite(v) for v in values)
 
 
-def eval_fields(out: dict[str, Any]) -> dict[str, Any]:
-    """A task's ``evaluate`` result as a row's fields: ``test_accuracy`` (nan where the task has none),
-    ``test_loss`` and, where it gives more metrics, ``test_metrics`` (name -> number)."""
-    extra = metric_values(out)  # the numbers under plain names, as a client's federated evaluation sends them
+def eval_fields(values: dict[str, float]) -> dict[str, Any]:
+    """A task's evaluation (``metric_values`` of its ``evaluate``) as a row's fields: ``test_accuracy`` (nan where
+    the task has none), ``test_loss`` and, where it gives more metrics, ``test_metrics`` (name -> number)."""
+    extra = dict(values)
     fields = {"test_accuracy": extra.pop("accuracy", math.nan), "test_loss": extra.pop("loss", math.nan)}
     return {**fields, "test_metrics": extra} if extra else fields
 
@@ -603,10 +603,9 @@ class SyncWorkflow:
         none), ``test_loss`` and, where the task's ``evaluate`` gives more (a regression's rmse, a language
         model's perplexity), ``test_metrics``: those by name."""
         self.layout.load(self.model, self.weights)
-        fields = eval_fields(self.task.evaluate(self.model, self.task.test_set))
-        self._eval_names.update(k for k, v in (("accuracy", fields["test_accuracy"]), ("loss", fields["test_loss"]),
-                                               *fields.get("test_metrics", {}).items()) if not math.isnan(v))
-        return fields
+        values = metric_values(self.task.evaluate(self.model, self.task.test_set))  # as a client's reply sends them
+        self._eval_names.update(k for k, v in values.items() if not math.isnan(v))
+        return eval_fields(values)
 
     @property
     def eval_names(self) -> frozenset[str]:

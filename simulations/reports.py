@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.live import ENDED
-from coordinator.rundir import CHECKPOINT, CONFIG, LOCK, METRICS, STATUS, SUMMARY
+from coordinator.rundir import CHECKPOINT, CONFIG, LOCK, METRICS, STATUS, SUMMARY, first_metric
 
 MAX_DEPTH = 4  # how deep under DIR ``fedshield runs`` looks (a comparison's runs are two levels down)
 
@@ -66,13 +66,10 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 
 
 def _result(accuracy: float | None, metrics: dict[str, Any]) -> str:
-    """A run's accuracy for the table, else the task's first metric by name with a value as ``name=value`` (``rmse=0.912``:
-    one word, as every cell), else ``-``."""
-    if accuracy is None:
-        named = next((f"{k}={v:.4g}" for k, v in sorted(metrics.items()) if _number(v) and math.isfinite(v)), None)
-        if named:
-            return named.replace(" ", "_")
-    return _f(accuracy, ".4f")
+    """A run's accuracy for the table, else the task's ``first_metric`` as ``name=value`` (``rmse=0.912``: one
+    word, as every cell), else ``-``."""
+    named = first_metric(metrics) if accuracy is None else None
+    return f"{named[0]}={named[1]:.4g}".replace(" ", "_") if named else _f(accuracy, ".4f")
 
 
 def _named(metrics: Any) -> str:
@@ -292,11 +289,13 @@ def report(path: str, plots: bool = True) -> str:
         if fed:
             out.append(f"          federated {fed[-1]['fed_eval_accuracy']:.4f} (loss {_f(fed[-1].get('fed_eval_loss'), '.4f')}) "
                        f"at round {fed[-1]['round']}, {fed[-1].get('fed_eval_nodes', '?')} nodes")
-        named = [f"test {_named(last.get('test_metrics'))} after round {last.get('round')}"] if _named(
-            last.get("test_metrics")) else []
-        fed = [r for r in rows if _named(r.get("fed_eval_metrics"))]
-        named += [f"federated {_named(fed[-1]['fed_eval_metrics'])} at round {fed[-1]['round']}"] if fed else []
-        if named:  # the task's own (a regression's rmse, a language model's perplexity)
+        named = []  # the task's own (a regression's rmse, a language model's perplexity)
+        if _named(last.get("test_metrics")):
+            named.append(f"test {_named(last['test_metrics'])} after round {last.get('round')}")
+        fed = next((r for r in reversed(rows) if _named(r.get("fed_eval_metrics"))), None)
+        if fed:
+            named.append(f"federated {_named(fed['fed_eval_metrics'])} at round {fed['round']}")
+        if named:
             out.append(f"metrics   {'; '.join(named)}")
         out.append(f"losses    test {_f(last.get('test_loss'), '.4f')}, train {_f(last.get('train_loss'), '.4f')} "
                    "(last round)")
