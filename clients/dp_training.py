@@ -154,6 +154,36 @@ def resolve_grad_sample_mode(model: nn.Module, requested: str) -> str:
     return "ghost"
 
 
+def replayed_modules(model: nn.Module) -> list[tuple[str, list[str], bool]]:
+    """``(module, its parameters, whether it has submodules)`` for each module whose own trainable parameters
+    Opacus has no per-example rule for: its hooks get their per-example gradients by replaying the module's whole
+    forward under vmap, once per example ("the model itself" for a parameter held beside its layers: a
+    Transformer's positions)."""
+    quiet_import_opacus()
+    from opacus.grad_sample import GradSampleModule
+
+    known = set(GradSampleModule.GRAD_SAMPLERS)
+    return [(name or "the model itself", [n for n, p in m.named_parameters(recurse=False) if p.requires_grad],
+             next(m.children(), None) is not None)
+            for name, m in model.named_modules()
+            if type(m) not in known and any(p.requires_grad for p in m.parameters(recurse=False))]
+
+
+def _replay_error(model: nn.Module) -> ClientError:
+    """The one line for a replayed forward that draws random numbers (vmap's "randomness error mode")."""
+    where = "; ".join(f"{name} ({', '.join(params)})" for name, params, _ in replayed_modules(model)) or "a module"
+    return ClientError(f"local DP: {where}: no Opacus per-example rule, and vmap cannot replay a forward that draws "
+                       "random numbers (dropout): hold them in a submodule (nn.Embedding...)")
+
+
+def _no_grad_sample_error(model: nn.Module) -> ClientError:
+    """The one line for Opacus's "Per sample gradient is not initialized": which parameters had none, and why."""
+    names = [n for n, p in model.named_parameters() if p.requires_grad and getattr(p, "grad_sample", None) is None]
+    return ClientError(
+        f"local DP: {', '.join(names[:3]) or '?'}{' ...' if len(names) > 3 else ''} got no per-example gradient "
+        "(Opacus's hooks): call its module in forward (self.pos(ids), not self.pos.weight); freeze unused ones")
+
+
 # --- fast path: one-backward per-example clipping for Sequential Linear/Conv2d stacks -------------
 
 # Parameter-free layers whose output for one example depends on that example's input only.
@@ -647,6 +677,14 @@ def train_local_dp(
                     if len(yb):  # Poisson sampling can draw an empty batch: noise only
                         total += loss.item() * len(yb)
                         seen += len(yb)
+        except RuntimeError as exc:
+            if "randomness error mode" not in str(exc):
+                raise
+            raise _replay_error(model) from None
+        except ValueError as exc:
+            if "Per sample gradient is not initialized" not in str(exc):
+                raise
+            raise _no_grad_sample_error(model) from None
         finally:
             model = trainer.close()
     stats = {
@@ -672,6 +710,7 @@ __all__ = [
     "ledger_epsilon",
     "make_private_trainer",
     "private_generator",
+    "replayed_modules",
     "resolve_grad_sample_mode",
     "train_local_dp",
 ]

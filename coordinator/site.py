@@ -26,6 +26,7 @@ import math
 import os
 import socket
 import struct
+import zlib
 from logging import INFO, WARNING
 from pathlib import Path
 from typing import Any
@@ -164,7 +165,8 @@ class SiteWorkflow(SyncWorkflow):
             log(WARNING, "[fedshield] %s: round %d aggregated nothing; its clients' work this round is lost (%s)",
                 self.name, instr.round, reason)
             raise ClientError(f"{self.name} aggregated no update in round {instr.round}: {reason}")
-        gen = torch.Generator().manual_seed(hash((instr.seed, instr.round, self.name)) & 0x7FFFFFFF)
+        # keyed by the name's CRC: Python's str hash differs per process, so a rerun's codec draws did too
+        gen = torch.Generator().manual_seed(hash((instr.seed, instr.round, zlib.crc32(self.name.encode()))) & 2**31 - 1)
         encoded = encode_with_feedback(codec, self._delta.detach().to("cpu", torch.float32), context, gen)
         loss = row.get("train_loss", float("nan"))
         metrics: dict[str, int | float] = {

@@ -60,7 +60,7 @@ def batched_supported(task: Task, model: nn.Module) -> str | None:
     drop = next((n for n, m in model.named_modules() if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0), None)
     if drop is not None:
         return (f"the model draws random numbers in training ({drop!r}, dropout): the one-by-one loop draws them "
-                "from torch's global generator in client order, which a batched step cannot reproduce")
+                "from torch's global generator, seeded per client and round, which a batched step cannot reproduce")
     emb = next(((n, m) for n, m in model.named_modules() if isinstance(m, nn.Embedding | nn.EmbeddingBag)
                 and (m.max_norm is not None or m.scale_grad_by_freq)), None)
     if emb is not None:

@@ -28,6 +28,8 @@ from .sgd import SGD
 
 _DTYPES = {"float32": np.float32, "int64": np.int64}
 _GLOBAL_RNG = threading.Lock()
+_SAID: set[str] = set()  # tasks whose private model's change has been logged
+_GLOBAL_SEED_SALT = 0x5DEECE66D  # the global generator's seed differs from the batches' generator's own
 
 
 def normalises_by_batch(model: nn.Module) -> bool:
@@ -418,18 +420,28 @@ def _private_model(model: nn.Module, name: str) -> nn.Module:
     quiet_import_opacus()
     from opacus.validators import ModuleValidator
 
-    if ModuleValidator.is_valid(model):
-        return model
-    before = {type(m).__name__ for m in model.modules()}
-    fixed = ModuleValidator.fix(model)
-    after = {type(m).__name__ for m in fixed.modules()}
-    if not ModuleValidator.is_valid(fixed):
-        errors = "; ".join(str(e) for e in ModuleValidator.validate(fixed, strict=False))[:300]
-        raise ClientError(f"task {name!r}: the model must be trainable by DP-SGD for local DP. Found: {errors}.")
+    fixed = model
+    if not ModuleValidator.is_valid(model):
+        fixed = ModuleValidator.fix(model)
+        if not ModuleValidator.is_valid(fixed):
+            errors = "; ".join(str(e) for e in ModuleValidator.validate(fixed, strict=False))[:300]
+            raise ClientError(f"task {name!r}: the model must be trainable by DP-SGD for local DP. Found: {errors}.")
+    if name in _SAID:  # once per task and process: a model is built for its layout, its weights and each round
+        return fixed
     from flwr.common.logger import log
 
-    log(INFO, "[fedshield] local DP: task %s's model changed for DP-SGD by Opacus (%s -> %s)", name,
-        ", ".join(sorted(before - after)) or "-", ", ".join(sorted(after - before)) or "-")
+    from ..dp_training import replayed_modules
+
+    _SAID.add(name)
+    before, after = ({type(m).__name__ for m in x.modules()} for x in (model, fixed))
+    if before != after:
+        log(INFO, "[fedshield] local DP: task %s's model changed for DP-SGD by Opacus (%s -> %s)", name,
+            ", ".join(sorted(before - after)) or "-", ", ".join(sorted(after - before)) or "-")
+    slow = [f"{where} ({', '.join(params)})" for where, params, parent in replayed_modules(fixed) if parent]
+    if slow:  # (a leaf module replayed is only itself: cheap)
+        log(INFO, "[fedshield] local DP: task %s: Opacus replays the whole forward of %s once per example for "
+            "those parameters (no per-example rule): slow; hold them in a submodule Opacus knows (nn.Linear, "
+            "nn.Embedding, ...)", name, "; ".join(slow))
     return fixed
 
 
@@ -437,7 +449,12 @@ def timed_train(task: Task, model: nn.Module, data: Dataset, settings: TrainSett
                 generator: torch.Generator) -> dict[str, float]:
     """``task.train`` with its wall time as ``train-time-s``; a user's train that returns None is fine."""
     start = time.perf_counter()
-    stats = task.train(model, data, settings, generator) or {}
+    device = _device_of(model)
+    # torch's global generator (dropout, a user's torch.rand) seeded from the node's round generator, which keys
+    # it by run seed, round and data without drawing from it: a rerun or resume repeats each client's draws
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(generator.initial_seed() ^ _GLOBAL_SEED_SALT)
+        stats = task.train(model, data, settings, generator) or {}
     if not isinstance(stats, dict):
         raise ClientError(f"task {task.spec.task!r}: train must return a dict of metrics or None. Found "
                           f"{type(stats).__name__}.")

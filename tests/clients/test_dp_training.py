@@ -131,6 +131,35 @@ def test_empty_data_and_batchnorm_model_raise_client_error(task, data):
         train_local_dp(bn, data, SETTINGS, LocalDpSettings(), torch.Generator(), None)
 
 
+class _LooseParameter(nn.Module):
+    """Digits through a layer, plus a bias held by the model itself (no Opacus rule), read directly or through an
+    embedding's weight, with dropout in its forward or not."""
+
+    def __init__(self, dropout: float, via_embedding: bool = False):
+        super().__init__()
+        self.body, self.drop, self.via = nn.Linear(64, 10), nn.Dropout(dropout), via_embedding
+        if via_embedding:
+            self.shift = nn.Embedding(1, 10)
+        else:
+            self.shift = nn.Parameter(torch.zeros(10))
+
+    def forward(self, x):
+        return self.drop(self.body(x)) + (self.shift.weight[0] if self.via else self.shift)
+
+
+def test_what_opacus_cannot_give_a_per_example_gradient_for_is_named_in_one_line(data):
+    from clients.dp_training import replayed_modules
+
+    dp = LocalDpSettings(grad_sample_mode="hooks")
+    assert replayed_modules(_LooseParameter(0.5)) == [("the model itself", ["shift"], True)]
+    with pytest.raises(ClientError, match=r"the model itself \(shift\): no Opacus per-example rule.*dropout"):
+        train_local_dp(_LooseParameter(0.5), data, SETTINGS, dp, torch.Generator(), None)
+    with pytest.raises(ClientError, match=r"shift.weight got no per-example gradient.*self.pos\(ids\)"):
+        train_local_dp(_LooseParameter(0.0, via_embedding=True), data, SETTINGS, dp, torch.Generator(), None)
+    _, stats, _ = train_local_dp(_LooseParameter(0.0), data, SETTINGS, dp, torch.Generator(), None)  # (replayed)
+    assert stats["dp-steps"] > 0 and math.isfinite(stats["train-loss"])
+
+
 # --- training ---------------------------------------------------------------------------------
 
 

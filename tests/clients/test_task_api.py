@@ -4,6 +4,7 @@ task with its own loss run from Python (simulations.simulate)."""
 
 from __future__ import annotations
 
+import logging
 import math
 
 import numpy as np
@@ -224,3 +225,35 @@ def test_a_class_is_named_by_its_module_and_a_nested_one_still_resolves():
     assert name.startswith(f"{__name__}:Inner_") and task_class(name) is Inner
     with pytest.raises(ConfigError, match="subclass of clients.Task"):
         task_name(int)
+
+
+class _PositionsAndNorm(Task):
+    """BatchNorm (Opacus swaps it for GroupNorm) and a parameter held by the model itself (Opacus replays the
+    model's forward for it)."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+            self.shift = nn.Parameter(torch.zeros(2))
+
+        def forward(self, x):
+            return self.layers(x) + self.shift
+
+    def build_model(self):
+        return self.Net()
+
+    def load_data(self):
+        x = np.zeros((8, 4), np.float32)
+        return Dataset(x, np.zeros(8, np.int64)), Dataset(x, np.zeros(8, np.int64))
+
+
+def test_what_local_dp_changes_in_a_model_is_said_once_per_task(caplog):
+    task = _PositionsAndNorm()
+    with caplog.at_level(logging.INFO):
+        models = [task.build(private=True) for _ in range(3)]
+    said = [r.getMessage() for r in caplog.records if "local DP: task" in r.getMessage()]
+    assert all(any(isinstance(m, nn.GroupNorm) for m in model.modules()) for model in models)
+    assert len(said) == 2, said
+    assert "changed for DP-SGD by Opacus (BatchNorm1d -> GroupNorm)" in said[0]
+    assert "replays the whole forward of the model itself (shift) once per example" in said[1]

@@ -401,3 +401,38 @@ def test_a_reused_model_trains_every_node_as_a_fresh_one_would(tmp_path, monkeyp
         fed = {h: (x, y) for h, x, y in zip(head, a.split(","), b.split(","), strict=True)
                if h.startswith("fed") and h != "fed_eval_metrics"}  # (none: the task has no metric but accuracy)
         assert fed and all(x == y and x for x, y in fed.values()), fed
+
+
+class _Dropout(Task):
+    """A model that draws from torch's global generator in training (dropout), with the default loop."""
+
+    def build_model(self):
+        return torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Dropout(0.5), torch.nn.Linear(16, 3))
+
+    def load_data(self):
+        rng = np.random.default_rng(0)
+        x = rng.normal(size=(64, 4)).astype(np.float32)
+        return Dataset(x, (x[:, 0] > 0).astype(np.int64)), Dataset(x[:8], np.zeros(8, np.int64))
+
+
+def test_training_draws_torchs_global_generator_from_the_nodes_seed_and_leaves_it_as_it_was():
+    from clients import TrainSettings
+    from clients.tasks import timed_train
+
+    task = _Dropout()
+    settings = TrainSettings(local_epochs=2, batch_size=8, lr=0.1)
+
+    def trained(seed: int, noise: int) -> torch.Tensor:
+        torch.manual_seed(noise)  # whatever state the process is in (another client, the coordinator)
+        model = task.build()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(0.1)
+        before = torch.get_rng_state()
+        timed_train(task, model, task.train_set, settings, torch.Generator().manual_seed(seed))
+        assert torch.equal(torch.get_rng_state(), before)  # the caller's generator is untouched
+        return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    first = trained(1, noise=0)
+    assert torch.equal(first, trained(1, noise=99))  # a rerun (or resume) repeats the dropout masks
+    assert not torch.equal(first, trained(2, noise=0))  # another node or round draws others

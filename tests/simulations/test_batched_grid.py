@@ -110,6 +110,37 @@ def test_a_batch_that_fails_trains_one_by_one_and_says_why_in_one_line(tmp_path,
     torch.testing.assert_close(many.weights, one.weights, rtol=1e-4, atol=2e-5)
 
 
+class LstmDigits(DigitsTask):
+    """Digits as 8 rows of 8 read by an LSTM: vmap has no batching rule for its CPU kernel and loops over clients."""
+
+    input_shape = None
+
+    def build_model(self):
+        class Rows(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.rnn, self.head = torch.nn.LSTM(8, 16, batch_first=True), torch.nn.Linear(16, 10)
+
+            def forward(self, x):
+                return self.head(self.rnn(x.view(-1, 8, 8))[0][:, -1])
+
+        return Rows()
+
+
+def test_a_model_vmap_runs_client_by_client_trains_one_by_one_from_the_start(tmp_path, caplog, recwarn):
+    from clients.tasks import task_name
+
+    one, _ = run(tmp_path, InProcessGrid(app, 4), "one", task=task_name(LstmDigits), **{"min-nodes": 4, "num-rounds": 1})
+    grid = BatchedGrid(app, 4)
+    with caplog.at_level("INFO"):
+        many, _ = run(tmp_path, grid, "many", task=task_name(LstmDigits), **{"min-nodes": 4, "num-rounds": 1})
+    why = next(iter(grid._support.values()))
+    assert grid.batched_messages == 0 and "no batching rule for aten::" in why, why
+    assert sum("clients train one at a time" in r.getMessage() for r in caplog.records) == 1
+    assert not [w for w in recwarn if "batching rule" in str(w.message)]  # torch's warning is not shown
+    torch.testing.assert_close(many.weights, one.weights, rtol=0, atol=0)
+
+
 class BatchNormDigits(DigitsTask):
     """The digits MLP with BatchNorm: running statistics federated, the batch count kept on each node."""
 
