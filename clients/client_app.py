@@ -31,7 +31,7 @@ from .protocol import CONFIG as CONFIG_NAME
 from .protocol import (CLIENT_TIME, CODEC, EVAL_PREFIX, LOCAL_DP, MAX_METRIC, METRICS, WEIGHTS, TrainInstruction, codec_from_record, metric_values, parse_train_message, record_of,
                        train_reply_content)
 from .config import BUILTIN_TASKS, TaskSpec
-from .tasks import Task, load_task
+from .tasks import Task, evaluated, load_task
 from .training import train_local
 
 app = ClientApp()
@@ -331,9 +331,7 @@ def run_evaluate(msg: Message, context: Context) -> Message:
     """Handle one evaluate message: the task's evaluate of the global model on this node's held-out data."""
     _, task, _, _, model = global_model(msg, context, private=False)
     data = client_eval_data(task, context.node_config)
-    out = task.evaluate(model, data)
-    if not isinstance(out, dict):
-        raise ClientError(f"task {task.spec.task!r}: evaluate must return a dict of metrics. Found {type(out).__name__}.")
+    out = evaluated(task, model, data, "this node's held-out data")
     metrics: dict[str, int | float] = {"num-examples": len(data)}
     for key, value in metric_values(out).items():  # as the coordinator records its own evaluation's
         if math.isfinite(value) and abs(value) <= MAX_METRIC:  # (one without a usable value on this node's data: left

@@ -50,22 +50,30 @@ class RoundProgress:
         # In a terminal rich wraps at its width; into a file or pipe each round stays one line (no wrap at 80).
         self._progress.console.print(format_row(row, self.total), markup=False,
                                      soft_wrap=not self.console.is_terminal)
-        info = headline(row["test_accuracy"], row.get("test_metrics"), digits=3)
+        info = headline(row["test_accuracy"], row.get("test_metrics"), digits=3, loss=row.get("test_loss"))
         self._progress.update(self._task, completed=row["round"], info=info)
 
 
-def headline(accuracy: object, metrics: object = None, digits: int = 4) -> str:
+def _shown_metric(accuracy: object, metrics: object, loss: object) -> tuple[str, float] | None:
+    """What a result shows besides accuracy: the task's ``first_metric``, else its loss (a task whose evaluate
+    gives nothing more); None when accuracy is there or nothing is."""
+    if finite(accuracy):
+        return None
+    return first_metric(metrics) or (("loss", float(loss)) if finite(loss) else None)
+
+
+def headline(accuracy: object, metrics: object = None, digits: int = 4, loss: object = None) -> str:
     """A round's result in a few characters: ``acc 0.9556``; for a task without accuracy (a regression, a
-    language model) its ``first_metric`` (``rmse 0.912``, ``perplexity 12.3``)."""
-    named = None if finite(accuracy) else first_metric(metrics)
+    language model) its ``first_metric`` (``rmse 0.912``, ``perplexity 12.3``), else its loss."""
+    named = _shown_metric(accuracy, metrics, loss)
     return f"{named[0]} {named[1]:.{digits}g}" if named else f"acc {accuracy:.{digits}f}"
 
 
 def result_text(summary: dict[str, Any]) -> str:
     """A run's final result for a line of output: ``test accuracy 0.9556``, else the task's ``first_metric``
-    (``test rmse 0.9123``), else ``test accuracy n/a`` (no round evaluated)."""
+    (``test rmse 0.9123``), else its loss, else ``test accuracy n/a`` (no round evaluated)."""
     accuracy = summary.get("final_test_accuracy")
-    named = None if finite(accuracy) else first_metric(summary.get("final_test_metrics"))
+    named = _shown_metric(accuracy, summary.get("final_test_metrics"), summary.get("final_test_loss"))
     if named:
         return f"test {named[0]} {named[1]:.4g}"
     return f"test accuracy {accuracy:.4f}" if finite(accuracy) else "test accuracy n/a"

@@ -117,6 +117,9 @@ class SiteWorkflow(SyncWorkflow):
     def evaluate(self) -> dict[str, Any]:
         return {"test_accuracy": float("nan"), "test_loss": float("nan")}
 
+    def _check_evaluate(self) -> None:
+        """(Nothing: the coordinator above evaluates.)"""
+
     def fingerprint(self) -> dict[str, Any]:
         """The site's own settings only: the clients' training, the seed and the rounds come from the coordinator
         each round (a restarted aggregator resumes its site whatever they were)."""

@@ -27,7 +27,7 @@ from aggregation._errors import shown
 from aggregation.staleness import create_staleness
 from clients.protocol import (ARRAYS, CLIENT_TIME, CODEC, CONFIG, LOCAL_DP, MESSAGE_TYPE_TRAIN, METRICS, WEIGHTS, TrainInstruction,
                               message_nbytes, metric_values, update_nbytes)
-from clients.tasks import get_task, load_task
+from clients.tasks import evaluated, get_task, load_task
 
 from ._errors import CoordinatorError
 from privacy import BudgetExhausted, PrivacyError
@@ -216,6 +216,7 @@ class SyncWorkflow:
         # the global model: built as clients build it (local DP: as Opacus fixed it), seen through its layout
         self.layout = self.task.layout(cfg.private_model)
         self.model = self.task.build(cfg.private_model).to(self.device)
+        self._check_evaluate()
         self._eval_names: set[str] = set()  # what the task's evaluate has given here (eval_names)
         self.numel = self.layout.numel
         self.optimizer = create_server_optimizer(cfg.server.server_optimizer, **cfg.server.optimizer_params())
@@ -603,9 +604,17 @@ class SyncWorkflow:
         none), ``test_loss`` and, where the task's ``evaluate`` gives more (a regression's rmse, a language
         model's perplexity), ``test_metrics``: those by name."""
         self.layout.load(self.model, self.weights)
-        values = metric_values(self.task.evaluate(self.model, self.task.test_set))  # as a client's reply sends them
+        # as a client's reply sends them
+        values = metric_values(evaluated(self.task, self.model, self.task.test_set, "the coordinator's test data"))
         self._eval_names.update(k for k, v in values.items() if not math.isnan(v))
         return eval_fields(values)
+
+    def _check_evaluate(self) -> None:
+        """The task's evaluate on a few test examples before round 1: a task whose evaluate fails (a model whose
+        output the default metrics cannot read) stops here in one line, not after the first round's training."""
+        test = self.task.test_set
+        evaluated(self.task, self.model, type(test)(test.x[:8], test.y[:8]),
+                  "the coordinator's test data (8 examples, before round 1)")
 
     @property
     def eval_names(self) -> frozenset[str]:

@@ -10,6 +10,7 @@ import hashlib
 import importlib
 import importlib.util
 import sys
+import traceback
 from functools import lru_cache
 from pathlib import Path
 
@@ -102,9 +103,33 @@ def load_task(spec: TaskSpec, data: bool = True) -> Task:
     except ClientError:
         raise
     except Exception as exc:
-        raise ConfigError(f"task {spec.task!r} must load its data and build its model. Found "
-                          f"{type(exc).__name__}: {str(exc)[:300]}") from None
+        raise task_code_error(spec, "load its data and build its model", exc) from None
     return task
+
+
+def task_code_error(spec: TaskSpec, what: str, exc: BaseException) -> ConfigError:
+    """One line for an exception a task's own code raised: what it had to do, the exception and the innermost
+    place it came from (``file:line, in function``)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" ({Path(frames[-1].filename).name}:{frames[-1].lineno}, in {frames[-1].name})" if frames else ""
+    text = str(exc).split("\n", 1)[0]
+    text = text if len(text) <= 300 else f"{text[:300]}..."
+    return ConfigError(f"task {spec.task!r} must {what}. Found {type(exc).__name__}: {text}{where}")
+
+
+def evaluated(task: Task, model, data: Dataset, where: str) -> dict:
+    """``task.evaluate(model, data)``, its failure as one line (``task_code_error``) saying it ran ``where``, and
+    its result checked to be a dict."""
+    try:
+        out = task.evaluate(model, data)
+    except ClientError:
+        raise
+    except Exception as exc:
+        raise task_code_error(task.spec, f"evaluate the model on {where}", exc) from None
+    if not isinstance(out, dict):
+        raise ConfigError(f"task {task.spec.task!r}: evaluate must return a dict of metrics. Found "
+                          f"{type(out).__name__}.")
+    return out
 
 
 def check_any_task(data: Dataset, source: str) -> None:
@@ -126,5 +151,5 @@ def max_partitions() -> int:
     return max(len(get_task(TaskSpec(task=name)).train_set) for name in _TASKS)
 
 
-__all__ = ["Dataset", "DigitsTask", "Entry", "ModelLayout", "SyntheticTask", "Task", "check_any_task", "get_task",
-           "load_task", "max_partitions", "task_class", "task_name", "timed_train"]
+__all__ = ["Dataset", "DigitsTask", "Entry", "ModelLayout", "SyntheticTask", "Task", "check_any_task", "evaluated",
+           "get_task", "load_task", "max_partitions", "task_class", "task_code_error", "task_name", "timed_train"]

@@ -109,8 +109,10 @@ class Task(ABC):
         return nn.functional.cross_entropy(output, target)
 
     def metrics(self, output: Any, target: torch.Tensor) -> dict[str, float]:
-        """A batch's metrics as means (default: ``accuracy`` when ``target`` holds class labels)."""
-        if not target.dtype.is_floating_point and output.shape[:-1] == target.shape:
+        """A batch's metrics as means (default: ``accuracy`` when ``output`` is a tensor of class scores for
+        ``target``'s class labels; none for an output of another kind, a dict or a tuple, which ``loss`` reads)."""
+        if (isinstance(output, torch.Tensor) and not target.dtype.is_floating_point
+                and output.shape[:-1] == target.shape):
             return {"accuracy": (output.argmax(-1) == target).float().mean().item()}
         return {}
 

@@ -257,3 +257,48 @@ def test_what_local_dp_changes_in_a_model_is_said_once_per_task(caplog):
     assert len(said) == 2, said
     assert "changed for DP-SGD by Opacus (BatchNorm1d -> GroupNorm)" in said[0]
     assert "replays the whole forward of the model itself (shift) once per example" in said[1]
+
+
+class DictOutput(Regression):
+    """A model whose forward returns a dict (as many libraries' models do), read by the task's own loss; the
+    default metrics find no class scores in it and give none."""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 1), nn.Flatten(0))
+
+        def forward(self, x):
+            return {"prediction": self.body(x), "features": x}
+
+    def build_model(self) -> nn.Module:
+        return self.Net()
+
+    def loss(self, output, target):
+        return nn.functional.mse_loss(output["prediction"], target)
+
+
+class BrokenEvaluate(Regression):
+    def evaluate(self, model, data, batch_size=1024):
+        return {"loss": float(model(torch.from_numpy(data.x)).sum()), "odd": 1 / 0}
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_a_model_with_a_dict_output_trains_and_its_result_is_its_loss(tmp_path, batched):
+    from coordinator.progress import result_text
+
+    s = simulate(DictOutput, run_dir=tmp_path / "dict", num_supernodes=4, num_rounds=3, partitioning="iid",
+                 local_epochs=2, lr=0.05, batched=batched)
+    assert s["rounds"] == 3 and s["rejected_total"] == 0 and s["final_test_metrics"] == {}
+    assert 0.0 < s["final_test_loss"] < 1.0
+    assert result_text(s) == f"test loss {s['final_test_loss']:.4g}"
+
+
+def test_an_evaluate_that_fails_stops_the_run_in_one_line_before_any_training(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        simulate(BrokenEvaluate, run_dir=tmp_path / "broken", num_supernodes=2, num_rounds=2, partitioning="iid")
+    said = str(info.value)
+    assert said.startswith(f"task {task_name(BrokenEvaluate)!r} must evaluate the model on the coordinator's test "
+                           "data (8 examples, before round 1). Found ZeroDivisionError: division by zero (")
+    assert "test_task_api.py:" in said and "in evaluate)" in said and "\n" not in said
+    assert not (tmp_path / "broken" / "metrics.csv").exists()  # no round ran
