@@ -422,28 +422,20 @@ def _private_model(model: nn.Module, name: str) -> nn.Module:
     quiet_import_opacus()
     from opacus.validators import ModuleValidator
 
-    fixed = model
-    if not ModuleValidator.is_valid(model):
-        fixed = ModuleValidator.fix(model)
-        if not ModuleValidator.is_valid(fixed):
-            errors = "; ".join(str(e) for e in ModuleValidator.validate(fixed, strict=False))[:300]
-            raise ClientError(f"task {name!r}: the model must be trainable by DP-SGD for local DP. Found: {errors}.")
-    if name in _SAID:  # once per task and process: a model is built for its layout, its weights and each round
-        return fixed
-    from flwr.common.logger import log
+    if ModuleValidator.is_valid(model):
+        return model
+    before = {type(m).__name__ for m in model.modules()}
+    fixed = ModuleValidator.fix(model)
+    after = {type(m).__name__ for m in fixed.modules()}
+    if not ModuleValidator.is_valid(fixed):
+        errors = "; ".join(str(e) for e in ModuleValidator.validate(fixed, strict=False))[:300]
+        raise ClientError(f"task {name!r}: the model must be trainable by DP-SGD for local DP. Found: {errors}.")
+    if name not in _SAID:  # once per task and process: a model is built for its layout, weights and each round
+        from flwr.common.logger import log
 
-    from ..dp_training import replayed_modules
-
-    _SAID.add(name)
-    before, after = ({type(m).__name__ for m in x.modules()} for x in (model, fixed))
-    if before != after:
+        _SAID.add(name)
         log(INFO, "[fedshield] local DP: task %s's model changed for DP-SGD by Opacus (%s -> %s)", name,
             ", ".join(sorted(before - after)) or "-", ", ".join(sorted(after - before)) or "-")
-    slow = [f"{where} ({', '.join(params)})" for where, params, parent in replayed_modules(fixed) if parent]
-    if slow:  # (a leaf module replayed is only itself: cheap)
-        log(INFO, "[fedshield] local DP: task %s: Opacus replays the whole forward of %s once per example for "
-            "those parameters (no per-example rule): slow; hold them in a submodule Opacus knows (nn.Linear, "
-            "nn.Embedding, ...)", name, "; ".join(slow))
     return fixed
 
 

@@ -23,6 +23,7 @@ from clients.dp_training import (
     private_generator,
     resolve_grad_sample_mode,
     train_local_dp,
+    vmap_clipped_grad_sum,
 )
 from clients.tasks import get_task
 from clients.training import evaluate, flat_params, load_flat, train_local
@@ -86,7 +87,7 @@ def test_settings_defaults_are_valid():
         ({"delta": 0.0}, "delta must be in (0, 1). Found 0.0."),
         ({"delta": 1.0}, "delta must be in (0, 1). Found 1.0."),
         ({"grad_sample_mode": "ew"},
-         "grad-sample-mode must be one of ['fast', 'ghost', 'hooks', 'functorch']. Found 'ew'."),
+         "grad-sample-mode must be one of ['fast', 'ghost', 'hooks', 'functorch', 'vmap']. Found 'ew'."),
         ({"poisson_sampling": "yes"}, "poisson-sampling must be true or false. Found 'yes'."),
     ],
 )
@@ -152,12 +153,13 @@ def test_what_opacus_cannot_give_a_per_example_gradient_for_is_named_in_one_line
 
     dp = LocalDpSettings(grad_sample_mode="hooks")
     assert replayed_modules(_LooseParameter(0.5)) == [("the model itself", ["shift"], True)]
-    with pytest.raises(ClientError, match=r"the model itself \(shift\): no Opacus per-example rule.*dropout"):
-        train_local_dp(_LooseParameter(0.5), data, SETTINGS, dp, torch.Generator(), None)
+    # a parameter read as module.weight: Opacus's hooks never see it (vmap would: only asked-for hooks here)
+    assert resolve_grad_sample_mode(_LooseParameter(0.0, via_embedding=True), "hooks") == "hooks"
     with pytest.raises(ClientError, match=r"shift.weight got no per-example gradient.*self.pos\(ids\)"):
         train_local_dp(_LooseParameter(0.0, via_embedding=True), data, SETTINGS, dp, torch.Generator(), None)
-    _, stats, _ = train_local_dp(_LooseParameter(0.0), data, SETTINGS, dp, torch.Generator(), None)  # (replayed)
-    assert stats["dp-steps"] > 0 and math.isfinite(stats["train-loss"])
+    # the model's own parameter with dropout in its forward: vmap, not Opacus's replay (which cannot draw it)
+    _, stats, _ = train_local_dp(_LooseParameter(0.5), data, SETTINGS, dp, torch.Generator(), None)
+    assert stats["dp-path"] == "vmap" and stats["dp-steps"] > 0 and math.isfinite(stats["train-loss"])
 
 
 # --- training ---------------------------------------------------------------------------------
@@ -269,9 +271,9 @@ def test_clipping_bounds_the_update(task, data, mode, poisson):
 def test_fast_ghost_hooks_and_functorch_give_the_same_model(task, data):
     """Same seed: same Poisson batches and the same noise draws on every path (fast included)."""
     runs = {mode: _dp(task, data, LocalDpSettings(grad_sample_mode=mode), seed=5)[0]
-            for mode in ("fast", "ghost", "hooks", "functorch")}
+            for mode in ("fast", "ghost", "hooks", "functorch", "vmap")}
     ref = flat_params(runs["hooks"])
-    for mode in ("fast", "ghost", "functorch"):
+    for mode in ("fast", "ghost", "functorch", "vmap"):
         torch.testing.assert_close(flat_params(runs[mode]), ref, rtol=1e-4, atol=1e-5)
 
 
@@ -300,6 +302,45 @@ def test_fast_and_ghost_fall_back_where_the_model_does_not_allow_them(task, data
     norm = nn.Sequential(nn.Linear(64, 32), nn.LayerNorm(32), nn.ReLU(), nn.Linear(32, 10))
     _, stats, _ = train_local_dp(norm, data, SETTINGS, LocalDpSettings(), torch.Generator().manual_seed(0), None)
     assert stats["dp-path"] == "ghost" and stats["epsilon"] > 0
+
+
+class _TiedLm(nn.Module):
+    """Token ids through an embedding whose table is also the output layer (tied), and positions held by the
+    model itself (Opacus's hooks would replay the model's forward for them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.pos = nn.Embedding(20, 8), nn.Parameter(torch.randn(4, 8))
+        self.mix, self.drop = nn.Linear(32, 8), nn.Dropout(0.0)
+        self.head = nn.Linear(8, 20, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x):
+        return self.head(self.drop(torch.tanh(self.mix((self.emb(x) + self.pos).flatten(1)))))
+
+
+@pytest.mark.parametrize("build", [_TiedLm, _Tied, lambda: get_task(TaskSpec()).build_model()],
+                         ids=["tied-lm", "tied-linear", "mlp"])
+def test_the_vmap_clipped_sum_is_the_per_example_loops_for_any_model(build):
+    torch.manual_seed(3)
+    model = build()
+    x = torch.randint(0, 20, (10, 4)) if isinstance(model, _TiedLm) else torch.randn(10, 64)
+    y = torch.randint(0, 10, (10,))
+    _, _, norms = vmap_clipped_grad_sum(model, x, y, 1e9)
+    clip = float(norms.median())
+    sums, loss, norms = vmap_clipped_grad_sum(model, x, y, clip, chunk=3)  # chunks of 3, 3, 3 and 1
+    ref, ref_norms = _per_example_loop(model, x, y, clip)
+    assert 3 <= int((norms > clip).sum()) <= 7
+    torch.testing.assert_close(norms.double(), ref_norms, rtol=1e-5, atol=1e-6)
+    assert loss.item() == pytest.approx(nn.functional.cross_entropy(model(x), y).item(), rel=1e-5)
+    assert len(sums) == len([p for p in model.parameters() if p.requires_grad])  # a tied table once
+    for got, loop in zip(sums, ref, strict=True):
+        torch.testing.assert_close(got.double(), loop, rtol=1e-4, atol=1e-6)
+    if isinstance(model, _TiedLm):  # and Opacus's hooks, once the positions (which they would replay) are frozen
+        model.pos.requires_grad_(False)
+        vmap_sums, _, _ = vmap_clipped_grad_sum(model, x, y, clip)
+        for got, opacus in zip(vmap_sums, _opacus_clipped_sum(model, x, y, clip), strict=True):
+            torch.testing.assert_close(got, opacus, rtol=1e-4, atol=1e-6)
 
 
 # --- the fast per-example clipping path ------------------------------------------------------
@@ -332,7 +373,8 @@ def _per_example_loop(model, x, y, clip):
     params = [p for p in model.parameters() if p.requires_grad]
     sums, norms = [torch.zeros_like(p) for p in params], []
     for i in range(len(y)):
-        loss = nn.functional.cross_entropy(model(x[i:i + 1].double()), y[i:i + 1], reduction="sum")
+        xi = x[i:i + 1].double() if x.is_floating_point() else x[i:i + 1]  # (token ids stay integers)
+        loss = nn.functional.cross_entropy(model(xi), y[i:i + 1], reduction="sum")
         grads = torch.autograd.grad(loss, params)
         norm = torch.sqrt(sum(g.square().sum() for g in grads))
         norms.append(norm)
