@@ -102,7 +102,7 @@ def load_task(spec: TaskSpec, data: bool = True) -> Task:
         task.layout()
     except ClientError:
         raise
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - the user's data or model: any error it raises is one line
         raise task_code_error(spec, "load its data and build its model", exc) from None
     return task
 
@@ -124,7 +124,7 @@ def evaluated(task: Task, model, data: Dataset, where: str) -> dict:
         out = task.evaluate(model, data)
     except ClientError:
         raise
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - the user's evaluate: any error it raises is one line
         raise task_code_error(task.spec, f"evaluate the model on {where}", exc) from None
     if not isinstance(out, dict):
         raise ConfigError(f"task {task.spec.task!r}: evaluate must return a dict of metrics. Found "
