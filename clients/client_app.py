@@ -281,6 +281,9 @@ def local_update(msg: Message, context: Context) -> tuple[torch.Tensor, dict[str
         data = client_data(task, context.node_config)
         job = UpdateJob(instr, task, data, weights, training_generator(instr, context), start)
         stats = train_with_local_dp(model, data, instr, local_dp, context, task)
+    if layout.fixed and (name := layout.changed_fixed(model, task.initial_local(instr.seed, local_dp is not None))):
+        raise ClientError(f"task {task.spec.task!r}: parameter {name!r} was frozen when built (requires_grad=False), "
+                          "so it stays off the wire, but training changed it: set federate_frozen = True on the task")
     if layout.local:
         keep_entries(context, layout.local_state(model))
     delta = layout.flatten(model).cpu().sub_(weights)

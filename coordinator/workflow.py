@@ -216,6 +216,8 @@ class SyncWorkflow:
         # the global model: built as clients build it (local DP: as Opacus fixed it), seen through its layout
         self.layout = self.task.layout(cfg.private_model)
         self.model = self.task.build(cfg.private_model).to(self.device)
+        if self.layout.local:  # what never travels (frozen parameters, kept entries): as a client's first round
+            self.layout.load_local(self.model, {}, start=self.task.initial_local(cfg.server.seed, cfg.private_model))
         self._check_evaluate()
         self._eval_names: set[str] = set()  # what the task's evaluate has given here (eval_names)
         self.numel = self.layout.numel

@@ -173,9 +173,12 @@ def _initial_state(task: Task, model: nn.Module, global_flat: torch.Tensor, m: i
         return out
 
     params, buffers, frozen = {}, {}, {}
+    fixed = set(layout.fixed)
     for name, p in model.named_parameters():
         if p.requires_grad:
             params[name] = stacked(name, p)
+        elif name in fixed:  # frozen and off the wire: the run seed's build, one copy for all
+            frozen[name] = first[name].to(p.device, p.dtype)
         elif name in local:  # a frozen entry each client keeps for itself: its own value, never stepped
             buffers[name] = stacked(name, p)
         else:

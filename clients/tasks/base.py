@@ -74,6 +74,9 @@ class Task(ABC):
     - ``federate_buffers``: False keeps every buffer (BatchNorm's running statistics) on its client (FedBN);
     - ``keep_local``: state-dict name globs kept on each client (e.g. ``("*.bn*",)`` for FedBN with its
       affine parameters too);
+    - ``federate_frozen``: True sends parameters built with ``requires_grad=False`` (a fine-tuned model's
+      backbone) every round like the others; by default they stay off the wire, every node and the coordinator
+      taking them from the run seed's build, and a client whose training changes one is refused in one line;
     - ``channels_last``: whether the default ``train`` and ``evaluate`` run the model in channels-last memory
       format (None: on CPU, for models with 2-D convolutions whose forward accepts it; 1.3-2.4x faster here).
     """
@@ -84,6 +87,7 @@ class Task(ABC):
     y_dtype: str | None = "int64"
     federate_buffers: bool = True
     keep_local: tuple[str, ...] = ()
+    federate_frozen: bool = False
     input_shape: tuple[int, ...] | None = None  # x's shape past the example axis, checked when set
     target_shape: tuple[int, ...] | None = None  # y's likewise (() for one label per example)
     channels_last: bool | None = None  # None: auto (CPU, 2-D convolutions, a forward that accepts it)
@@ -323,7 +327,7 @@ class Task(ABC):
                     model = self.build(private)
             except (RuntimeError, NotImplementedError, TypeError):  # a model that needs real tensors to build
                 model = self.build(private)
-            cache[private] = ModelLayout.of(model, self.federate_buffers, tuple(self.keep_local))
+            cache[private] = ModelLayout.of(model, self.federate_buffers, tuple(self.keep_local), self.federate_frozen)
         return cache[private]
 
     def num_parameters(self, private: bool = False) -> int:
@@ -336,15 +340,16 @@ class Task(ABC):
         return self.layout(private).flatten(self._seeded_build(seed, private))
 
     def initial_local(self, seed: int, private: bool = False) -> dict[str, torch.Tensor]:
-        """Where a client's kept entries (``layout.local``) start before its first round: the model
-        ``init_weights(seed)`` builds, so a kept parameter drawn at random (a personal head) starts the same on
-        every node, engine and process, whichever task instance or thread serves it (CPU tensors, cached and
+        """Where a client's kept entries (``layout.local``) start before its first round, and its frozen ones
+        (``layout.fixed``) every round: the model ``init_weights(seed)`` builds, so a kept or frozen parameter drawn
+        at random (a personal head, random features) is the same on every node, engine and process, whichever task instance or thread serves it (CPU tensors, cached and
         shared: callers copy them into their models)."""
         cache = self.__dict__.setdefault("_initial_local", {})
         key = (seed, private)
         if key not in cache:
             local = self.layout(private).local
-            cache[key] = self.layout(private).local_state(self._seeded_build(seed, private)) if local else {}
+            state = self._seeded_build(seed, private).state_dict() if local else {}
+            cache[key] = {name: state[name].detach().cpu().clone() for name in local}  # (frozen ones too)
         return cache[key]
 
     def _seeded_build(self, seed: int, private: bool) -> nn.Module:

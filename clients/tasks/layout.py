@@ -3,7 +3,8 @@
 Derived once from the model (on torch's meta device where it can be), so the wire and the aggregation
 core see one flat tensor whatever the module: parameters, and floating-point buffers such as BatchNorm's
 running statistics unless the task keeps them local (FedBN). Integer buffers and the entries a task keeps
-local never leave the client; the client keeps them between rounds. BatchNorm's ``num_batches_tracked``,
+local never leave the client; the client keeps them between rounds. Frozen parameters (``requires_grad=False``
+when built) stay off the wire unless the task federates them: every model takes them from the run seed's build. BatchNorm's ``num_batches_tracked``,
 which torch reads only when the layer's momentum is None, is kept only for such layers.
 """
 
@@ -34,6 +35,10 @@ class ModelLayout:
 
     entries: tuple[Entry, ...]
     local: tuple[str, ...]  # kept on the client: integer buffers, and what the task keeps local
+    # frozen parameters (requires_grad=False when built) left off the wire: among ``local``, each model starts
+    # them from the run seed's build (``Task.initial_local``) and no client keeps a copy (a fine-tuned model's
+    # backbone: nothing to average, and it was sent down and its zero delta up every round)
+    fixed: tuple[str, ...] = ()
 
     @property
     def numel(self) -> int:
@@ -44,10 +49,13 @@ class ModelLayout:
         return tuple(e.name for e in self.entries)
 
     @classmethod
-    def of(cls, model: nn.Module, federate_buffers: bool = True, keep_local: tuple[str, ...] = ()) -> "ModelLayout":
-        """The layout of ``model``: every parameter and (``federate_buffers``) floating buffer, less the
-        state-dict names matching a ``keep_local`` glob; a tensor tied under two names counts once."""
+    def of(cls, model: nn.Module, federate_buffers: bool = True, keep_local: tuple[str, ...] = (),
+           federate_frozen: bool = True) -> "ModelLayout":
+        """The layout of ``model``: every parameter (not ``federate_frozen``: every trainable one) and
+        (``federate_buffers``) floating buffer, less the state-dict names matching a ``keep_local`` glob; a tensor
+        tied under two names counts once."""
         params = {id(p) for p in model.parameters()}
+        frozen = set() if federate_frozen else {id(p) for p in model.parameters() if not p.requires_grad}
         # BatchNorm's batch count is read only under momentum=None (a cumulative average): elsewhere it is kept
         # nowhere, so such a model leaves nothing on its clients (nothing held per client, nothing checkpointed)
         unused = {id(m.num_batches_tracked) for m in model.modules()
@@ -55,6 +63,7 @@ class ModelLayout:
                   and m.momentum is not None}
         entries: list[Entry] = []
         local: list[str] = []
+        fixed: list[str] = []
         seen: set[int] = set()
         offset = 0
         for name, t in model.state_dict(keep_vars=True).items():
@@ -64,13 +73,15 @@ class ModelLayout:
             if id(t) in unused and not any(fnmatch.fnmatchcase(name, pat) for pat in keep_local):
                 continue
             buffer = id(t) not in params
-            if (not t.is_floating_point() or (buffer and not federate_buffers)
-                    or any(fnmatch.fnmatchcase(name, pat) for pat in keep_local)):
+            kept = any(fnmatch.fnmatchcase(name, pat) for pat in keep_local)
+            if not t.is_floating_point() or (buffer and not federate_buffers) or kept or id(t) in frozen:
                 local.append(name)
+                if id(t) in frozen and t.is_floating_point() and not kept:
+                    fixed.append(name)
                 continue
             entries.append(Entry(name, tuple(t.shape), t.dtype, offset, t.numel(), buffer))
             offset += t.numel()
-        return cls(tuple(entries), tuple(local))
+        return cls(tuple(entries), tuple(local), tuple(fixed))
 
     def _tensors(self, model: nn.Module) -> list[torch.Tensor]:
         state = model.state_dict(keep_vars=True)
@@ -96,9 +107,17 @@ class ModelLayout:
             t.copy_(flat[e.offset:e.offset + e.numel].view(e.shape))
 
     def local_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """The entries each client keeps (copies, on CPU)."""
+        """The entries each client keeps (copies, on CPU): ``local`` less ``fixed``."""
         state = model.state_dict()
-        return {name: state[name].detach().cpu().clone() for name in self.local}
+        fixed = set(self.fixed)
+        return {name: state[name].detach().cpu().clone() for name in self.local if name not in fixed}
+
+    def changed_fixed(self, model: nn.Module, start: dict[str, torch.Tensor]) -> str | None:
+        """The first ``fixed`` entry whose value in ``model`` is no longer ``start``'s (a loop that unfroze it),
+        or None."""
+        state = model.state_dict()
+        return next((name for name in self.fixed if name in start
+                     and not torch.equal(state[name].detach().cpu(), start[name].to(state[name].dtype))), None)
 
     @torch.no_grad()
     def load_local(self, model: nn.Module, saved: dict[str, torch.Tensor],

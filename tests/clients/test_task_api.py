@@ -299,3 +299,46 @@ def test_an_evaluate_that_fails_stops_the_run_in_one_line_before_any_training(tm
                            "data (8 examples, before round 1). Found ZeroDivisionError: division by zero (")
     assert "test_task_api.py:" in said and "in evaluate)" in said and "\n" not in said
     assert not (tmp_path / "broken" / "metrics.csv").exists()  # no round ran
+
+
+class FrozenFeatures(Regression):
+    """Random features (a frozen layer drawn at build) and a trained head: a fine-tuned model's shape."""
+
+    def build_model(self) -> nn.Module:
+        features = nn.Linear(5, 64)
+        features.requires_grad_(False)
+        return nn.Sequential(features, nn.Tanh(), nn.Linear(64, 1), nn.Flatten(0))
+
+
+class FrozenFeaturesOnTheWire(FrozenFeatures):
+    federate_frozen = True
+
+
+class UnfreezingLoop(FrozenFeatures):
+    def train(self, model, data, settings, generator):
+        model[0].requires_grad_(True)  # a loop that unfreezes what was frozen at build
+        return super().train(model, data, settings, generator)
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_frozen_parameters_stay_off_the_wire_and_the_model_is_the_same(tmp_path, batched):
+    runs = {cls: simulate(cls, run_dir=tmp_path / cls.__name__, num_supernodes=4, num_rounds=3, partitioning="iid",
+                          local_epochs=2, lr=0.05, batched=batched) for cls in (FrozenFeatures, FrozenFeaturesOnTheWire)}
+    off, on = runs[FrozenFeatures], runs[FrozenFeaturesOnTheWire]
+    assert FrozenFeatures().layout().fixed == ("0.weight", "0.bias")
+    assert (off["num_parameters"], on["num_parameters"]) == (65, 64 * 5 + 64 + 65)
+    assert off["total_bytes_down"] < on["total_bytes_down"] / 4  # (65 against 449 numbers a client)
+    assert 0.0 < off["final_test_loss"] < 10.0  # it learnt (the targets' variance is ~14)
+    assert off["final_test_loss"] == pytest.approx(on["final_test_loss"], rel=1e-4)  # the same model either way
+    saved = torch.load(tmp_path / "FrozenFeatures" / "model.pt")
+    torch.testing.assert_close(saved["0.weight"], FrozenFeatures().initial_local(0)["0.weight"])  # the seed's build
+
+
+def test_a_loop_that_changes_a_frozen_parameter_is_refused_in_one_line(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING):
+        s = simulate(UnfreezingLoop, run_dir=tmp_path / "unfreeze", num_supernodes=2, num_rounds=1,
+                     partitioning="iid")
+    assert s["rejected_by_rule"] == {"error-reply": 2} and s["status"] == "no-updates", s
+    said = [r.getMessage() for r in caplog.records if "was frozen when built" in r.getMessage()]
+    assert said and "parameter '0.weight' was frozen when built (requires_grad=False)" in said[0]
+    assert "set federate_frozen = True on the task" in said[0]

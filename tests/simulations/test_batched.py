@@ -34,6 +34,7 @@ def one_by_one(task: Task, flat: torch.Tensor, datasets: list[Dataset], cfg: Tra
     for data, seed in zip(datasets, seeds, strict=True):
         model = task.build()
         task.layout().load(model, flat)
+        task.layout().load_local(model, {}, start=task.initial_local(0))  # (kept and frozen entries: a first round)
         gen = torch.Generator().manual_seed(seed)
         losses.append(task.train(model, data, cfg, gen)["train-loss"])
         deltas.append(task.layout().flatten(model) - flat)
@@ -122,12 +123,20 @@ class Regression(Task):
         return (output - target).pow(2).mean()
 
 
-def test_user_loss_tied_and_frozen_parameters() -> None:
-    task = Regression()
+class FederatedFrozenRegression(Regression):
+    federate_frozen = True
+
+
+@pytest.mark.parametrize("cls", [Regression, FederatedFrozenRegression])
+def test_user_loss_tied_and_frozen_parameters(cls) -> None:
+    task = cls()
     train = task.train_set
     data = [Dataset(train.x[s:s + n], train.y[s:s + n]) for s, n in ((0, 23), (23, 5), (28, 40))]
     deltas = assert_equivalent(task, data, TrainSettings(local_epochs=3, batch_size=6, lr=0.05, momentum=0.9,
                                                          proximal_mu=0.1))
+    if not cls.federate_frozen:  # off the wire: the frozen bias is no entry of the flat update
+        assert task.layout().fixed == ("4.bias",) and "4.bias" not in task.layout().names
+        return
     frozen = task.layout().entries[task.layout().names.index("4.bias")]
     assert not deltas[:, frozen.offset:frozen.offset + frozen.numel].any()
 
