@@ -164,6 +164,10 @@ def global_weights(msg: Message, context: Context, private: bool, memo: dict | N
     instr, arrays = parse_train_message(msg)
     task = load_task(node_task(instr.task, context.node_config), data="data-path" not in context.node_config)
     layout = task.layout(private)
+    if layout.fixed and task.frozen_digest(instr.seed, private) != instr.frozen:
+        raise ClientError(f"task {task.spec.task!r}: the frozen parameters this node builds ({', '.join(layout.fixed[:3])}"
+                          f"{' ...' if len(layout.fixed) > 3 else ''}) differ from the coordinator's: build them "
+                          "from torch's seeded generator or the same file everywhere, or set federate_frozen = True")
     numel = layout.numel  # before the model is built: a huge one asked with a short array is refused
     try:
         weights = array_to_tensor(arrays[WEIGHTS], "float32", numel)
@@ -193,7 +197,7 @@ def global_model_from(task: Task, layout, weights: torch.Tensor, context: Contex
 
 
 def kept_entries(context: Context) -> dict[str, torch.Tensor]:
-    """What this node keeps of its model between rounds (``layout.local``: FedBN's statistics, integer
+    """What this node keeps of its model between rounds (``layout.kept``: FedBN's statistics, integer
     buffers), as its last training left it, flat (``layout.load_local`` gives each its shape; read-only views of
     the record: copy before writing); empty before its first round."""
     kept = record_of(context.state, LOCAL_STATE, ArrayRecord)
@@ -284,7 +288,7 @@ def local_update(msg: Message, context: Context) -> tuple[torch.Tensor, dict[str
     if layout.fixed and (name := layout.changed_fixed(model, task.initial_local(instr.seed, local_dp is not None))):
         raise ClientError(f"task {task.spec.task!r}: parameter {name!r} was frozen when built (requires_grad=False), "
                           "so it stays off the wire, but training changed it: set federate_frozen = True on the task")
-    if layout.local:
+    if layout.kept:
         keep_entries(context, layout.local_state(model))
     delta = layout.flatten(model).cpu().sub_(weights)
     return delta, update_metrics(job, delta, stats, context), job.generator

@@ -61,6 +61,7 @@ WEIGHTS, DELTA = "weights", "delta"
 CLIENT_TIME = "client-time-s"  # a reply's local work, seconds (work-deadline's measure, bounded by the round trip)
 WORK_METRICS = ("train-time-s", CLIENT_TIME)  # the reported times a simulated device replaces with its own
 MESSAGE_TYPE_TRAIN = "train"
+FROZEN_DIGEST = "frozen-digest"  # a train or evaluate instruction's digest of the model's frozen entries
 MESSAGE_TYPE_EVALUATE = "evaluate"  # the train message's arrays and config; the reply: metrics only
 EVAL_PREFIX = "eval-"  # an evaluate reply's metrics: num-examples and eval-NAME (eval-loss, eval-accuracy, ...)
 MAX_EVAL_METRICS, MAX_METRIC_NAME = 32, 64  # an evaluation's metrics besides num-examples, and a name's characters
@@ -83,11 +84,14 @@ class TrainInstruction:
     seed: int
     task: TaskSpec
     train: TrainSettings
+    frozen: str = ""  # the coordinator's Task.frozen_digest ("" for a model without frozen entries)
 
     def to_record(self) -> ConfigRecord:
         fields: dict[str, Any] = {"round": self.round, "version": self.version, "seed": self.seed}
         fields.update(to_mapping(self.task))
         fields.update(to_mapping(self.train))
+        if self.frozen:
+            fields[FROZEN_DIGEST] = self.frozen
         return ConfigRecord(fields)
 
     @classmethod
@@ -95,6 +99,9 @@ class TrainInstruction:
         data = dict(record)
         for key in ("round", "version", "seed"):
             check(isinstance(data.get(key), int) and not isinstance(data[key], bool) and data[key] >= 0, key, "be an integer >= 0", data.get(key))
+        frozen = data.get(FROZEN_DIGEST, "")
+        check(isinstance(frozen, str) and len(frozen) <= 64 and frozen.isalnum() or frozen == "", FROZEN_DIGEST,
+              "be a hex digest", frozen)
         task_part, train_part = split_mapping(data, TaskSpec, TrainSettings)
         return cls(
             round=data["round"],
@@ -102,6 +109,7 @@ class TrainInstruction:
             seed=data["seed"],
             task=build_config(TaskSpec, task_part, "config"),
             train=build_config(TrainSettings, train_part, "config"),
+            frozen=frozen,
         )
 
 

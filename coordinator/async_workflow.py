@@ -35,8 +35,7 @@ from flwr.serverapp import Grid
 
 from aggregation import tensor_to_array
 from aggregation.staleness import StalenessFunction, create_staleness
-from clients.protocol import (ARRAYS, CODEC, CONFIG, LOCAL_DP, MESSAGE_TYPE_TRAIN, WEIGHTS, TrainInstruction,
-                              message_nbytes, update_nbytes)
+from clients.protocol import (ARRAYS, CODEC, CONFIG, LOCAL_DP, MESSAGE_TYPE_TRAIN, WEIGHTS, message_nbytes, update_nbytes)
 
 from ._errors import CoordinatorError
 from .config import RunConfig
@@ -185,8 +184,7 @@ class BufferedAsyncWorkflow(SyncWorkflow):
         msgs, seqs = [], []
         for node in chosen:
             self._seq += 1
-            instr = TrainInstruction(round=self._seq, version=self.version, seed=s.seed, task=self.cfg.task,
-                                     train=self.cfg.train)
+            instr = self.instruction(self._seq)
             content = RecordDict({ARRAYS: ArrayRecord({WEIGHTS: array}), CONFIG: instr.to_record(),
                                   CODEC: ConfigRecord(self.codec.config())})
             if self.cfg.privacy.dp == "local":

@@ -20,7 +20,7 @@ from flwr.common.logger import log
 from aggregation import tensor_to_array
 from aggregation._errors import shown
 from clients.protocol import (ARRAYS, CONFIG, EVAL_PREFIX, MAX_EVAL_METRICS, MAX_METRIC, MAX_METRIC_NAME,
-                              MESSAGE_TYPE_EVALUATE, METRICS, WEIGHTS, TrainInstruction, message_nbytes, metric_name_ok,
+                              MESSAGE_TYPE_EVALUATE, METRICS, WEIGHTS, message_nbytes, metric_name_ok,
                               record_of)
 
 from .validation import MAX_SIDE_BYTES, deadline_of, pull_bounded, pushed
@@ -60,8 +60,7 @@ def _check_reply(reply: Message, node: int, max_examples: int) -> tuple[int, dic
 
 def federated_evaluate(wf: Any, rnd: int, nodes: list[int]) -> dict[str, Any]:
     """Ask ``nodes`` to evaluate the workflow's global model; the row's ``fed_eval_*`` fields."""
-    instr = TrainInstruction(round=rnd, version=wf.version, seed=wf.cfg.server.seed, task=wf.cfg.task,
-                             train=wf.cfg.train).to_record()
+    instr = wf.instruction(rnd).to_record()
     content = RecordDict({ARRAYS: ArrayRecord({WEIGHTS: tensor_to_array(wf.weights)}), CONFIG: ConfigRecord(dict(instr))})
     s = wf.cfg.server
     msgs = [Message(content, dst_node_id=n, message_type=MESSAGE_TYPE_EVALUATE, group_id=f"eval-{rnd}",

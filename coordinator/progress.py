@@ -7,7 +7,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from .rundir import finite, first_metric
+from .rundir import finite, shown_metric
 
 
 def format_row(row: dict[str, Any], total: int) -> str:
@@ -19,9 +19,10 @@ def format_row(row: dict[str, Any], total: int) -> str:
     # A FedBuff release takes replies to messages sent in earlier windows: "accepted 2/0" read as more than was asked
     counts = (f"accepted {row['accepted']} of {row['replies']} replies (sent {row['selected']})"
               if row.get("workflow") == "fedbuff" else f"accepted {row['accepted']}/{row['selected']}")
+    named = shown_metric(row["test_accuracy"], row.get("test_metrics"), row["test_loss"])
+    head = "" if named and named[0] == "loss" else f"{headline(row['test_accuracy'], row.get('test_metrics'))}  "
     return (
-        f"round {row['round']:>3}/{total}  {headline(row['test_accuracy'], row.get('test_metrics'))}  "
-        f"loss {row['test_loss']:.4f}  "
+        f"round {row['round']:>3}/{total}  {head}loss {row['test_loss']:.4f}  "
         f"{counts}  rejected {row['rejected']}  "
         f"down {row['bytes_down'] / 1e6:.2f} MB  up {row['bytes_up'] / 1e6:.2f} MB  {row['round_time_s']:.2f} s{privacy}"
     )
@@ -54,18 +55,10 @@ class RoundProgress:
         self._progress.update(self._task, completed=row["round"], info=info)
 
 
-def _shown_metric(accuracy: object, metrics: object, loss: object) -> tuple[str, float] | None:
-    """What a result shows besides accuracy: the task's ``first_metric``, else its loss (a task whose evaluate
-    gives nothing more); None when accuracy is there or nothing is."""
-    if finite(accuracy):
-        return None
-    return first_metric(metrics) or (("loss", float(loss)) if finite(loss) else None)
-
-
 def headline(accuracy: object, metrics: object = None, digits: int = 4, loss: object = None) -> str:
     """A round's result in a few characters: ``acc 0.9556``; for a task without accuracy (a regression, a
     language model) its ``first_metric`` (``rmse 0.912``, ``perplexity 12.3``), else its loss."""
-    named = _shown_metric(accuracy, metrics, loss)
+    named = shown_metric(accuracy, metrics, loss)
     return f"{named[0]} {named[1]:.{digits}g}" if named else f"acc {accuracy:.{digits}f}"
 
 
@@ -73,7 +66,7 @@ def result_text(summary: dict[str, Any]) -> str:
     """A run's final result for a line of output: ``test accuracy 0.9556``, else the task's ``first_metric``
     (``test rmse 0.9123``), else its loss, else ``test accuracy n/a`` (no round evaluated)."""
     accuracy = summary.get("final_test_accuracy")
-    named = _shown_metric(accuracy, summary.get("final_test_metrics"), summary.get("final_test_loss"))
+    named = shown_metric(accuracy, summary.get("final_test_metrics"), summary.get("final_test_loss"))
     if named:
         return f"test {named[0]} {named[1]:.4g}"
     return f"test accuracy {accuracy:.4f}" if finite(accuracy) else "test accuracy n/a"

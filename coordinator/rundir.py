@@ -86,6 +86,14 @@ def first_metric(metrics: Any) -> tuple[str, float] | None:
     return None
 
 
+def shown_metric(accuracy: object, metrics: object, loss: object) -> tuple[str, float] | None:
+    """What a result shows where it has no accuracy: the task's ``first_metric``, else its loss (a task whose
+    evaluate gives nothing more); None when accuracy is there or nothing is."""
+    if finite(accuracy):
+        return None
+    return first_metric(metrics) or (("loss", float(loss)) if finite(loss) else None)
+
+
 def headline_metric(rows: list[dict[str, Any]]) -> str:
     """What the plots show per round: ``accuracy`` where a row has one, else ``first_metric``'s name of the first
     row that has one (a regression's rmse), else ``accuracy`` (nothing evaluated yet)."""

@@ -49,7 +49,6 @@ from clients.protocol import (
     SECAGG_KEYS,
     SECAGG_SHARES,
     SECAGG_UNOPENED,
-    TrainInstruction,
     WEIGHTS,
     message_nbytes,
     update_nbytes,
@@ -364,8 +363,7 @@ class SecureRound:
                     timeout, {n: [ask] for n in requests}, stats)
 
             requests3 = server.masked_input_requests()
-            instr = TrainInstruction(round=rnd, version=wf.version, seed=wf.cfg.server.seed, task=wf.cfg.task,
-                                     train=wf.cfg.train)
+            instr = wf.instruction(rnd)
             train = {ARRAYS: ArrayRecord({WEIGHTS: tensor_to_array(wf.weights)}), CONFIG: instr.to_record()}
             if wf.cfg.privacy.dp == "local":  # the clients train by DP-SGD inside the masked-input stage too
                 train[LOCAL_DP] = ConfigRecord(wf.cfg.privacy.local_record())

@@ -25,6 +25,7 @@ from flwr.serverapp import Grid
 from aggregation import AggregationError, create_server_optimizer, get_device, tensor_to_array
 from aggregation._errors import shown
 from aggregation.staleness import create_staleness
+from clients import ClientError
 from clients.protocol import (ARRAYS, CLIENT_TIME, CODEC, CONFIG, LOCAL_DP, MESSAGE_TYPE_TRAIN, METRICS, WEIGHTS, TrainInstruction,
                               message_nbytes, metric_values, update_nbytes)
 from clients.tasks import evaluated, get_task, load_task
@@ -120,7 +121,8 @@ RESUMABLE_CHANGES = frozenset({"num-rounds", "run-dir", "device", "poll-interval
 FINGERPRINT_VERSION = 2
 
 
-def run_fingerprint(cfg: RunConfig, numel: int, nodes: int | None = None, engine: str | None = None) -> dict[str, Any]:
+def run_fingerprint(cfg: RunConfig, numel: int, nodes: int | None = None, engine: str | None = None,
+                    frozen: str = "") -> dict[str, Any]:
     """What a run directory's checkpoint must agree with to be resumed: every setting but those in
     RESUMABLE_CHANGES, the model's size, (simulations) the node count and the engine (``engine_of``: a
     virtual run resumed in process mixed simulated and wall time in one history; the other way, the
@@ -138,6 +140,8 @@ def run_fingerprint(cfg: RunConfig, numel: int, nodes: int | None = None, engine
     if p.dp in ("central", "distributed") and p.dp_noise_multiplier == 0:  # calibrated from the budget
         out["target-epsilon"] = p.target_epsilon
     out.update({"numel": numel, "fingerprint-version": FINGERPRINT_VERSION})
+    if frozen:  # the frozen entries the trained weights were paired with (Task.frozen_digest)
+        out["frozen-digest"] = frozen
     if nodes is not None:
         out["nodes"] = nodes
     if engine is not None:
@@ -165,7 +169,9 @@ def engine_of(grid: Any) -> str:
 def check_resumable(cfg: RunConfig, ckpt: dict[str, Any], run_dir: Any, nodes: int | None, engine: str) -> None:
     """Before a run starts (``fedshield simulate``, ``coordinator start``): CoordinatorError naming each setting in
     which ``run_dir``'s checkpoint differs from this run (as the workflow checks again when it resumes)."""
-    check_fingerprint(ckpt, run_fingerprint(cfg, get_task(cfg.task).num_parameters(cfg.private_model), nodes, engine), run_dir)
+    task = get_task(cfg.task)
+    check_fingerprint(ckpt, run_fingerprint(cfg, task.num_parameters(cfg.private_model), nodes, engine,
+                                            task.frozen_digest(cfg.server.seed, cfg.private_model)), run_dir)
 
 
 def check_fingerprint(ckpt: dict[str, Any], want: dict[str, Any], path: Any) -> None:
@@ -218,6 +224,7 @@ class SyncWorkflow:
         self.model = self.task.build(cfg.private_model).to(self.device)
         if self.layout.local:  # what never travels (frozen parameters, kept entries): as a client's first round
             self.layout.load_local(self.model, {}, start=self.task.initial_local(cfg.server.seed, cfg.private_model))
+        self.frozen_digest = self.task.frozen_digest(cfg.server.seed, cfg.private_model)  # (sent, and fingerprinted)
         self._check_evaluate()
         self._eval_names: set[str] = set()  # what the task's evaluate has given here (eval_names)
         self.numel = self.layout.numel
@@ -275,7 +282,13 @@ class SyncWorkflow:
 
     def fingerprint(self) -> dict[str, Any]:
         """What a run directory's checkpoint must agree with to be resumed: see :func:`run_fingerprint`."""
-        return run_fingerprint(self.cfg, self.numel, self._population(), engine_of(self.grid))
+        return run_fingerprint(self.cfg, self.numel, self._population(), engine_of(self.grid), self.frozen_digest)
+
+    def instruction(self, rnd: int, train: Any = None) -> TrainInstruction:
+        """A train or evaluate message's instruction for round (or sequence number) ``rnd``: the run's seed, task
+        and ``train`` settings (default the run's) and the frozen entries' digest."""
+        return TrainInstruction(round=rnd, version=self.version, seed=self.cfg.server.seed, task=self.cfg.task,
+                                train=self.cfg.train if train is None else train, frozen=self.frozen_digest)
 
     def _resume(self) -> None:
         ckpt = self.run_dir.load_checkpoint()
@@ -407,8 +420,7 @@ class SyncWorkflow:
             if (epochs, slow) not in contents:
                 if epochs not in records:
                     train = dataclasses.replace(self.cfg.train, local_epochs=epochs)
-                    records[epochs] = TrainInstruction(round=rnd, version=self.version, seed=self.cfg.server.seed,
-                                                       task=self.cfg.task, train=train).to_record()
+                    records[epochs] = self.instruction(rnd, train).to_record()
                 out = contents[epochs, slow] = RecordDict({ARRAYS: arrays, CONFIG: records[epochs],
                                                            CODEC: codecs[slow]})
                 if local_dp is not None:
@@ -612,11 +624,14 @@ class SyncWorkflow:
         return eval_fields(values)
 
     def _check_evaluate(self) -> None:
-        """The task's evaluate on a few test examples before round 1: a task whose evaluate fails (a model whose
-        output the default metrics cannot read) stops here in one line, not after the first round's training."""
+        """The task's evaluate before round 1, on 8 test examples, then (where those fail: a metric that needs
+        both classes, a sorted test set) on all of them: a task whose evaluate fails (a model whose output the
+        default metrics cannot read) stops here in one line, not after the first round's training."""
         test = self.task.test_set
-        evaluated(self.task, self.model, type(test)(test.x[:8], test.y[:8]),
-                  "the coordinator's test data (8 examples, before round 1)")
+        try:
+            evaluated(self.task, self.model, type(test)(test.x[:8], test.y[:8]), "8 test examples")
+        except ClientError:
+            evaluated(self.task, self.model, test, "the coordinator's test data (before round 1)")
 
     @property
     def eval_names(self) -> frozenset[str]:

@@ -21,7 +21,7 @@ one within float tolerance (summation order differs, nothing else):
   computed on real examples only; with BatchNorm a last batch of one joins the batch before it, as in the loop;
 - an embedding with ``sparse=True`` gradients is run with dense ones (the same values: vmap's autograd has no
   sparse tensors, and the loop's SGD, momentum included, steps a sparse gradient to what a dense one gives);
-- the entries a client keeps (``layout().local``: integer buffers, FedBN's statistics, ``keep_local`` names)
+- the entries a client keeps (``layout().kept``: integer buffers, FedBN's statistics, ``keep_local`` names)
   start from the client's kept values (``kept``) and are handed back after training, as the ClientApp keeps them.
 
 The loss is computed per example (``task.loss`` on a batch of one, vmapped), so a task's ``loss`` must be a pure
@@ -94,7 +94,7 @@ def train_batched(task: Task, global_flat: torch.Tensor, datasets: list[Dataset]
     chunk
         Clients trained in one computation (memory grows with it; results do not change).
     kept
-        One dict per client of the entries it keeps (``task.layout().local``), as ``layout.local_state`` gives
+        One dict per client of the entries it keeps (``task.layout().kept``), as ``layout.local_state`` gives
         them (or flat); a name missing (or of another size or dtype) starts from ``task.initial_local(seed)``, as
         the ClientApp starts a node's first round. Each dict is replaced in place by the client's entries after
         training (CPU copies). None: every client starts from ``initial_local(seed)`` and nothing is handed back.
@@ -294,7 +294,7 @@ def _train_chunk(task: Task, model: nn.Module, global_flat: torch.Tensor, datase
             _sgd_step(params, grads, bufs, at, settings, anchor)
             total[at] += loss.double() * r
     if kept is not None:
-        for name in task.layout().local:
+        for name in task.layout().kept:
             values = (params.get(name) if name in params else buffers.get(name))
             if values is not None:
                 values = values.detach().cpu()

@@ -14,6 +14,8 @@ import traceback
 from functools import lru_cache
 from pathlib import Path
 
+import torch
+
 from .._errors import ClientError, ConfigError
 from ..config import BUILTIN_TASKS, TaskSpec
 from .base import Dataset, Task, timed_train
@@ -99,11 +101,15 @@ def load_task(spec: TaskSpec, data: bool = True) -> Task:
     try:
         if data:
             task.train_set  # noqa: B018 (loads and checks the data)
-        task.layout()
+        layout = task.layout()
     except ClientError:
         raise
     except Exception as exc:  # noqa: BLE001 - the user's data or model: any error it raises is one line
         raise task_code_error(spec, "load its data and build its model", exc) from None
+    if not layout.numel:
+        raise ConfigError(f"task {spec.task!r} must have something to federate. Found no trainable parameter or "
+                          "floating buffer" + (": every parameter is frozen (requires_grad=False); set "
+                                               "federate_frozen = True to federate them" if layout.fixed else ""))
     return task
 
 
@@ -111,10 +117,21 @@ def task_code_error(spec: TaskSpec, what: str, exc: BaseException) -> ConfigErro
     """One line for an exception a task's own code raised: what it had to do, the exception and the innermost
     place it came from (``file:line, in function``)."""
     frames = traceback.extract_tb(exc.__traceback__)
-    where = f" ({Path(frames[-1].filename).name}:{frames[-1].lineno}, in {frames[-1].name})" if frames else ""
+    # the innermost frame of the task's own code (not torch's, numpy's, nor fedshield's default loops), else the last
+    own = [f for f in frames if not _library(f.filename)] or frames
+    where = f" ({Path(own[-1].filename).name}:{own[-1].lineno}, in {own[-1].name})" if own else ""
     text = str(exc).split("\n", 1)[0]
     text = text if len(text) <= 300 else f"{text[:300]}..."
     return ConfigError(f"task {spec.task!r} must {what}. Found {type(exc).__name__}: {text}{where}")
+
+
+def _library(filename: str) -> bool:
+    """Whether a traceback frame's file is an installed library's or fedshield's task machinery."""
+    path = Path(filename)
+    return any(part in ("site-packages", "dist-packages") for part in path.parts) or path.parent == _HERE
+
+
+_HERE = Path(__file__).resolve().parent
 
 
 def evaluated(task: Task, model, data: Dataset, where: str) -> dict:
@@ -122,7 +139,7 @@ def evaluated(task: Task, model, data: Dataset, where: str) -> dict:
     its result checked to be a dict."""
     try:
         out = task.evaluate(model, data)
-    except ClientError:
+    except (ClientError, torch.OutOfMemoryError):  # (memory is the machine's, not the task's)
         raise
     except Exception as exc:  # noqa: BLE001 - the user's evaluate: any error it raises is one line
         raise task_code_error(task.spec, f"evaluate the model on {where}", exc) from None

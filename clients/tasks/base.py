@@ -7,6 +7,7 @@ derived once from it says which tensors travel as the flat float32 update. See d
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -28,7 +29,7 @@ from .sgd import SGD
 
 _DTYPES = {"float32": np.float32, "int64": np.int64}
 _GLOBAL_RNG = threading.Lock()
-_SAID: set[str] = set()  # tasks whose private model's change has been logged
+_SAID: set[tuple[type, str]] = set()  # tasks (class, name) whose private model's change has been logged
 _GLOBAL_SEED_SALT = 0x5DEECE66D  # the global generator's seed differs from the batches' generator's own
 
 
@@ -299,7 +300,7 @@ class Task(ABC):
         if not isinstance(model, nn.Module):
             raise ClientError(f"task {self.spec.task!r}: build_model must return a torch.nn.Module. Found "
                               f"{type(model).__name__}.")
-        return _private_model(model, self.spec.task) if private else model
+        return _private_model(model, self.spec.task, type(self)) if private else model
 
     def working_model(self, device: torch.device) -> nn.Module:
         """A non-private model on ``device`` for a message to load its weights and kept entries into (the
@@ -351,6 +352,24 @@ class Task(ABC):
             state = self._seeded_build(seed, private).state_dict() if local else {}
             cache[key] = {name: state[name].detach().cpu().clone() for name in local}  # (frozen ones too)
         return cache[key]
+
+    def frozen_digest(self, seed: int, private: bool = False) -> str:
+        """A SHA-256 (hex, 32 digits) of the frozen entries (``layout.fixed``) the run seed's build gives, "" without
+        any: the coordinator sends its own with each instruction and a node whose build differs (features drawn
+        from numpy's generator, another pretrained file or torch version) refuses, since the trained weights would
+        meet other frozen values there than on the coordinator."""
+        fixed = self.layout(private).fixed
+        if not fixed:
+            return ""
+        cache = self.__dict__.setdefault("_frozen_digests", {})
+        if (seed, private) not in cache:
+            start, digest = self.initial_local(seed, private), hashlib.sha256()
+            for name in fixed:
+                t = start[name].contiguous()
+                digest.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+                digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+            cache[seed, private] = digest.hexdigest()[:32]
+        return cache[seed, private]
 
     def _seeded_build(self, seed: int, private: bool) -> nn.Module:
         with _GLOBAL_RNG, torch.random.fork_rng(devices=[]):  # (torch's global generator: one seeded build at a time)
@@ -421,7 +440,7 @@ def _tensors(data: Dataset, device: torch.device) -> tuple[torch.Tensor, torch.T
     return x, y
 
 
-def _private_model(model: nn.Module, name: str) -> nn.Module:
+def _private_model(model: nn.Module, name: str, cls: type) -> nn.Module:
     from privacy import quiet_import_opacus
 
     quiet_import_opacus()
@@ -435,10 +454,10 @@ def _private_model(model: nn.Module, name: str) -> nn.Module:
     if not ModuleValidator.is_valid(fixed):
         errors = "; ".join(str(e) for e in ModuleValidator.validate(fixed, strict=False))[:300]
         raise ClientError(f"task {name!r}: the model must be trainable by DP-SGD for local DP. Found: {errors}.")
-    if name not in _SAID:  # once per task and process: a model is built for its layout, weights and each round
+    if (cls, name) not in _SAID:  # once per task and process: a model is built for its layout, weights, each round
         from flwr.common.logger import log
 
-        _SAID.add(name)
+        _SAID.add((cls, name))
         log(INFO, "[fedshield] local DP: task %s's model changed for DP-SGD by Opacus (%s -> %s)", name,
             ", ".join(sorted(before - after)) or "-", ", ".join(sorted(after - before)) or "-")
     return fixed
@@ -451,8 +470,12 @@ def timed_train(task: Task, model: nn.Module, data: Dataset, settings: TrainSett
     device = _device_of(model)
     # torch's global generator (dropout, a user's torch.rand) seeded from the node's round generator, which keys
     # it by run seed, round and data without drawing from it: a rerun or resume repeats each client's draws
+    seed = generator.initial_seed() ^ _GLOBAL_SEED_SALT
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(generator.initial_seed() ^ _GLOBAL_SEED_SALT)
+        torch.default_generator.manual_seed(seed)  # (not torch.manual_seed: it reseeds every GPU, restored or not)
+        if device.type == "cuda":
+            with torch.cuda.device(device):
+                torch.cuda.manual_seed(seed)
         stats = task.train(model, data, settings, generator) or {}
     if not isinstance(stats, dict):
         raise ClientError(f"task {task.spec.task!r}: train must return a dict of metrics or None. Found "

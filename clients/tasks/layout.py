@@ -34,10 +34,12 @@ class ModelLayout:
     """The federated entries (in state-dict order) and the names each client keeps for itself."""
 
     entries: tuple[Entry, ...]
-    local: tuple[str, ...]  # kept on the client: integer buffers, and what the task keeps local
-    # frozen parameters (requires_grad=False when built) left off the wire: among ``local``, each model starts
-    # them from the run seed's build (``Task.initial_local``) and no client keeps a copy (a fine-tuned model's
-    # backbone: nothing to average, and it was sent down and its zero delta up every round)
+    # off the wire: integer buffers, what the task keeps local, and ``fixed``; every model loads them from its
+    # node's kept values (``kept``), else from where a node starts (``Task.initial_local``)
+    local: tuple[str, ...]
+    # frozen parameters (requires_grad=False when built), among ``local``: every model takes them from the run
+    # seed's build and no client keeps a copy (a fine-tuned model's backbone: nothing to average, and it was sent
+    # down and its zero delta up every round)
     fixed: tuple[str, ...] = ()
 
     @property
@@ -45,12 +47,18 @@ class ModelLayout:
         return self.entries[-1].offset + self.entries[-1].numel if self.entries else 0
 
     @property
+    def kept(self) -> tuple[str, ...]:
+        """What each client keeps between rounds: ``local`` less ``fixed``."""
+        fixed = set(self.fixed)
+        return tuple(name for name in self.local if name not in fixed)
+
+    @property
     def names(self) -> tuple[str, ...]:
         return tuple(e.name for e in self.entries)
 
     @classmethod
     def of(cls, model: nn.Module, federate_buffers: bool = True, keep_local: tuple[str, ...] = (),
-           federate_frozen: bool = True) -> "ModelLayout":
+           federate_frozen: bool = False) -> "ModelLayout":
         """The layout of ``model``: every parameter (not ``federate_frozen``: every trainable one) and
         (``federate_buffers``) floating buffer, less the state-dict names matching a ``keep_local`` glob; a tensor
         tied under two names counts once."""
@@ -107,10 +115,9 @@ class ModelLayout:
             t.copy_(flat[e.offset:e.offset + e.numel].view(e.shape))
 
     def local_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """The entries each client keeps (copies, on CPU): ``local`` less ``fixed``."""
+        """The entries each client keeps (``kept``; copies, on CPU)."""
         state = model.state_dict()
-        fixed = set(self.fixed)
-        return {name: state[name].detach().cpu().clone() for name in self.local if name not in fixed}
+        return {name: state[name].detach().cpu().clone() for name in self.kept}
 
     def changed_fixed(self, model: nn.Module, start: dict[str, torch.Tensor]) -> str | None:
         """The first ``fixed`` entry whose value in ``model`` is no longer ``start``'s (a loop that unfroze it),

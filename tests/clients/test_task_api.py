@@ -296,7 +296,7 @@ def test_an_evaluate_that_fails_stops_the_run_in_one_line_before_any_training(tm
         simulate(BrokenEvaluate, run_dir=tmp_path / "broken", num_supernodes=2, num_rounds=2, partitioning="iid")
     said = str(info.value)
     assert said.startswith(f"task {task_name(BrokenEvaluate)!r} must evaluate the model on the coordinator's test "
-                           "data (8 examples, before round 1). Found ZeroDivisionError: division by zero (")
+                           "data (before round 1). Found ZeroDivisionError: division by zero (")
     assert "test_task_api.py:" in said and "in evaluate)" in said and "\n" not in said
     assert not (tmp_path / "broken" / "metrics.csv").exists()  # no round ran
 
@@ -342,3 +342,58 @@ def test_a_loop_that_changes_a_frozen_parameter_is_refused_in_one_line(tmp_path,
     said = [r.getMessage() for r in caplog.records if "was frozen when built" in r.getMessage()]
     assert said and "parameter '0.weight' was frozen when built (requires_grad=False)" in said[0]
     assert "set federate_frozen = True on the task" in said[0]
+
+
+def test_a_node_whose_frozen_entries_differ_from_the_coordinators_refuses():
+    import dataclasses
+
+    from flwr.app import ArrayRecord, Context, Message, RecordDict
+
+    from aggregation import tensor_to_array
+    from clients import TrainInstruction, TrainSettings
+    from clients.client_app import global_weights
+    from clients.protocol import ARRAYS, CONFIG, MESSAGE_TYPE_TRAIN, WEIGHTS
+
+    task = FrozenFeatures()
+    digest = task.frozen_digest(0)
+    assert len(digest) == 32 and digest == FrozenFeatures().frozen_digest(0) != task.frozen_digest(1)
+    assert FrozenFeaturesOnTheWire().frozen_digest(0) == "" and Regression().frozen_digest(0) == ""
+    instr = TrainInstruction(round=1, version=0, seed=0, task=TaskSpec(task=task_name(FrozenFeatures),
+                             partitioning="iid"), train=TrainSettings(), frozen=digest)
+    ctx = Context(run_id=1, node_id=1, node_config={"partition-id": 0, "num-partitions": 4}, state=RecordDict(),
+                  run_config={})
+
+    def message(instruction):
+        return Message(RecordDict({ARRAYS: ArrayRecord({WEIGHTS: tensor_to_array(task.init_weights(0))}),
+                                   CONFIG: instruction.to_record()}), dst_node_id=1, message_type=MESSAGE_TYPE_TRAIN)
+
+    assert global_weights(message(instr), ctx, private=False)[0].frozen == digest  # the same build: accepted
+    for other in ("0" * 32, ""):  # another build's (numpy's generator, another file), or none sent
+        with pytest.raises(ClientError, match=r"frozen parameters this node builds \(0.weight, 0.bias\) differ from "
+                                              "the coordinator's"):
+            global_weights(message(dataclasses.replace(instr, frozen=other)), ctx, private=False)
+
+
+class NeedsManyExamples(Regression):
+    """An evaluate that needs more than a handful of examples (a metric over both classes, long windows)."""
+
+    def evaluate(self, model, data, batch_size=1024):
+        if len(data) < 20:
+            raise ValueError(f"needs 20 examples, got {len(data)}")
+        return super().evaluate(model, data, batch_size)
+
+
+class AllFrozen(Regression):
+    def build_model(self) -> nn.Module:
+        return super().build_model().requires_grad_(False)
+
+
+def test_the_check_before_round_1_takes_the_whole_test_set_where_8_examples_are_too_few(tmp_path):
+    s = simulate(NeedsManyExamples, run_dir=tmp_path / "many", num_supernodes=2, num_rounds=1, partitioning="iid")
+    assert s["rounds"] == 1 and math.isfinite(s["final_test_loss"])
+
+
+def test_a_model_with_nothing_to_federate_is_refused_in_one_line():
+    with pytest.raises(ConfigError, match=r"must have something to federate.*every parameter is frozen.*"
+                                          "federate_frozen = True"):
+        load_task(TaskSpec(task=task_name(AllFrozen)))
