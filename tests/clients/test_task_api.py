@@ -397,3 +397,41 @@ def test_a_model_with_nothing_to_federate_is_refused_in_one_line():
     with pytest.raises(ConfigError, match=r"must have something to federate.*every parameter is frozen.*"
                                           "federate_frozen = True"):
         load_task(TaskSpec(task=task_name(AllFrozen)))
+
+
+class TinyTransformer(Task):
+    """Next-token over a 16-token vocabulary: a 1-layer Transformer with dropout and its positions held by the
+    model itself as a parameter (the shape that Opacus's per-layer hooks would replay, and vmap trains)."""
+
+    x_dtype = "int64"
+    num_classes = 16
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.pos = nn.Embedding(16, 16), nn.Parameter(torch.zeros(6, 16))
+            layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.1, batch_first=True)
+            self.enc = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+            self.head = nn.Linear(16, 16)
+
+        def forward(self, x):
+            return self.head(self.enc(self.emb(x) + self.pos)[:, -1])
+
+    def build_model(self) -> nn.Module:
+        return self.Net()
+
+    def load_data(self):
+        rng = np.random.default_rng(0)
+        x = rng.integers(0, 16, (400, 6))
+        y = (x[:, -1] + x[:, -2]) % 16  # learnable from the last two tokens
+        return Dataset(x[:320], y[:320]), Dataset(x[320:], y[320:])
+
+
+def test_a_transformer_with_dropout_reruns_the_same_and_trains_under_local_dp(tmp_path):
+    settings = dict(num_supernodes=4, num_rounds=2, partitioning="iid", lr=0.05, local_epochs=1, batch_size=16)
+    first, again = (simulate(TinyTransformer, run_dir=tmp_path / f"run{i}", **settings) for i in (1, 2))
+    assert first["rejected_total"] == 0 and first["final_test_loss"] == again["final_test_loss"]  # dropout seeded
+    private = simulate(TinyTransformer, run_dir=tmp_path / "ldp", dp="local", local_noise_multiplier=0.5,
+                       **settings)
+    assert private["rejected_total"] == 0 and private["local_epsilon_max"] > 0, private
+    assert math.isfinite(private["final_test_loss"])
