@@ -222,7 +222,7 @@ def metric_values(out: Mapping[Any, Any]) -> dict[str, float]:
         if len(values) == MAX_EVAL_METRICS:
             break
         if metric_name_ok(name):
-            number = _real(out[name])
+            number = real_number(out[name])
             if number is not None:
                 values[name] = number
     return values
@@ -234,7 +234,7 @@ def metric_name_ok(name: Any) -> bool:
     return isinstance(name, str) and name.isprintable() and 0 < len(name) <= MAX_METRIC_NAME
 
 
-def _real(value: Any) -> float | None:
+def real_number(value: Any) -> float | None:
     """``value`` as a float where it is one real number (see ``metric_values``), else None."""
     if isinstance(value, bool):
         return None

@@ -480,8 +480,10 @@ def timed_train(task: Task, model: nn.Module, data: Dataset, settings: TrainSett
     if not isinstance(stats, dict):
         raise ClientError(f"task {task.spec.task!r}: train must return a dict of metrics or None. Found "
                           f"{type(stats).__name__}.")
-    return {**{k: float(v) for k, v in stats.items() if isinstance(v, int | float)},
-            "train-time-s": time.perf_counter() - start}
+    from ..protocol import real_number  # (a loss returned as a 0-d tensor or numpy value counts: it was dropped)
+
+    numbers = {k: real_number(v) for k, v in stats.items()}
+    return {**{k: v for k, v in numbers.items() if v is not None}, "train-time-s": time.perf_counter() - start}
 
 
 __all__ = ["Dataset", "Task", "timed_train"]

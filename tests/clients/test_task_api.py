@@ -435,3 +435,20 @@ def test_a_transformer_with_dropout_reruns_the_same_and_trains_under_local_dp(tm
                        **settings)
     assert private["rejected_total"] == 0 and private["local_epsilon_max"] > 0, private
     assert math.isfinite(private["final_test_loss"])
+
+
+class TensorLossLoop(Regression):
+    """An own loop that returns its loss as a tensor (and a numpy value), as many loops do."""
+
+    def train(self, model, data, settings, generator):
+        out = super().train(model, data, settings, generator)
+        return {"train-loss": torch.tensor(out["train-loss"]), "steps": np.int64(3)}
+
+
+def test_an_own_loops_loss_as_a_tensor_is_recorded(tmp_path):
+    import csv
+
+    simulate(TensorLossLoop, run_dir=tmp_path / "t", num_supernodes=2, num_rounds=2, partitioning="iid")
+    with open(tmp_path / "t" / "metrics.csv", newline="") as fh:
+        losses = [float(row["train_loss"]) for row in csv.DictReader(fh)]
+    assert len(losses) == 2 and all(math.isfinite(v) and v > 0 for v in losses), losses
