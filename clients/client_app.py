@@ -32,6 +32,7 @@ from .protocol import (CLIENT_TIME, CODEC, EVAL_PREFIX, LOCAL_DP, MAX_METRIC, ME
                        train_reply_content)
 from .config import BUILTIN_TASKS, TaskSpec
 from .tasks import Task, evaluated, load_task
+from .tasks.layout import frozen_match
 from .training import train_local
 
 app = ClientApp()
@@ -164,10 +165,6 @@ def global_weights(msg: Message, context: Context, private: bool, memo: dict | N
     instr, arrays = parse_train_message(msg)
     task = load_task(node_task(instr.task, context.node_config), data="data-path" not in context.node_config)
     layout = task.layout(private)
-    if layout.fixed and task.frozen_digest(instr.seed, private) != instr.frozen:
-        raise ClientError(f"task {task.spec.task!r}: the frozen parameters this node builds ({', '.join(layout.fixed[:3])}"
-                          f"{' ...' if len(layout.fixed) > 3 else ''}) differ from the coordinator's: build them "
-                          "from torch's seeded generator or the same file everywhere, or set federate_frozen = True")
     numel = layout.numel  # before the model is built: a huge one asked with a short array is refused
     try:
         weights = array_to_tensor(arrays[WEIGHTS], "float32", numel)
@@ -175,6 +172,11 @@ def global_weights(msg: Message, context: Context, private: bool, memo: dict | N
         raise ClientError(f"'weights' must be the task's {numel} float32 parameters: {exc}") from None
     if not bool(torch.isfinite(weights).all()):  # else a whole round of training ends in a NaN update
         raise ClientError("the global model must hold only finite values. Found NaN or infinity in 'weights'.")
+    if (layout.fixed or instr.frozen) and not frozen_match(task.frozen_summary(instr.seed, private), instr.frozen):
+        raise ClientError(f"task {task.spec.task!r}: the frozen parameters this node builds "
+                          f"({', '.join(layout.fixed[:3]) or 'none'}{' ...' if len(layout.fixed) > 3 else ''}) differ "
+                          "from the coordinator's: build them from torch's seeded generator or the same file "
+                          "everywhere, or set federate_frozen = True")
     return instr, task, layout, weights
 
 

@@ -430,7 +430,7 @@ def clipped_grad_sum(
         c = c * scale
     by_param: dict[int, torch.Tensor] = {}
     for part in parts:
-        for p, total in zip((part.m.weight, part.bias), part.clipped_sums(c)):
+        for p, total in zip((part.m.weight, part.bias), part.clipped_sums(c.to(part.m.weight.dtype))):
             by_param[id(p)] = total
     sums = [by_param[id(p)] for p in model.parameters() if p.requires_grad]
     return sums, loss.detach() / max(len(y), 1), norms
@@ -515,6 +515,8 @@ def vmap_clipped_grad_sum(
         return nn.functional.cross_entropy(out, target) if loss_fn is None else loss_fn(out, target)
 
     per_example = torch.func.vmap(torch.func.grad_and_value(one), in_dims=(None, 0, 0), randomness="different")
+    if not len(y):  # (an empty batch: nothing summed, loss 0, as the fast path)
+        return [torch.zeros_like(p) for _, p in named], torch.zeros((), device=x.device), torch.zeros(0, device=x.device)
     numel = sum(p.numel() for _, p in named)
     chunk = chunk or max(1, 2**26 // max(numel, 1))
     sums = {n: torch.zeros_like(p) for n, p in named}
@@ -528,8 +530,7 @@ def vmap_clipped_grad_sum(
             sums[n].add_(torch.tensordot(c, grads[n].to(c.dtype), dims=1))
         losses.append(loss.detach())
         norms.append(norm)
-    loss = torch.cat(losses).mean() if losses else torch.zeros((), device=x.device)  # (an empty batch: 0)
-    return [sums[n] for n, _ in named], loss, torch.cat(norms) if norms else torch.zeros(0, device=x.device)
+    return [sums[n] for n, _ in named], torch.cat(losses).mean(), torch.cat(norms)
 
 
 class VmapPrivateTrainer(FastPrivateTrainer):

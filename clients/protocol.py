@@ -3,7 +3,8 @@
 Train message (coordinator -> client)::
 
     content["arrays"]  ArrayRecord {"weights": flat float32 global model}
-    content["config"]  ConfigRecord {round, version, seed, <TaskSpec keys>, <TrainSettings keys>}
+    content["config"]  ConfigRecord {round, version, seed, <TaskSpec keys>, <TrainSettings keys>,
+                                     frozen-check (only for a model with frozen parameters)}
     content["codec"]   ConfigRecord {"codec": name, <codec parameters>}   (how to encode the reply)
     content["local-dp"] ConfigRecord {noise-multiplier, max-grad-norm, delta, accountant}  (only when local DP is on)
 
@@ -40,6 +41,7 @@ read as dense float32: the plain format any Flower ClientApp can send, with "num
 
 from __future__ import annotations
 
+import math
 import numbers
 import re
 from collections.abc import Mapping
@@ -61,7 +63,8 @@ WEIGHTS, DELTA = "weights", "delta"
 CLIENT_TIME = "client-time-s"  # a reply's local work, seconds (work-deadline's measure, bounded by the round trip)
 WORK_METRICS = ("train-time-s", CLIENT_TIME)  # the reported times a simulated device replaces with its own
 MESSAGE_TYPE_TRAIN = "train"
-FROZEN_DIGEST = "frozen-digest"  # a train or evaluate instruction's digest of the model's frozen entries
+FROZEN_CHECK = "frozen-check"  # a train or evaluate instruction's summary of the model's frozen entries
+MAX_FROZEN_CHECK = 6 * 65536  # its numbers at most (6 per frozen tensor)
 MESSAGE_TYPE_EVALUATE = "evaluate"  # the train message's arrays and config; the reply: metrics only
 EVAL_PREFIX = "eval-"  # an evaluate reply's metrics: num-examples and eval-NAME (eval-loss, eval-accuracy, ...)
 MAX_EVAL_METRICS, MAX_METRIC_NAME = 32, 64  # an evaluation's metrics besides num-examples, and a name's characters
@@ -84,14 +87,14 @@ class TrainInstruction:
     seed: int
     task: TaskSpec
     train: TrainSettings
-    frozen: str = ""  # the coordinator's Task.frozen_digest ("" for a model without frozen entries)
+    frozen: tuple[float, ...] = ()  # the coordinator's Task.frozen_summary (() for a model without frozen entries)
 
     def to_record(self) -> ConfigRecord:
         fields: dict[str, Any] = {"round": self.round, "version": self.version, "seed": self.seed}
         fields.update(to_mapping(self.task))
         fields.update(to_mapping(self.train))
         if self.frozen:
-            fields[FROZEN_DIGEST] = self.frozen
+            fields[FROZEN_CHECK] = list(self.frozen)
         return ConfigRecord(fields)
 
     @classmethod
@@ -99,9 +102,10 @@ class TrainInstruction:
         data = dict(record)
         for key in ("round", "version", "seed"):
             check(isinstance(data.get(key), int) and not isinstance(data[key], bool) and data[key] >= 0, key, "be an integer >= 0", data.get(key))
-        frozen = data.get(FROZEN_DIGEST, "")
-        check(isinstance(frozen, str) and len(frozen) <= 64 and frozen.isalnum() or frozen == "", FROZEN_DIGEST,
-              "be a hex digest", frozen)
+        frozen = data.get(FROZEN_CHECK, [])
+        check(isinstance(frozen, list) and len(frozen) <= MAX_FROZEN_CHECK and len(frozen) % 6 == 0
+              and all(isinstance(v, float) and math.isfinite(v) for v in frozen), FROZEN_CHECK,
+              f"be a list of finite floats, 6 per frozen tensor, at most {MAX_FROZEN_CHECK}", frozen)
         task_part, train_part = split_mapping(data, TaskSpec, TrainSettings)
         return cls(
             round=data["round"],
@@ -109,7 +113,7 @@ class TrainInstruction:
             seed=data["seed"],
             task=build_config(TaskSpec, task_part, "config"),
             train=build_config(TrainSettings, train_part, "config"),
-            frozen=frozen,
+            frozen=tuple(frozen),
         )
 
 
@@ -241,8 +245,9 @@ def real_number(value: Any) -> float | None:
     try:
         if isinstance(value, numbers.Real):
             return float(value)
-        if hasattr(value, "detach"):  # a torch tensor: off the graph and the device first
-            value = value.detach().cpu().numpy()
+        if hasattr(value, "detach"):  # a torch tensor: off the graph and the device first (bfloat16 as float64:
+            value = value.detach().cpu()  # numpy has no bfloat16)
+            value = (value.double() if value.is_floating_point() else value).numpy()
         if not hasattr(value, "dtype"):
             return None
         arr = np.asarray(value)

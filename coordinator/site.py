@@ -124,7 +124,7 @@ class SiteWorkflow(SyncWorkflow):
         """The site's own settings only: the clients' training, the seed and the rounds come from the coordinator
         each round (a restarted aggregator resumes its site whatever they were)."""
         out = super().fingerprint()
-        for key in (*from_above(), "frozen-digest"):  # (the digest follows the seed)
+        for key in (*from_above(), "frozen-check"):  # (it follows the seed)
             out.pop(key, None)
         return out
 
@@ -154,7 +154,7 @@ class SiteWorkflow(SyncWorkflow):
         # the clients train as the coordinator says; the seed too, so a client's batches are the flat run's
         self.cfg = dataclasses.replace(self.cfg, train=instr.train,
                                        server=dataclasses.replace(self.cfg.server, seed=instr.seed))
-        self.frozen_digest = instr.frozen  # (its clients check their frozen entries against the coordinator's)
+        self.frozen = instr.frozen  # (its clients check their frozen entries against the coordinator's)
         self._delta = None
         row = self.run_round(instr.round)
         self.record(instr.round, row)

@@ -29,6 +29,7 @@ from clients import ClientError
 from clients.protocol import (ARRAYS, CLIENT_TIME, CODEC, CONFIG, LOCAL_DP, MESSAGE_TYPE_TRAIN, METRICS, WEIGHTS, TrainInstruction,
                               message_nbytes, metric_values, update_nbytes)
 from clients.tasks import evaluated, get_task, load_task
+from clients.tasks.layout import frozen_match
 
 from ._errors import CoordinatorError
 from privacy import BudgetExhausted, PrivacyError
@@ -122,7 +123,7 @@ FINGERPRINT_VERSION = 2
 
 
 def run_fingerprint(cfg: RunConfig, numel: int, nodes: int | None = None, engine: str | None = None,
-                    frozen: str = "") -> dict[str, Any]:
+                    frozen: tuple[float, ...] = ()) -> dict[str, Any]:
     """What a run directory's checkpoint must agree with to be resumed: every setting but those in
     RESUMABLE_CHANGES, the model's size, (simulations) the node count and the engine (``engine_of``: a
     virtual run resumed in process mixed simulated and wall time in one history; the other way, the
@@ -140,8 +141,8 @@ def run_fingerprint(cfg: RunConfig, numel: int, nodes: int | None = None, engine
     if p.dp in ("central", "distributed") and p.dp_noise_multiplier == 0:  # calibrated from the budget
         out["target-epsilon"] = p.target_epsilon
     out.update({"numel": numel, "fingerprint-version": FINGERPRINT_VERSION})
-    if frozen:  # the frozen entries the trained weights were paired with (Task.frozen_digest)
-        out["frozen-digest"] = frozen
+    if frozen:  # the frozen entries the trained weights were paired with (Task.frozen_summary; compared with
+        out["frozen-check"] = list(frozen)  # frozen_match's tolerance: another machine's build passes)
     if nodes is not None:
         out["nodes"] = nodes
     if engine is not None:
@@ -171,7 +172,7 @@ def check_resumable(cfg: RunConfig, ckpt: dict[str, Any], run_dir: Any, nodes: i
     which ``run_dir``'s checkpoint differs from this run (as the workflow checks again when it resumes)."""
     task = get_task(cfg.task)
     check_fingerprint(ckpt, run_fingerprint(cfg, task.num_parameters(cfg.private_model), nodes, engine,
-                                            task.frozen_digest(cfg.server.seed, cfg.private_model)), run_dir)
+                                            task.frozen_summary(cfg.server.seed, cfg.private_model)), run_dir)
 
 
 def check_fingerprint(ckpt: dict[str, Any], want: dict[str, Any], path: Any) -> None:
@@ -186,8 +187,11 @@ def check_fingerprint(ckpt: dict[str, Any], want: dict[str, Any], path: Any) -> 
         if key not in have:
             keys.discard(key)
     keys -= {k for k in IGNORABLE_KEYS if k not in want}  # not read now: whatever the checkpoint says of them
+    same = {k: have.get(k) == want.get(k) for k in keys}
+    if "frozen-check" in keys:  # within float noise (another machine's build), as a client compares it
+        same["frozen-check"] = frozen_match(tuple(have.get("frozen-check") or ()), tuple(want.get("frozen-check") or ()))
     diff = ", ".join(f"{k} = {shown(have.get(k, '(unset)'), 40)} there, {shown(want.get(k, '(unset)'), 40)} now"
-                     for k in sorted(keys, key=str) if have.get(k) != want.get(k))
+                     for k in sorted(keys, key=str) if not same[k])
     if diff:
         raise CoordinatorError(f"run directory {path} must hold a checkpoint of this configuration to resume. "
                                f"Found {diff}; use another run-dir, or the settings it was run with.")
@@ -224,7 +228,7 @@ class SyncWorkflow:
         self.model = self.task.build(cfg.private_model).to(self.device)
         if self.layout.local:  # what never travels (frozen parameters, kept entries): as a client's first round
             self.layout.load_local(self.model, {}, start=self.task.initial_local(cfg.server.seed, cfg.private_model))
-        self.frozen_digest = self.task.frozen_digest(cfg.server.seed, cfg.private_model)  # (sent, and fingerprinted)
+        self.frozen = self.task.frozen_summary(cfg.server.seed, cfg.private_model)  # (sent, and fingerprinted)
         self._check_evaluate()
         self._eval_names: set[str] = set()  # what the task's evaluate has given here (eval_names)
         self.numel = self.layout.numel
@@ -282,13 +286,13 @@ class SyncWorkflow:
 
     def fingerprint(self) -> dict[str, Any]:
         """What a run directory's checkpoint must agree with to be resumed: see :func:`run_fingerprint`."""
-        return run_fingerprint(self.cfg, self.numel, self._population(), engine_of(self.grid), self.frozen_digest)
+        return run_fingerprint(self.cfg, self.numel, self._population(), engine_of(self.grid), self.frozen)
 
     def instruction(self, rnd: int, train: Any = None) -> TrainInstruction:
         """A train or evaluate message's instruction for round (or sequence number) ``rnd``: the run's seed, task
         and ``train`` settings (default the run's) and the frozen entries' digest."""
         return TrainInstruction(round=rnd, version=self.version, seed=self.cfg.server.seed, task=self.cfg.task,
-                                train=self.cfg.train if train is None else train, frozen=self.frozen_digest)
+                                train=self.cfg.train if train is None else train, frozen=self.frozen)
 
     def _resume(self) -> None:
         ckpt = self.run_dir.load_checkpoint()

@@ -127,11 +127,12 @@ def task_code_error(spec: TaskSpec, what: str, exc: BaseException) -> ConfigErro
 
 def _library(filename: str) -> bool:
     """Whether a traceback frame's file is an installed library's or fedshield's task machinery."""
-    path = Path(filename)
+    path = Path(filename).resolve()
     return any(part in ("site-packages", "dist-packages") for part in path.parts) or path.parent == _HERE
 
 
 _HERE = Path(__file__).resolve().parent
+_OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)  # (torch.OutOfMemoryError: >= 2.5)
 
 
 def evaluated(task: Task, model, data: Dataset, where: str) -> dict:
@@ -139,7 +140,7 @@ def evaluated(task: Task, model, data: Dataset, where: str) -> dict:
     its result checked to be a dict."""
     try:
         out = task.evaluate(model, data)
-    except (ClientError, torch.OutOfMemoryError):  # (memory is the machine's, not the task's)
+    except (ClientError, _OUT_OF_MEMORY):  # (memory is the machine's, not the task's)
         raise
     except Exception as exc:  # noqa: BLE001 - the user's evaluate: any error it raises is one line
         raise task_code_error(task.spec, f"evaluate the model on {where}", exc) from None

@@ -7,7 +7,6 @@ derived once from it says which tensors travel as the flat float32 update. See d
 
 from __future__ import annotations
 
-import hashlib
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -24,7 +23,7 @@ from torch import nn
 from .._errors import ClientError, ConfigError
 from ..config import TaskSpec, TrainSettings
 from ..partition import dirichlet_partition, iid_partition
-from .layout import ModelLayout
+from .layout import ModelLayout, frozen_summary
 from .sgd import SGD
 
 _DTYPES = {"float32": np.float32, "int64": np.int64}
@@ -353,22 +352,18 @@ class Task(ABC):
             cache[key] = {name: state[name].detach().cpu().clone() for name in local}  # (frozen ones too)
         return cache[key]
 
-    def frozen_digest(self, seed: int, private: bool = False) -> str:
-        """A SHA-256 (hex, 32 digits) of the frozen entries (``layout.fixed``) the run seed's build gives, "" without
+    def frozen_summary(self, seed: int, private: bool = False) -> tuple[float, ...]:
+        """``layout.frozen_summary`` of the frozen entries (``layout.fixed``) the run seed's build gives, () without
         any: the coordinator sends its own with each instruction and a node whose build differs (features drawn
-        from numpy's generator, another pretrained file or torch version) refuses, since the trained weights would
-        meet other frozen values there than on the coordinator."""
+        from numpy's generator, another pretrained file) refuses, since the trained weights would meet other frozen
+        values there than on the coordinator."""
         fixed = self.layout(private).fixed
         if not fixed:
-            return ""
-        cache = self.__dict__.setdefault("_frozen_digests", {})
+            return ()
+        cache = self.__dict__.setdefault("_frozen_summaries", {})
         if (seed, private) not in cache:
-            start, digest = self.initial_local(seed, private), hashlib.sha256()
-            for name in fixed:
-                t = start[name].contiguous()
-                digest.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
-                digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-            cache[seed, private] = digest.hexdigest()[:32]
+            start = self.initial_local(seed, private)
+            cache[seed, private] = frozen_summary([start[name] for name in fixed])
         return cache[seed, private]
 
     def _seeded_build(self, seed: int, private: bool) -> nn.Module:

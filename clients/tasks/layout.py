@@ -141,6 +141,38 @@ class ModelLayout:
                 t.copy_(v.reshape(t.shape))
 
 
+FROZEN_STATS = 6  # numbers per frozen entry in a summary: mean, RMS and the values at 4 fixed places
+FROZEN_RTOL = 1e-4  # of the entry's RMS: one build's float noise (CPU kernels, thread counts) passes, another build not
+
+
+def frozen_summary(values: list[torch.Tensor]) -> tuple[float, ...]:
+    """``FROZEN_STATS`` numbers per tensor (float64): its mean, its RMS and its first, two inner and last values:
+    what the coordinator sends for its frozen entries, to be compared with :func:`frozen_match`, not for equality
+    (initialisers give other bits on other CPUs: AVX-512 or not, ARM; orthogonal_ with other thread counts)."""
+    out: list[float] = []
+    for t in values:
+        v = t.detach().reshape(-1).to("cpu", torch.float64)
+        n = v.numel()
+        if n == 0:
+            out += [0.0] * FROZEN_STATS
+            continue
+        out += [float(v.mean()), float(v.square().mean().sqrt()), *(float(v[i]) for i in (0, n // 3, 2 * n // 3, n - 1))]
+    return tuple(out)
+
+
+def frozen_match(mine: tuple[float, ...], theirs: tuple[float, ...]) -> bool:
+    """Whether two :func:`frozen_summary` describe the same values: the same length, and each number within
+    ``FROZEN_RTOL`` of its entry's RMS."""
+    if len(mine) != len(theirs):
+        return False
+    for k in range(0, len(mine), FROZEN_STATS):
+        a, b = mine[k:k + FROZEN_STATS], theirs[k:k + FROZEN_STATS]
+        scale = FROZEN_RTOL * max(abs(a[1]), abs(b[1]), 1e-30)
+        if any(not abs(x - y) <= scale for x, y in zip(a, b, strict=True)):
+            return False
+    return True
+
+
 def fits(saved: torch.Tensor, target: torch.Tensor) -> bool:
     """Whether a kept entry can be restored into ``target``: the same size, and the same dtype or both
     floating point (kept as float32 where the wire lacks the model's dtype, bfloat16)."""
@@ -148,4 +180,4 @@ def fits(saved: torch.Tensor, target: torch.Tensor) -> bool:
         saved.is_floating_point() and target.is_floating_point()))
 
 
-__all__ = ["Entry", "ModelLayout", "fits"]
+__all__ = ["FROZEN_STATS", "Entry", "ModelLayout", "fits", "frozen_match", "frozen_summary"]

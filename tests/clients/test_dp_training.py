@@ -562,3 +562,27 @@ def test_the_planned_epsilon_is_never_below_what_training_charges(task, data, mo
     assert stats["epsilon"] <= plan * (1 + 1e-12)
     if mode == "fast":
         assert stats["epsilon"] == pytest.approx(plan, rel=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_models_clipped_sums_are_its_float32_ones(dtype):
+    """Norms in float32, the clipped sums in the model's dtype: both paths, on a fast-path model."""
+    import copy
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+    x, y = torch.randn(12, 64), torch.randint(0, 10, (12,))
+    ref, _, ref_norms = clipped_grad_sum(model, x, y, 0.5)
+    half = copy.deepcopy(model).to(dtype)
+    for fn in (clipped_grad_sum, vmap_clipped_grad_sum):
+        sums, _, norms = fn(half, x.to(dtype), y, 0.5)
+        assert norms.dtype == torch.float32
+        torch.testing.assert_close(norms, ref_norms, rtol=3e-2, atol=1e-3)
+        for got, want in zip(sums, ref, strict=True):  # (the whole step in bfloat16 keeps 2-3 digits: 6.5% here)
+            assert (got.float() - want).norm() <= (0.1 if dtype == torch.bfloat16 else 0.02) * want.norm()
+
+
+def test_the_vmap_path_takes_an_empty_batch():
+    model = nn.Linear(4, 3)
+    sums, loss, norms = vmap_clipped_grad_sum(model, torch.zeros(0, 4), torch.zeros(0, dtype=torch.long), 1.0)
+    assert all(not s.any() for s in sums) and loss.item() == 0 and norms.numel() == 0

@@ -301,3 +301,10 @@ def test_metric_values_keep_real_numbers_under_plain_names_as_both_sides_record_
     assert list(got)[0] == "loss" and all(type(v) is float for v in got.values())
     many = metric_values({**{f"m{i}": float(i) for i in range(40)}, "accuracy": 0.9, "loss": 1.0})
     assert len(many) == MAX_EVAL_METRICS and many["loss"] == 1.0 and many["accuracy"] == 0.9  # kept first
+
+
+def test_a_bfloat16_number_is_a_real_number():
+    from clients.protocol import real_number
+
+    assert real_number(torch.tensor(1.5, dtype=torch.bfloat16)) == 1.5  # (numpy has no bfloat16)
+    assert real_number(torch.tensor([2.0], dtype=torch.float16)) == 2.0 and real_number(torch.tensor(True)) is None

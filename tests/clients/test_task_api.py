@@ -344,6 +344,16 @@ def test_a_loop_that_changes_a_frozen_parameter_is_refused_in_one_line(tmp_path,
     assert "set federate_frozen = True on the task" in said[0]
 
 
+class NumpyFeatures(FrozenFeatures):
+    """Frozen features drawn from numpy's unseeded generator: each process builds others."""
+
+    def build_model(self) -> nn.Module:
+        model = super().build_model()
+        with torch.no_grad():
+            model[0].weight.copy_(torch.from_numpy(np.random.default_rng().normal(size=(64, 5))))
+        return model
+
+
 def test_a_node_whose_frozen_entries_differ_from_the_coordinators_refuses():
     import dataclasses
 
@@ -353,13 +363,19 @@ def test_a_node_whose_frozen_entries_differ_from_the_coordinators_refuses():
     from clients import TrainInstruction, TrainSettings
     from clients.client_app import global_weights
     from clients.protocol import ARRAYS, CONFIG, MESSAGE_TYPE_TRAIN, WEIGHTS
+    from clients.tasks.layout import frozen_match, frozen_summary
 
     task = FrozenFeatures()
-    digest = task.frozen_digest(0)
-    assert len(digest) == 32 and digest == FrozenFeatures().frozen_digest(0) != task.frozen_digest(1)
-    assert FrozenFeaturesOnTheWire().frozen_digest(0) == "" and Regression().frozen_digest(0) == ""
+    summary = task.frozen_summary(0)
+    assert len(summary) == 12 and summary == FrozenFeatures().frozen_summary(0)
+    assert not frozen_match(summary, task.frozen_summary(1))  # another seed's build
+    assert not frozen_match(summary, NumpyFeatures().frozen_summary(0))  # numpy's draws
+    start = task.initial_local(0)
+    noisy = [t + 1e-7 * torch.randn(t.shape) for t in (start["0.weight"], start["0.bias"])]  # another CPU's bits
+    assert frozen_match(summary, frozen_summary(noisy))
+    assert FrozenFeaturesOnTheWire().frozen_summary(0) == () and Regression().frozen_summary(0) == ()
     instr = TrainInstruction(round=1, version=0, seed=0, task=TaskSpec(task=task_name(FrozenFeatures),
-                             partitioning="iid"), train=TrainSettings(), frozen=digest)
+                             partitioning="iid"), train=TrainSettings(), frozen=summary)
     ctx = Context(run_id=1, node_id=1, node_config={"partition-id": 0, "num-partitions": 4}, state=RecordDict(),
                   run_config={})
 
@@ -367,8 +383,10 @@ def test_a_node_whose_frozen_entries_differ_from_the_coordinators_refuses():
         return Message(RecordDict({ARRAYS: ArrayRecord({WEIGHTS: tensor_to_array(task.init_weights(0))}),
                                    CONFIG: instruction.to_record()}), dst_node_id=1, message_type=MESSAGE_TYPE_TRAIN)
 
-    assert global_weights(message(instr), ctx, private=False)[0].frozen == digest  # the same build: accepted
-    for other in ("0" * 32, ""):  # another build's (numpy's generator, another file), or none sent
+    assert global_weights(message(instr), ctx, private=False)[0].frozen == summary  # the same build: accepted
+    for other in (frozen_summary(noisy), ):  # float noise passes
+        global_weights(message(dataclasses.replace(instr, frozen=other)), ctx, private=False)
+    for other in (NumpyFeatures().frozen_summary(0), ()):  # another build, or none sent
         with pytest.raises(ClientError, match=r"frozen parameters this node builds \(0.weight, 0.bias\) differ from "
                                               "the coordinator's"):
             global_weights(message(dataclasses.replace(instr, frozen=other)), ctx, private=False)

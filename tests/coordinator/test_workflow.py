@@ -439,6 +439,20 @@ def test_a_checkpoint_with_a_setting_now_refused_as_ignored_still_resumes_withou
                           run_fingerprint(central, 100), tmp_path)
 
 
+def test_a_run_resumes_with_its_frozen_values_up_to_float_noise_and_not_with_others(tmp_path):
+    from coordinator import CoordinatorError
+    from coordinator.workflow import check_fingerprint, run_fingerprint
+
+    cfg = RunConfig.from_mapping({"num-rounds": 2})
+    frozen = (0.01, 0.5, 0.3, -0.2, 0.7, -0.6)  # one frozen tensor's summary: mean, RMS, four values
+    noise = tuple(v + 1e-7 for v in frozen)  # the same build on another machine
+    check_fingerprint({"fingerprint": run_fingerprint(cfg, 100, frozen=frozen)}, run_fingerprint(cfg, 100, frozen=noise),
+                      tmp_path)
+    with pytest.raises(CoordinatorError, match="frozen-check"):
+        check_fingerprint({"fingerprint": run_fingerprint(cfg, 100, frozen=frozen)},
+                          run_fingerprint(cfg, 100, frozen=(0.02, *frozen[1:])), tmp_path)
+
+
 # -- a checkpoint edited or cut short (review helper-50) ---------------------------------------------------------
 def test_a_run_stopped_before_its_last_metrics_write_gets_the_row_back_on_resume(tmp_path):
     """Killed between the last round's checkpoint and metrics.csv: the resume had nothing to train and the
