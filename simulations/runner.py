@@ -9,6 +9,7 @@ import os
 import secrets
 import signal
 import socket
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -269,8 +270,12 @@ class ClusterWatch:
     clear error).
     """
 
-    def __init__(self, stop: threading.Event, hostport: str | None, interval: float = 2.0, misses: int = 3) -> None:
+    def __init__(self, stop: threading.Event, hostport: str | None, interval: float = 2.0, misses: int = 3,
+                 on_hang: Callable[[str], None] | None = None, grace: float = 20.0) -> None:
         self.stop, self.hostport, self.interval, self.misses = stop, hostport, interval, misses
+        # a run still going ``grace`` s after the cluster was lost (a call or Ray's shutdown blocked on the dead GCS,
+        # seen once under load) gets ``on_hang(lost)`` before Ray's core ends the process at 60 s with exit 1
+        self.on_hang, self.grace = on_hang, grace
         self.lost: str | None = None
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="fedshield-ray-watch", daemon=True)
@@ -302,6 +307,8 @@ class ClusterWatch:
             if missed >= self.misses:
                 self.lost = f"{address} ({reason})"
                 self.stop.set()
+                if not self._done.wait(self.grace) and self.on_hang is not None:
+                    self.on_hang(self.lost)
                 return
 
 
@@ -383,7 +390,11 @@ def run_flower_engine(scn: Scenario, on_round: RoundCallback | None) -> dict[str
     stop = threading.Event()
     flwr_logger = logging.getLogger("flwr")
     flwr_logger.addFilter(_not_for_our_users)
-    watch = ClusterWatch(stop, hostport)
+    def hung(lost: str) -> None:  # the one line the CLI would print, then out: every finished round is saved
+        print(f"fedshield: error: {_cluster_lost(lost, scn)}", file=sys.stderr, flush=True)
+        os._exit(2)
+
+    watch = ClusterWatch(stop, hostport, on_hang=hung)
 
     def quiet_once_stopped(record: logging.LogRecord) -> bool:
         # A stopped run's client actors die under the tasks they ran (a SIGTERM to the process group reaches

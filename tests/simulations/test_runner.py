@@ -139,6 +139,23 @@ def test_the_watch_stops_the_run_once_the_cluster_stops_answering():
     assert watch.lost == f"{address} (Connection refused)"
 
 
+def test_a_run_that_does_not_end_after_its_cluster_is_lost_is_ended_with_its_line(monkeypatch):
+    """Stop set, and the run still going ``grace`` s later (blocked on the dead cluster): ``on_hang`` gets where
+    the cluster was lost (the runner prints the one line and exits 2 before Ray's core ends it with 1); a run
+    that ends in time never gets it."""
+    import simulations.runner as runner
+
+    monkeypatch.setattr(runner, "_unreachable", lambda hostport, timeout: "Connection refused")
+    for ends_in_time in (False, True):
+        stop, hung = threading.Event(), []
+        with ClusterWatch(stop, "127.0.0.1:1", interval=0.01, misses=2, on_hang=hung.append, grace=0.3) as watch:
+            assert stop.wait(5)
+            if not ends_in_time:
+                time.sleep(1.0)
+        time.sleep(0.4)
+        assert hung == ([] if ends_in_time else [watch.lost]) and watch.lost == "127.0.0.1:1 (Connection refused)"
+
+
 def test_the_watch_forgives_a_probe_missed_now_and_then(monkeypatch):
     import simulations.runner as runner
 
