@@ -57,6 +57,7 @@ from aggregation.codecs import Codec, Encoded, create_codec
 
 from ._errors import ClientError
 from .config import TaskSpec, TrainSettings, build_config, check, split_mapping, to_mapping
+from .tasks.layout import FROZEN_STATS
 
 ARRAYS, CONFIG, METRICS, CODEC, LOCAL_DP = "arrays", "config", "metrics", "codec", "local-dp"
 WEIGHTS, DELTA = "weights", "delta"
@@ -64,7 +65,7 @@ CLIENT_TIME = "client-time-s"  # a reply's local work, seconds (work-deadline's 
 WORK_METRICS = ("train-time-s", CLIENT_TIME)  # the reported times a simulated device replaces with its own
 MESSAGE_TYPE_TRAIN = "train"
 FROZEN_CHECK = "frozen-check"  # a train or evaluate instruction's summary of the model's frozen entries
-MAX_FROZEN_CHECK = 6 * 65536  # its numbers at most (6 per frozen tensor)
+MAX_FROZEN_CHECK = FROZEN_STATS * 65536  # its numbers at most (FROZEN_STATS per frozen tensor)
 MESSAGE_TYPE_EVALUATE = "evaluate"  # the train message's arrays and config; the reply: metrics only
 EVAL_PREFIX = "eval-"  # an evaluate reply's metrics: num-examples and eval-NAME (eval-loss, eval-accuracy, ...)
 MAX_EVAL_METRICS, MAX_METRIC_NAME = 32, 64  # an evaluation's metrics besides num-examples, and a name's characters
@@ -103,9 +104,9 @@ class TrainInstruction:
         for key in ("round", "version", "seed"):
             check(isinstance(data.get(key), int) and not isinstance(data[key], bool) and data[key] >= 0, key, "be an integer >= 0", data.get(key))
         frozen = data.get(FROZEN_CHECK, [])
-        check(isinstance(frozen, list) and len(frozen) <= MAX_FROZEN_CHECK and len(frozen) % 6 == 0
+        check(isinstance(frozen, list) and len(frozen) <= MAX_FROZEN_CHECK and len(frozen) % FROZEN_STATS == 0
               and all(isinstance(v, float) and math.isfinite(v) for v in frozen), FROZEN_CHECK,
-              f"be a list of finite floats, 6 per frozen tensor, at most {MAX_FROZEN_CHECK}", frozen)
+              f"be a list of finite floats, {FROZEN_STATS} per frozen tensor, at most {MAX_FROZEN_CHECK}", frozen)
         task_part, train_part = split_mapping(data, TaskSpec, TrainSettings)
         return cls(
             round=data["round"],

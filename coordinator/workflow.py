@@ -290,7 +290,7 @@ class SyncWorkflow:
 
     def instruction(self, rnd: int, train: Any = None) -> TrainInstruction:
         """A train or evaluate message's instruction for round (or sequence number) ``rnd``: the run's seed, task
-        and ``train`` settings (default the run's) and the frozen entries' digest."""
+        and ``train`` settings (default the run's) and the summary of its frozen entries (``Task.frozen_summary``)."""
         return TrainInstruction(round=rnd, version=self.version, seed=self.cfg.server.seed, task=self.cfg.task,
                                 train=self.cfg.train if train is None else train, frozen=self.frozen)
 

@@ -342,8 +342,8 @@ class Task(ABC):
     def initial_local(self, seed: int, private: bool = False) -> dict[str, torch.Tensor]:
         """Where a client's kept entries (``layout.local``) start before its first round, and its frozen ones
         (``layout.fixed``) every round: the model ``init_weights(seed)`` builds, so a kept or frozen parameter drawn
-        at random (a personal head, random features) is the same on every node, engine and process, whichever task instance or thread serves it (CPU tensors, cached and
-        shared: callers copy them into their models)."""
+        at random (a personal head, random features) is the same on every node, engine and process, whichever task
+        instance or thread serves it (CPU tensors, cached and shared: callers copy them into their models)."""
         cache = self.__dict__.setdefault("_initial_local", {})
         key = (seed, private)
         if key not in cache:

@@ -4,8 +4,9 @@ Derived once from the model (on torch's meta device where it can be), so the wir
 core see one flat tensor whatever the module: parameters, and floating-point buffers such as BatchNorm's
 running statistics unless the task keeps them local (FedBN). Integer buffers and the entries a task keeps
 local never leave the client; the client keeps them between rounds. Frozen parameters (``requires_grad=False``
-when built) stay off the wire unless the task federates them: every model takes them from the run seed's build. BatchNorm's ``num_batches_tracked``,
-which torch reads only when the layer's momentum is None, is kept only for such layers.
+when built) stay off the wire unless the task federates them: every model takes them from the run seed's build.
+BatchNorm's ``num_batches_tracked``, which torch reads only when the layer's momentum is None, is kept only for
+such layers.
 """
 
 from __future__ import annotations
