@@ -154,6 +154,9 @@ def _own_task(args: argparse.Namespace):
 
 def _check_builtin(data, source: str) -> None:
     """``data`` fits a built-in task (an agent without --task); else the ClientApp would fail once training starts."""
+    if isinstance(data.x, dict):
+        raise ClientError(f"{source.split(' ')[0]} holds named inputs ({', '.join(sorted(data.x))}): the built-in "
+                          "tasks take one array x (n, features); give the task it was made for with --task.")
     if data.x.ndim != 2 or data.y.ndim != 1 or len(data.x) != len(data.y) or len(data.y) == 0:
         raise ClientError(f"{source.split(' ')[0]} must hold x (n, features) and y (n,) with n > 0. Found "
                           f"x{data.x.shape} y{data.y.shape}.")

@@ -30,8 +30,12 @@ def _cached(key: tuple, make) -> Dataset:
     return data
 
 
+_NAMED = "x."  # an .npz member holding one of several named inputs: x.<name>
+
+
 def load_npz(path: str | os.PathLike) -> Dataset:
-    """Read ``x`` (n, features) and ``y`` (n,) from an .npz file (never unpickles)."""
+    """Read ``x`` (n, ...), or named inputs ``x.<name>`` (n, ...) each, and ``y`` (n, ...) from an .npz file (never
+    unpickles)."""
     p = Path(path)
     if not p.is_file():
         raise ClientError(f"data path must be an existing .npz file. Found {str(p)!r} "
@@ -52,12 +56,15 @@ def load_npz(path: str | os.PathLike) -> Dataset:
     if not isinstance(loaded, np.lib.npyio.NpzFile):
         raise ClientError(f"data file must be an .npz archive with arrays 'x' and 'y'. Found a single array in {p}.")
     with loaded as npz:
-        if "x" not in npz.files or "y" not in npz.files:
-            raise ClientError(f"data file must hold arrays 'x' and 'y'. Found {sorted(npz.files)} in {p}.")
+        inputs = sorted(k for k in npz.files if k.startswith(_NAMED))  # named inputs: x.<name> each
+        if ("x" not in npz.files and not inputs) or "y" not in npz.files or ("x" in npz.files and inputs):
+            raise ClientError("data file must hold arrays 'x' and 'y' (or named inputs 'x.NAME' instead of 'x'). "
+                              f"Found {sorted(npz.files)[:12]} in {p}.")
         try:
-            for name in ("x", "y"):
+            for name in (*(inputs or ["x"]), "y"):
                 _check_declared_size(npz, name, p)
-            return Dataset(np.asarray(npz["x"]), np.asarray(npz["y"]))
+            x = {k[len(_NAMED):]: np.asarray(npz[k]) for k in inputs} if inputs else np.asarray(npz["x"])
+            return Dataset(x, np.asarray(npz["y"]))
         except ClientError:
             raise
         except (OSError, ValueError, EOFError, zipfile.BadZipFile, MemoryError) as exc:
@@ -90,7 +97,8 @@ SPLIT_FIELDS = ("task", "data_seed", "synthetic_alpha", "synthetic_beta")
 def save_npz(path: str | os.PathLike, data: Dataset, spec: Any = None) -> None:
     """``x`` and ``y``, and (``spec``: the TaskSpec it was split under) the ``SPLIT_FIELDS`` that fixed its split."""
     made_by = {f"split_{k}": np.asarray(getattr(spec, k)) for k in SPLIT_FIELDS} if spec is not None else {}
-    np.savez(path, x=data.x, y=data.y, **made_by)
+    inputs = {f"{_NAMED}{k}": v for k, v in data.x.items()} if isinstance(data.x, dict) else {"x": data.x}
+    np.savez(path, **inputs, y=data.y, **made_by)
 
 
 def _split_value(field: str, value: Any) -> Any:

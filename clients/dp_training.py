@@ -51,7 +51,6 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -60,6 +59,7 @@ from privacy import quiet_import_opacus
 from ._errors import ClientError
 from .config import MAX_NOISE_MULTIPLIER, MIN_LOCAL_NOISE_MULTIPLIER, TrainSettings, check
 from .tasks import Dataset
+from .tasks.inputs import call_args, forward, take, to_tensors, unsqueeze
 
 GRAD_SAMPLE_MODES = ("fast", "ghost", "hooks", "functorch", "vmap")
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # a task's loss: (output, target) -> batch mean
@@ -413,7 +413,7 @@ def clipped_grad_sum(
         capture = _Capture(layers)
     try:
         capture.records.clear()
-        logits = model(x)
+        logits = forward(model, x)
         records = capture.records
         if len(records) != len(capture.layers) or len({id(m) for m, _, _ in records}) != len(records):
             raise ClientError(f"each trainable layer must run once per forward for fast per-example clipping. "
@@ -513,19 +513,20 @@ def vmap_clipped_grad_sum(
     rest = {n: p.detach() for n, p in model.named_parameters() if not p.requires_grad}
     rest.update(model.named_buffers())
 
-    def one(params: dict[str, torch.Tensor], xi: torch.Tensor, yi: torch.Tensor) -> torch.Tensor:
-        out = torch.func.functional_call(model, {**params, **rest}, (xi.unsqueeze(0),))
+    def one(params: dict[str, torch.Tensor], xi: Any, yi: torch.Tensor) -> torch.Tensor:
+        out = torch.func.functional_call(model, {**params, **rest}, *call_args(unsqueeze(xi)))
         target = yi.unsqueeze(0)
         return nn.functional.cross_entropy(out, target) if loss_fn is None else loss_fn(out, target)
 
     if not len(y):  # (an empty batch: nothing summed, loss 0, as the fast path)
-        return [torch.zeros_like(p) for _, p in named], torch.zeros((), device=x.device), torch.zeros(0, device=x.device)
+        return [torch.zeros_like(p) for _, p in named], torch.zeros((), device=y.device), torch.zeros(0, device=y.device)
     per_example = torch.func.vmap(torch.func.grad_and_value(one), in_dims=(None, 0, 0), randomness="different")
     numel = sum(p.numel() for _, p in named)
     chunk = chunk or max(1, 2**26 // max(numel, 1))
     sums = {n: torch.zeros_like(p) for n, p in named}
     losses, norms = [], []
-    for xs, ys in zip(x.split(chunk), y.split(chunk), strict=True):
+    for start in range(0, len(y), chunk):
+        xs, ys = take(x, slice(start, start + chunk)), y[start:start + chunk]
         grads, loss = per_example(params, xs, ys)
         sq = sum(_row_sq_norms(grads[n]) for n, _ in named)
         norm = sq.sqrt()
@@ -561,7 +562,7 @@ class PrivateTrainer:
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Forward, clipped backward, noisy update; returns the batch's mean loss (detached)."""
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.criterion(self.module(x), y)
+        loss = self.criterion(forward(self.module, x), y)
         loss.backward()
         self.optimizer.step()
         return loss.detach()
@@ -724,12 +725,11 @@ def train_local_dp(
     if len(data) == 0:
         raise ClientError("data must hold at least one example for DP-SGD. Found 0.")
     device = next(model.parameters()).device
-    x = torch.from_numpy(np.ascontiguousarray(data.x)).to(device)
-    y = torch.from_numpy(np.ascontiguousarray(data.y)).to(device)
+    x, y = to_tensors(data.x, device), to_tensors(data.y, device)
     accountant = accountant_from_state(accountant_state)
     generator = private_generator() if generator is None else generator
-    loader = torch.utils.data.DataLoader(
-        torch.utils.data.TensorDataset(x, y), batch_size=min(settings.batch_size, len(y)),
+    loader = torch.utils.data.DataLoader(  # batches of example indices (one gather a batch, named inputs alike)
+        torch.utils.data.TensorDataset(torch.arange(len(y))), batch_size=min(settings.batch_size, len(y)),
         shuffle=not dp.poisson_sampling, generator=generator,
     )
     noise_generator = torch.Generator(device=device)
@@ -744,8 +744,10 @@ def train_local_dp(
                                        accountant=accountant, loss_fn=loss_fn)
         try:
             for _ in range(settings.local_epochs):
-                for xb, yb in trainer.loader:
-                    loss = trainer.step(xb, yb)
+                for (index,) in trainer.loader:
+                    index = index.to(device)
+                    yb = y[index]
+                    loss = trainer.step(take(x, index), yb)
                     steps += 1
                     if len(yb):  # Poisson sampling can draw an empty batch: noise only
                         total += loss.item() * len(yb)

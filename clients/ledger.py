@@ -45,8 +45,9 @@ PREFIX = "local-dp-ledger-"
 def data_key(data: Dataset) -> str:
     """A hash of the data's contents (shapes, dtypes, bytes)."""
     h = hashlib.sha256()
-    for a in (data.x, data.y):
-        h.update(f"{a.dtype.str}{a.shape}".encode())
+    named = sorted(data.x.items()) if isinstance(data.x, dict) else []
+    for key, a in (*named, *([] if named else [("", data.x)]), ("", data.y)):
+        h.update(f"{key}{a.dtype.str}{a.shape}".encode())
         h.update(memoryview(a.tobytes()))
     return h.hexdigest()[:32]
 

@@ -14,10 +14,10 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
 import torch
 
 from .tasks import Dataset, Task
+from .tasks.inputs import forward, repeat, to_tensors
 from .tasks.sgd import SGD
 
 PROFILE_CPUS = "profile-cpus"
@@ -41,13 +41,13 @@ def _memory_gb() -> float:
 def _step_ms(task: Task, device: torch.device, batch_size: int, data: Dataset | None) -> float:
     """Median milliseconds of one forward+backward+SGD step of the task's model and loss on a batch of
     ``data`` (the training set's first examples when None), repeated up to ``batch_size`` rows."""
-    xs, ys = task.sample_batch(data if data is not None else task.train_set, batch_size)
-    reps = -(-batch_size // max(len(ys), 1))
+    sample = task.sample_batch(data if data is not None else task.train_set, batch_size)
+    reps = -(-batch_size // max(len(sample), 1))
     with torch.random.fork_rng(devices=[]):  # leave the caller's random state alone
         torch.manual_seed(0)
         model = task.build().to(device)
-    x = torch.from_numpy(np.ascontiguousarray(np.concatenate([xs] * reps)[:batch_size])).to(device)
-    y = torch.from_numpy(np.ascontiguousarray(np.concatenate([ys] * reps)[:batch_size])).to(device)
+    x = to_tensors(repeat(sample.x, reps, batch_size), device)
+    y = to_tensors(repeat(sample.y, reps, batch_size), device)
     opt = SGD(model.parameters(), lr=0.0)
     loss_fn = task.loss
     model.train()
@@ -57,7 +57,7 @@ def _step_ms(task: Task, device: torch.device, batch_size: int, data: Dataset | 
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        loss_fn(model(x), y).backward()
+        loss_fn(forward(model, x), y).backward()
         opt.step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)

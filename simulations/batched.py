@@ -40,6 +40,7 @@ from torch.utils._pytree import tree_map
 
 from clients import Dataset, Task, TrainSettings
 from clients.tasks.base import normalises_by_batch
+from clients.tasks.inputs import call_args, concat, take, to_tensors
 from clients.tasks.layout import fits
 
 DEFAULT_CHUNK = 512  # clients trained at once: 3 stacked states (weights, gradients, momentum) of
@@ -196,7 +197,7 @@ def _client_step(task: Task, model: nn.Module, frozen: dict[str, torch.Tensor]):
         return task.loss(tree_map(lambda t: t.unsqueeze(0), out), y.unsqueeze(0))
 
     def batch_loss(params, buffers, x, y, mask):
-        out = torch.func.functional_call(model, {**params, **buffers, **frozen}, (x,))
+        out = torch.func.functional_call(model, {**params, **buffers, **frozen}, *call_args(x))
         per = torch.func.vmap(example_loss)(out, y)
         if per.shape != mask.shape:
             raise ValueError(f"task {type(task).__name__}'s loss must return one scalar for a batch. Found shape "
@@ -246,8 +247,8 @@ def _train_chunk(task: Task, model: nn.Module, global_flat: torch.Tensor, datase
     """One chunk's (deltas, losses); ``datasets`` sorted by full batches then size, largest first; ``kept``
     replaced in place; ``by_batch``: the model normalises by batch (``normalises_by_batch``)."""
     device, m = global_flat.device, len(datasets)
-    x = torch.from_numpy(np.ascontiguousarray(np.concatenate([d.x for d in datasets]))).to(device)
-    y = torch.from_numpy(np.ascontiguousarray(np.concatenate([d.y for d in datasets]))).to(device)
+    x = to_tensors(concat([d.x for d in datasets]), device)  # (named inputs: a dict of such tensors)
+    y = to_tensors(np.concatenate([d.y for d in datasets]), device)
     sizes = np.array([len(d) for d in datasets], dtype=np.int64)
     offsets = torch.tensor(np.cumsum([0, *sizes[:-1]]), dtype=torch.long, device=device)
     batch = settings.batch_size
@@ -270,7 +271,7 @@ def _train_chunk(task: Task, model: nn.Module, global_flat: torch.Tensor, datase
         if not exact:  # one computation a step: each client's last batch padded and masked out of its loss
             for i, a in enumerate(active):
                 rows, real = index[:a, i], mask[:a, i]
-                grads, loss = step({k: v[:a] for k, v in params.items()}, {}, x[rows], y[rows], real)
+                grads, loss = step({k: v[:a] for k, v in params.items()}, {}, take(x, rows), y[rows], real)
                 _sgd_step(params, grads, bufs, slice(0, a), settings, anchor)
                 total[:a] += loss.double() * real.sum(1)
             continue
@@ -278,7 +279,7 @@ def _train_chunk(task: Task, model: nn.Module, global_flat: torch.Tensor, datase
             a = int((full > i).sum())
             rows = index[:a, i]
             grads, loss = step({k: v[:a] for k, v in params.items()}, {k: v[:a] for k, v in buffers.items()},
-                               x[rows], y[rows], mask[:a, i])
+                               take(x, rows), y[rows], mask[:a, i])
             _sgd_step(params, grads, bufs, slice(0, a), settings, anchor)
             total[:a] += loss.double() * batch
         for r in np.unique(last[last > 0]).tolist():  # then each client's partial batch, those of one size together
@@ -287,7 +288,7 @@ def _train_chunk(task: Task, model: nn.Module, global_flat: torch.Tensor, datase
             slots = torch.as_tensor(full[ks] * batch, device=device)[:, None] + torch.arange(r, device=device)
             rows = index.view(len(index), -1)[at[:, None], slots]  # (r may be batch + 1: a merged batch of one)
             sub = {k: v[at] for k, v in buffers.items()}  # (copies: written back after the step)
-            grads, loss = step({k: v[at] for k, v in params.items()}, sub, x[rows], y[rows],
+            grads, loss = step({k: v[at] for k, v in params.items()}, sub, take(x, rows), y[rows],
                                torch.ones(len(ks), r, dtype=torch.bool, device=device))
             for k, v in sub.items():
                 buffers[k][at] = v

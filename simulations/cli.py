@@ -328,7 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     ast.add_argument("--key", type=_path, help="this node's private key (from `fedshield keys new`)")
     ast.add_argument("--task", help="the task this node trains: package.module:Class or file.py:Class (its model, "
                      "loss and training loop run here; default: the built-in tasks only)")
-    ast.add_argument("--data", type=_path, help="this node's data (.npz with x and y)")
+    ast.add_argument("--data", type=_path, help="this node's data (.npz with x, or named inputs x.NAME, and y)")
     ast.add_argument("--eval-data", type=_path, help="this node's held-out data for federated evaluation (.npz "
                      "with x and y; with --data)")
     ast.add_argument("--partition", metavar="ID/N", help="use partition ID of N of the task's built-in data instead of --data")

@@ -23,6 +23,7 @@ from torch import nn
 from .._errors import ClientError, ConfigError
 from ..config import TaskSpec, TrainSettings
 from ..partition import dirichlet_partition, iid_partition
+from .inputs import forward, take, to_tensors
 from .layout import ModelLayout, frozen_summary
 from .sgd import SGD
 
@@ -47,20 +48,31 @@ def epoch_batches(perm: torch.Tensor, batch_size: int, merge_one: bool) -> tuple
 
 @dataclass(frozen=True)
 class Dataset:
-    """Examples as arrays: ``x`` of shape (n, ...) (features, images (n, C, H, W), token ids) and ``y`` of
-    shape (n, ...) (class labels, multi-label or regression targets, next tokens)."""
+    """Examples as arrays: ``x`` of shape (n, ...) (features, images (n, C, H, W), token ids), or named inputs, a
+    dict of such arrays (token ids and their mask; a user's and an item's ids with side features), which the model's
+    forward takes as keyword arguments; ``y`` of shape (n, ...) (class labels, multi-label or regression targets,
+    next tokens)."""
 
-    x: np.ndarray
+    x: Any  # np.ndarray, or dict[str, np.ndarray] of named inputs
     y: np.ndarray
 
     def __len__(self) -> int:
         return len(self.y)
 
+    def take(self, index: Any) -> Dataset:
+        """The examples ``index`` (indices, a mask or a slice), of every input and the targets."""
+        return type(self)(take(self.x, index), self.y[index])
+
     @classmethod
     def from_torch(cls, data: "torch.utils.data.Dataset") -> "Dataset":
-        """A torch map-style dataset of ``(x, y)`` pairs stacked into arrays (it is read once)."""
+        """A torch map-style dataset of ``(x, y)`` pairs stacked into arrays (it is read once); an ``x`` that is a
+        dict of tensors or arrays (a tokenizer's output) becomes named inputs."""
         xs, ys = zip(*(data[i] for i in range(len(data))), strict=True)  # type: ignore[arg-type]
-        return cls(np.stack([np.asarray(x) for x in xs]), np.stack([np.asarray(y) for y in ys]))
+        if xs and isinstance(xs[0], dict):
+            x: Any = {k: np.stack([np.asarray(item[k]) for item in xs]) for k in xs[0]}
+        else:
+            x = np.stack([np.asarray(item) for item in xs])
+        return cls(x, np.stack([np.asarray(y) for y in ys]))
 
 
 class Task(ABC):
@@ -70,7 +82,10 @@ class Task(ABC):
 
     - ``num_classes``: labels are checked to lie in ``[0, num_classes)`` (None: not checked);
     - ``x_dtype`` / ``y_dtype``: what ``x`` and ``y`` are cast to (``"float32"``, ``"int64"``, or None to keep);
-    - ``input_shape`` / ``target_shape``: ``x``'s and ``y``'s shapes past the example axis, checked when set;
+      named inputs are cast by kind (floats as float32, integers as int64, bools kept) unless ``x_dtype`` is a
+      dict by name;
+    - ``input_shape`` / ``target_shape``: ``x``'s and ``y``'s shapes past the example axis, checked when set
+      (named inputs: a dict of shapes by name);
     - ``federate_buffers``: False keeps every buffer (BatchNorm's running statistics) on its client (FedBN);
     - ``keep_local``: state-dict name globs kept on each client (e.g. ``("*.bn*",)`` for FedBN with its
       affine parameters too);
@@ -83,12 +98,12 @@ class Task(ABC):
 
     name: str = ""
     num_classes: int | None = None
-    x_dtype: str | None = "float32"
+    x_dtype: str | dict[str, str | None] | None = "float32"
     y_dtype: str | None = "int64"
     federate_buffers: bool = True
     keep_local: tuple[str, ...] = ()
     federate_frozen: bool = False
-    input_shape: tuple[int, ...] | None = None  # x's shape past the example axis, checked when set
+    input_shape: tuple[int, ...] | dict[str, tuple[int, ...]] | None = None  # x's shape past the example axis
     target_shape: tuple[int, ...] | None = None  # y's likewise (() for one label per example)
     channels_last: bool | None = None  # None: auto (CPU, 2-D convolutions, a forward that accepts it)
 
@@ -143,7 +158,7 @@ class Task(ABC):
                 perm = torch.randperm(len(y), generator=generator).to(device)
                 for batch in epoch_batches(perm, settings.batch_size, merge):
                     opt.zero_grad(set_to_none=True)
-                    loss = self.loss(model(x[batch]), y[batch])
+                    loss = self.loss(forward(model, take(x, batch)), y[batch])
                     loss.backward()
                     if mu > 0:  # the proximal term's gradient, mu (w - w_global), added in one fused pass
                         grads = [_dense_grad(p) for p in params]
@@ -163,14 +178,15 @@ class Task(ABC):
         sums: dict[str, float] = {}
         with self._memory_format(model, x):
             model.eval()
-            for xb, yb in zip(x.split(batch_size), y.split(batch_size), strict=True):
-                out = model(xb)
+            for start in range(0, len(y), batch_size):
+                part = slice(start, start + batch_size)
+                yb, out = y[part], forward(model, take(x, part))
                 for key, value in {"loss": self.loss(out, yb).item(), **self.metrics(out, yb)}.items():
                     sums[key] = sums.get(key, 0.0) + float(value) * len(yb)
         return {k: v / max(len(y), 1) for k, v in sums.items()}
 
     @contextmanager
-    def _memory_format(self, model: nn.Module, x: torch.Tensor):
+    def _memory_format(self, model: nn.Module, x: Any):
         """The default loops' model in channels-last memory format while they run (see ``channels_last``),
         and back in the default format after, so nothing outside the loop sees other strides."""
         use = self.channels_last
@@ -219,7 +235,7 @@ class Task(ABC):
             if num_partitions not in cache:
                 cache[num_partitions] = iid_partition(len(test), num_partitions, self.spec.data_seed + 2)
             idx = cache[num_partitions][partition_id]
-        return Dataset(test.x[idx], test.y[idx])
+        return test.take(idx)
 
     def partition(self, partition_id: int, num_partitions: int) -> Dataset:
         """Client ``partition_id``'s share of the training set (deterministic)."""
@@ -229,7 +245,7 @@ class Task(ABC):
             idx = self._sampled_indices(partition_id)
         else:
             idx = self._partition_indices(num_partitions)[partition_id]
-        return Dataset(self.train_set.x[idx], self.train_set.y[idx])
+        return self.train_set.take(idx)
 
     def _sampled_indices(self, partition_id: int) -> np.ndarray:
         """Partitioning "sample": client k draws ``client-examples`` training examples with replacement, its own
@@ -267,30 +283,47 @@ class Task(ABC):
     def check_data(cls, data: Dataset, source: str) -> Dataset:
         """``data`` checked against the task (shapes, dtypes, label range, finite values) and cast to the
         task's dtypes; ClientError naming ``source`` and the rule otherwise."""
-        x, y = np.asarray(data.x), np.asarray(data.y)
-        for what, a in (("x", x), ("y", y)):
-            if not (np.issubdtype(a.dtype, np.floating) or np.issubdtype(a.dtype, np.integer)):
+        y = np.asarray(data.y)
+        x = _check_named(data.x, source) if isinstance(data.x, dict) else {"x": np.asarray(data.x)}
+        shapes = cls.input_shape if isinstance(data.x, dict) else {"x": cls.input_shape}
+        if isinstance(data.x, dict) and shapes is not None and not isinstance(shapes, dict):
+            raise ClientError(f"{source}: named inputs need input_shape to be a dict of shapes by name (or None). "
+                              f"Found {shapes!r} for task {cls.name or cls.__name__}.")
+        if isinstance(shapes, dict) and set(shapes) != set(x) and isinstance(data.x, dict):
+            raise ClientError(f"{source}: x must hold the inputs {sorted(shapes)} for task "
+                              f"{cls.name or cls.__name__}. Found {sorted(x)}.")
+        for what, a in (*x.items(), ("y", y)):
+            if not (np.issubdtype(a.dtype, np.floating) or np.issubdtype(a.dtype, np.integer)
+                    or (what != "y" and a.dtype == np.bool_ and isinstance(data.x, dict))):
                 raise ClientError(f"{source}: {what} must be numeric. Found dtype {a.dtype}.")
             if a.ndim == 0:
                 raise ClientError(f"{source}: {what} must have a leading example axis. Found a scalar.")
-        if cls.input_shape is not None and x.shape[1:] != cls.input_shape:
-            shape = ", ".join(map(str, ("n", *cls.input_shape)))
-            raise ClientError(f"{source}: x must have shape ({shape}) for task {cls.name or cls.__name__}. Found {x.shape}.")
-        if len(x) != len(y) or (cls.target_shape is not None and y.shape[1:] != cls.target_shape):
-            want = (len(x), *(y.shape[1:] if cls.target_shape is None else cls.target_shape))
+        for what, a in x.items():
+            want = (shapes or {}).get(what)
+            if want is not None and a.shape[1:] != tuple(want):
+                shape = ", ".join(map(str, ("n", *want)))
+                raise ClientError(f"{source}: {what} must have shape ({shape}) for task {cls.name or cls.__name__}. "
+                                  f"Found {a.shape}.")
+        n = len(next(iter(x.values())))
+        if any(len(a) != n for a in x.values()):
+            raise ClientError(f"{source}: every input must hold the same number of examples. Found "
+                              + ", ".join(f"{k} {len(a)}" for k, a in x.items()) + ".")
+        if len(y) != n or (cls.target_shape is not None and y.shape[1:] != cls.target_shape):
+            want = (n, *(y.shape[1:] if cls.target_shape is None else cls.target_shape))
             raise ClientError(f"{source}: y must have shape {want} (one target per example of x). Found {y.shape}.")
         if len(y) == 0:
-            raise ClientError(f"{source}: x and y must hold n > 0 examples. Found x{x.shape} y{y.shape}.")
+            raise ClientError(f"{source}: x and y must hold n > 0 examples. Found x{_shapes(x)} y{y.shape}.")
         if cls.y_dtype == "int64" and not np.issubdtype(y.dtype, np.integer):
             raise ClientError(f"{source}: y must hold integer labels. Found dtype {y.dtype}.")
         if cls.num_classes is not None and (y.min() < 0 or y.max() >= cls.num_classes):
             raise ClientError(f"{source}: y must hold integer labels in [0, {cls.num_classes}). Found {y.dtype} "
                               f"{y.min()}..{y.max()}.")
-        x, y = _cast(x, cls.x_dtype), _cast(y, cls.y_dtype)
-        for what, a in (("x", x), ("y", y)):
+        x = {k: _cast(a, _input_dtype(cls.x_dtype, k, a, isinstance(data.x, dict))) for k, a in x.items()}
+        y = _cast(y, cls.y_dtype)
+        for what, a in (*x.items(), ("y", y)):
             if a.dtype.kind == "f" and not np.isfinite(a).all():
                 raise ClientError(f"{source}: {what} must be finite as float32. Found NaN, inf or |{what}| > 3.4e38.")
-        return Dataset(x, y)
+        return Dataset(x if isinstance(data.x, dict) else x["x"], y)
 
     def build(self, private: bool = False) -> nn.Module:
         """The task's model; ``private``: made trainable by DP-SGD (Opacus's ModuleValidator.fix, e.g.
@@ -371,9 +404,9 @@ class Task(ABC):
             torch.manual_seed(seed)
             return self.build(private)
 
-    def sample_batch(self, data: Dataset, size: int) -> tuple[np.ndarray, np.ndarray]:
+    def sample_batch(self, data: Dataset, size: int) -> Dataset:
         """The first ``size`` examples of ``data`` (the device profile times a training step on them)."""
-        return data.x[:size], data.y[:size]
+        return data.take(slice(0, size))
 
 
 def _cast(a: np.ndarray, dtype: str | None) -> np.ndarray:
@@ -383,7 +416,35 @@ def _cast(a: np.ndarray, dtype: str | None) -> np.ndarray:
         return a.astype(_DTYPES[dtype], copy=False)
 
 
-def _channels_last_ok(task: Task, model: nn.Module, x: torch.Tensor) -> bool:
+_MAX_INPUTS = 64
+
+
+def _check_named(x: dict, source: str) -> dict[str, np.ndarray]:
+    """Named inputs' names (keyword arguments of the model's forward: identifiers) and arrays."""
+    if not x or len(x) > _MAX_INPUTS:
+        raise ClientError(f"{source}: named inputs must be 1 to {_MAX_INPUTS} arrays. Found {len(x)}.")
+    bad = [k for k in x if not (isinstance(k, str) and k.isidentifier() and not k.startswith("_"))]
+    if bad:
+        raise ClientError(f"{source}: named inputs' names must be identifiers (the forward's keyword arguments), "
+                          f"not starting with '_'. Found {str(bad[0])[:64]!r}.")
+    return {k: np.asarray(a) for k, a in x.items()}
+
+
+def _input_dtype(x_dtype: Any, name: str, a: np.ndarray, is_named: bool) -> str | None:
+    """What input ``name`` is cast to: ``x_dtype`` for one input; for named inputs, ``x_dtype[name]`` when
+    ``x_dtype`` is a dict holding it, else by kind (floats as float32, integers as int64: ids, bools kept)."""
+    if isinstance(x_dtype, dict) and name in x_dtype:
+        return x_dtype[name]
+    if not is_named and not isinstance(x_dtype, dict):
+        return x_dtype
+    return "float32" if a.dtype.kind == "f" else "int64" if a.dtype.kind in "iu" else None
+
+
+def _shapes(x: dict[str, np.ndarray]) -> Any:
+    return x["x"].shape if list(x) == ["x"] else {k: a.shape for k, a in x.items()}
+
+
+def _channels_last_ok(task: Task, model: nn.Module, x: Any) -> bool:
     """Auto ``channels_last``: on CPU, for a model with 2-D convolutions whose forward takes it (one example,
     eval mode, no grad: no state changes). A forward that ``.view``s a channels-last activation (or fails
     otherwise) keeps the default format. The verdict is kept per task and model structure."""
@@ -396,13 +457,13 @@ def _channels_last_ok(task: Task, model: nn.Module, x: torch.Tensor) -> bool:
     return cache[key]
 
 
-def _forward_takes_channels_last(model: nn.Module, x: torch.Tensor) -> bool:
+def _forward_takes_channels_last(model: nn.Module, x: Any) -> bool:
     mode = model.training
     saved = {name: b.detach().clone() for name, b in model.named_buffers()}  # a forward may count its calls
     model.to(memory_format=torch.channels_last)
     try:
         with torch.no_grad():
-            model.eval()(x[:1])
+            forward(model.eval(), take(x, slice(0, 1)))
         return True
     except Exception:  # noqa: BLE001 - any failure here means: keep the format the model was built in
         return False
@@ -429,10 +490,9 @@ def _device_of(model: nn.Module) -> torch.device:
     return ref.device if ref is not None else torch.device("cpu")
 
 
-def _tensors(data: Dataset, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    x = torch.from_numpy(np.ascontiguousarray(data.x)).to(device)
-    y = torch.from_numpy(np.ascontiguousarray(data.y)).to(device)
-    return x, y
+def _tensors(data: Dataset, device: torch.device) -> tuple[Any, torch.Tensor]:
+    """``data``'s inputs (a tensor, or a dict of them) and targets as tensors on ``device``."""
+    return to_tensors(data.x, device), to_tensors(data.y, device)
 
 
 def _private_model(model: nn.Module, name: str, cls: type) -> nn.Module:
