@@ -185,3 +185,10 @@ def test_named_inputs_round_trip_through_a_data_file_and_the_agents_checks(tmp_p
     args = argparse.Namespace(data=str(tmp_path / "d.npz"), partition=None, eval_data=None,
                               task=f"{__file__}:Reviews")
     assert _data_config(args).startswith("data-path=")
+
+
+def test_the_device_profile_times_a_step_on_named_inputs():
+    from clients.profile import measure_profile
+
+    profile = measure_profile(Reviews(), torch.device("cpu"), batch_size=16, data=_reviews(5))
+    assert profile["profile-step-ms"] > 0, profile
