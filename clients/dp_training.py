@@ -49,6 +49,7 @@ import secrets
 import time
 import warnings
 from collections.abc import Callable, Mapping
+from logging import INFO
 from typing import Any
 
 import torch
@@ -136,7 +137,9 @@ def resolve_grad_sample_mode(model: nn.Module, requested: str) -> str:
     resolves to. An Opacus mode becomes ``vmap`` where a module with submodules holds trainable parameters of its
     own and Opacus has no rule for it (the model itself holding a Transformer's positions): Opacus would replay
     that module's whole forward once per example for them (19.9 ms a step against vmap's 11.8 ms, a 2-layer
-    Transformer, batch 64), and cannot when it draws dropout. ``ghost`` needs
+    Transformer, batch 64), and cannot when it draws dropout; so does a model with trainable parameters in an
+    ``nn.ParameterList`` / ``nn.ParameterDict`` (never called: Opacus's hooks never see them), and a model class
+    Opacus's hooks already failed on in this process (``_VMAP_FOR``). ``ghost`` needs
     every trainable layer to have an Opacus norm or grad sampler and no parameter shared between layers
     (tied embeddings); otherwise it falls back to ``hooks``. Other modes are returned unchanged.
     """
@@ -144,9 +147,9 @@ def resolve_grad_sample_mode(model: nn.Module, requested: str) -> str:
         if fast_clipping_layers(model) is not None:
             return "fast"
         requested = "ghost"
-    if requested == "vmap":
-        return requested
-    if any(parent for _, _, parent in replayed_modules(model)):
+    if requested == "vmap" or _hookless(model) in _VMAP_FOR:
+        return "vmap"
+    if any(parent for _, _, parent in replayed_modules(model)) or _direct_parameters(model):
         return "vmap"
     if requested != "ghost":
         return requested
@@ -177,6 +180,31 @@ def replayed_modules(model: nn.Module) -> list[tuple[str, list[str], bool]]:
              next(m.children(), None) is not None)
             for name, m in model.named_modules()
             if type(m) not in known and any(p.requires_grad for p in m.parameters(recurse=False))]
+
+
+def _direct_parameters(model: nn.Module) -> bool:
+    """Whether trainable parameters sit in an ``nn.ParameterList`` / ``nn.ParameterDict``: containers never called,
+    whose parameters the parent's forward reads directly, so Opacus's hooks give them no per-example gradient."""
+    return any(isinstance(m, nn.ParameterList | nn.ParameterDict) and any(p.requires_grad for p in m.parameters())
+               for m in model.modules())
+
+
+_VMAP_FOR: set[tuple] = set()  # models (class, trainable names) Opacus's hooks could not clip: vmap from then on
+
+
+def _hookless(model: nn.Module) -> tuple:
+    return type(model), tuple(n for n, p in model.named_parameters() if p.requires_grad)
+
+
+def _to_vmap(model: nn.Module, why: str) -> None:
+    """Route ``model``'s class to the vmap path from now on, said once in the log."""
+    key = _hookless(model)
+    if key not in _VMAP_FOR:
+        from flwr.common.logger import log
+
+        _VMAP_FOR.add(key)
+        log(INFO, "[fedshield] local DP: %s: %s; fedshield's vmap path clips each example's gradient instead",
+            type(model).__name__, why)
 
 
 def _replay_error(model: nn.Module) -> ClientError:
@@ -641,6 +669,13 @@ def make_private_trainer(
             "model must be compatible with per-example clipping (no BatchNorm, no buffers "
             f"shared across examples), or DP-SGD's bound on one example's influence fails. Found: {exc}"
         ) from None
+    except NotImplementedError as exc:  # a trainable layer with buffers (spectral_norm's u): no Opacus rule
+        model = getattr(model, "_module", model)  # (Opacus may have wrapped it before refusing)
+        text = " ".join(str(exc).split())
+        _to_vmap(model, "Opacus has no per-example rule for a trainable layer with buffers (spectral_norm's vectors)"
+                 if "trainable layer with buffers" in text else f"Opacus cannot clip it ({text[:160]})")
+        return make_private_trainer(model, loader, settings, dataclasses.replace(dp, grad_sample_mode="vmap"),
+                                    noise_generator=noise_generator, accountant=accountant, loss_fn=loss_fn)
     module, dp_opt, *rest = out
     criterion = rest[0] if len(rest) == 2 else _Criterion(loss_fn)
     return PrivateTrainer(module, dp_opt, criterion, rest[-1], mode)
@@ -742,6 +777,7 @@ def train_local_dp(
             warnings.filterwarnings("ignore", message=message)
         trainer = make_private_trainer(model, loader, settings, dp, noise_generator=noise_generator,
                                        accountant=accountant, loss_fn=loss_fn)
+        retry = False
         try:
             for _ in range(settings.local_epochs):
                 for (index,) in trainer.loader:
@@ -759,9 +795,17 @@ def train_local_dp(
         except ValueError as exc:
             if "Per sample gradient is not initialized" not in str(exc):
                 raise
-            raise _no_grad_sample_error(model) from None
+            if steps or trainer.grad_sample_mode == "vmap":  # (a step taken: its update and charge stand)
+                raise _no_grad_sample_error(model) from None
+            # a parameter read directly (self.pos.weight), never through its module: Opacus's hooks see no use of it.
+            # Nothing was stepped or charged (Opacus checks before it adds noise): the call starts again on vmap
+            retry = True
+            _to_vmap(model, _no_grad_sample_error(model).args[0].removeprefix("local DP: ").split(" (Opacus")[0]
+                     + " from Opacus's hooks (read directly, not through its module's forward)")
         finally:
             model = trainer.close()
+    if retry:
+        return train_local_dp(model, data, settings, dp, generator, accountant_state, loss_fn)
     stats = {
         "train-loss": total / max(seen, 1),
         "train-time-s": time.perf_counter() - start,

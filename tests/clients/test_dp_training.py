@@ -148,15 +148,37 @@ class _LooseParameter(nn.Module):
         return self.drop(self.body(x)) + (self.shift.weight[0] if self.via else self.shift)
 
 
-def test_what_opacus_cannot_give_a_per_example_gradient_for_is_named_in_one_line(data):
-    from clients.dp_training import replayed_modules
+def test_what_opacus_cannot_give_a_per_example_gradient_for_takes_the_vmap_path(data, caplog):
+    import logging
+
+    from clients.dp_training import _VMAP_FOR, replayed_modules
 
     dp = LocalDpSettings(grad_sample_mode="hooks")
     assert replayed_modules(_LooseParameter(0.5)) == [("the model itself", ["shift"], True)]
-    # a parameter read as module.weight: Opacus's hooks never see it (vmap would: only asked-for hooks here)
-    assert resolve_grad_sample_mode(_LooseParameter(0.0, via_embedding=True), "hooks") == "hooks"
-    with pytest.raises(ClientError, match=r"shift.weight got no per-example gradient.*self.pos\(ids\)"):
-        train_local_dp(_LooseParameter(0.0, via_embedding=True), data, SETTINGS, dp, torch.Generator(), None)
+    # a parameter read as module.weight: Opacus's hooks never see it, found at the first step (nothing stepped or
+    # charged yet): the call starts again on vmap, said once, and the model's class takes vmap from then on
+    _VMAP_FOR.clear()
+    loose = _LooseParameter(0.0, via_embedding=True)
+    assert resolve_grad_sample_mode(loose, "hooks") == "hooks"
+    with caplog.at_level(logging.INFO):
+        _, stats, ledger = train_local_dp(loose, data, SETTINGS, dp, torch.Generator().manual_seed(0), None)
+        _, again, _ = train_local_dp(_LooseParameter(0.0, True), data, SETTINGS, dp, torch.Generator(), None)
+    said = [r.getMessage() for r in caplog.records if "vmap path clips" in r.getMessage()]
+    assert len(said) == 1 and "shift.weight got no per-example gradient from Opacus's hooks" in said[0], said
+    assert stats["dp-path"] == again["dp-path"] == "vmap" and resolve_grad_sample_mode(loose, "hooks") == "vmap"
+    direct = train_local_dp(_LooseParameter(0.0, True), data, SETTINGS, LocalDpSettings(grad_sample_mode="vmap"),
+                            torch.Generator(), None)
+    assert stats["epsilon"] == direct[1]["epsilon"] and ledger == direct[2]  # the failed start charged nothing
+    # trainable parameters in a ParameterList (never called): vmap at once
+    listed = nn.Sequential(nn.Linear(64, 10))
+    listed.extra = nn.ParameterList([nn.Parameter(torch.zeros(10))])
+    assert resolve_grad_sample_mode(listed, "hooks") == "vmap"
+    # a trainable layer with buffers (spectral_norm's u and v), which Opacus refuses: vmap, said once
+    normed = nn.Sequential(nn.utils.spectral_norm(nn.Linear(64, 32)), nn.ReLU(), nn.Linear(32, 10))
+    with caplog.at_level(logging.INFO):
+        _, stats, _ = train_local_dp(normed, data, SETTINGS, dp, torch.Generator(), None)
+    assert stats["dp-path"] == "vmap" and math.isfinite(stats["train-loss"])
+    assert any("trainable layer with buffers (spectral_norm's vectors)" in r.getMessage() for r in caplog.records)
     # the model's own parameter with dropout in its forward: vmap, not Opacus's replay (which cannot draw it)
     _, stats, _ = train_local_dp(_LooseParameter(0.5), data, SETTINGS, dp, torch.Generator(), None)
     assert stats["dp-path"] == "vmap" and stats["dp-steps"] > 0 and math.isfinite(stats["train-loss"])
