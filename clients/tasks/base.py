@@ -27,7 +27,7 @@ from .inputs import forward, take, to_tensors
 from .layout import ModelLayout, frozen_summary
 from .sgd import SGD
 
-_DTYPES = {"float32": np.float32, "int64": np.int64}
+_DTYPES = {"float32": np.float32, "int64": np.int64, "float64": np.float64, "float16": np.float16}
 _GLOBAL_RNG = threading.Lock()
 _SAID: set[tuple[type, str]] = set()  # tasks (class, name) whose private model's change has been logged
 _GLOBAL_SEED_SALT = 0x5DEECE66D  # the global generator's seed differs from the batches' generator's own
@@ -81,7 +81,8 @@ class Task(ABC):
     Class attributes a subclass may set:
 
     - ``num_classes``: labels are checked to lie in ``[0, num_classes)`` (None: not checked);
-    - ``x_dtype`` / ``y_dtype``: what ``x`` and ``y`` are cast to (``"float32"``, ``"int64"``, or None to keep);
+    - ``x_dtype`` / ``y_dtype``: what ``x`` and ``y`` are cast to (``"float32"``, ``"int64"``, ``"float64"``,
+      ``"float16"``, or None to keep);
       named inputs are cast by kind (floats as float32, integers as int64, bools kept) unless ``x_dtype`` is a
       dict by name;
     - ``input_shape`` / ``target_shape``: ``x``'s and ``y``'s shapes past the example axis, checked when set
@@ -283,6 +284,13 @@ class Task(ABC):
     def check_data(cls, data: Dataset, source: str) -> Dataset:
         """``data`` checked against the task (shapes, dtypes, label range, finite values) and cast to the
         task's dtypes; ClientError naming ``source`` and the rule otherwise."""
+        for attr in ("x_dtype", "y_dtype"):
+            value = getattr(cls, attr)
+            for kind in (value.values() if isinstance(value, dict) and attr == "x_dtype" else [value]):
+                if kind is not None and kind not in _DTYPES:
+                    raise ClientError(f"task {cls.name or cls.__name__}: {attr} must be one of {', '.join(_DTYPES)} or "
+                                      f"None{' (or a dict of them by input name)' if attr == 'x_dtype' else ''}. Found "
+                                      f"{str(kind)[:40]!r}.")
         y = np.asarray(data.y)
         x = _check_named(data.x, source) if isinstance(data.x, dict) else {"x": np.asarray(data.x)}
         shapes = cls.input_shape if isinstance(data.x, dict) else {"x": cls.input_shape}
@@ -322,7 +330,8 @@ class Task(ABC):
         y = _cast(y, cls.y_dtype)
         for what, a in (*x.items(), ("y", y)):
             if a.dtype.kind == "f" and not np.isfinite(a).all():
-                raise ClientError(f"{source}: {what} must be finite as float32. Found NaN, inf or |{what}| > 3.4e38.")
+                big = np.finfo(a.dtype).max
+                raise ClientError(f"{source}: {what} must be finite as {a.dtype}. Found NaN, inf or |{what}| > {big:.3g}.")
         return Dataset(x if isinstance(data.x, dict) else x["x"], y)
 
     def build(self, private: bool = False) -> nn.Module:
@@ -332,7 +341,39 @@ class Task(ABC):
         if not isinstance(model, nn.Module):
             raise ClientError(f"task {self.spec.task!r}: build_model must return a torch.nn.Module. Found "
                               f"{type(model).__name__}.")
+        self._materialise(model)
         return _private_model(model, self.spec.task, type(self)) if private else model
+
+    def _materialise(self, model: nn.Module) -> None:
+        """Lazy modules (``nn.LazyLinear``...) given their sizes by one forward of zeros shaped as ``input_shape``
+        (eval mode, no grad: no statistics move), on the model's device, drawn from the caller's generator as any
+        other initialisation; ClientError without ``input_shape``, which the layout needs before any data."""
+        from torch.nn.modules.lazy import LazyModuleMixin
+
+        lazy = [(n, type(m).__name__) for n, m in model.named_modules()
+                if isinstance(m, LazyModuleMixin) and m.has_uninitialized_params()]
+        if not lazy:
+            return
+        shapes = self.input_shape
+        if shapes is None:
+            raise ClientError(f"task {self.spec.task!r}: build_model returns lazy modules ({lazy[0][1]} {lazy[0][0]!r}), "
+                              "whose sizes a first forward sets: set the task's input_shape (x's shape past the "
+                              "example axis) so that fedshield runs one, or give their sizes.")
+        device = next(iter(model.parameters())).device
+        kinds = self.x_dtype if isinstance(self.x_dtype, dict) else {}
+        dtype = {"int64": torch.int64, "float64": torch.float64, "float16": torch.float16}
+
+        def zeros(shape: tuple[int, ...], name: str) -> torch.Tensor:
+            kind = kinds.get(name, self.x_dtype if isinstance(self.x_dtype, str) else "float32")
+            return torch.zeros((1, *shape), dtype=dtype.get(kind, torch.float32), device=device)
+
+        x = ({k: zeros(v, k) for k, v in shapes.items()} if isinstance(shapes, dict) else zeros(shapes, "x"))
+        mode = model.training
+        try:
+            with torch.no_grad():
+                forward(model.eval(), x)
+        finally:
+            model.train(mode)
 
     def working_model(self, device: torch.device) -> nn.Module:
         """A non-private model on ``device`` for a message to load its weights and kept entries into (the

@@ -470,3 +470,62 @@ def test_an_own_loops_loss_as_a_tensor_is_recorded(tmp_path):
     with open(tmp_path / "t" / "metrics.csv", newline="") as fh:
         losses = [float(row["train_loss"]) for row in csv.DictReader(fh)]
     assert len(losses) == 2 and all(math.isfinite(v) and v > 0 for v in losses), losses
+
+
+class LazyCnn(Task):
+    """Lazy layers (sizes set by a first forward), BatchNorm among them: fedshield runs that forward on zeros of
+    ``input_shape``."""
+
+    num_classes, input_shape = 3, (1, 6, 6)
+
+    def build_model(self) -> nn.Module:
+        return nn.Sequential(nn.LazyConv2d(4, 3, padding=1), nn.LazyBatchNorm2d(), nn.ReLU(), nn.Flatten(),
+                             nn.LazyLinear(3))
+
+    def load_data(self):
+        rng = np.random.default_rng(0)
+        y = rng.integers(0, 3, 300)
+        x = (rng.normal(size=(300, 1, 6, 6)) + y[:, None, None, None] * 0.5).astype(np.float32)
+        return Dataset(x[:240], y[:240]), Dataset(x[240:], y[240:])
+
+
+class DoublePrecision(Regression):
+    """A float64 model on float64 inputs (x_dtype), as scientific regressions are."""
+
+    x_dtype = "float64"
+
+    def build_model(self) -> nn.Module:
+        return super().build_model().double()
+
+    def loss(self, output, target):
+        return nn.functional.mse_loss(output, target.double())
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_lazy_modules_are_sized_from_input_shape_and_train(tmp_path, batched):
+    task = LazyCnn()
+    assert task.num_parameters() == (4 * 9 + 4) + 4 * 4 + (4 * 36 * 3 + 3)  # conv, BatchNorm (2 + 2 stats), linear
+    assert torch.equal(task.init_weights(0), task.init_weights(0))
+    assert not torch.equal(task.init_weights(0), task.init_weights(1))
+    s = simulate(LazyCnn, run_dir=tmp_path / "lazy", num_supernodes=3, num_rounds=2, lr=0.05, batched=batched)
+    assert s["rejected_total"] == 0 and 0.4 <= s["final_test_accuracy"] <= 1.0
+
+    class Unsized(LazyCnn):
+        input_shape = None
+
+    with pytest.raises(ClientError, match=r"build_model returns lazy modules \(LazyConv2d '0'\), whose sizes a first "
+                                          r"forward sets: set the task's input_shape"):
+        Unsized().num_parameters()
+
+
+def test_a_float64_model_trains_and_an_unknown_dtype_is_one_line(tmp_path):
+    s = simulate(DoublePrecision, run_dir=tmp_path / "f64", num_supernodes=3, num_rounds=3, partitioning="iid",
+                 local_epochs=2, lr=0.05)
+    assert s["rejected_total"] == 0 and 0.0 < s["final_test_loss"] < 2.0
+
+    class Odd(Regression):
+        x_dtype = "float8"
+
+    with pytest.raises(ClientError, match="x_dtype must be one of float32, int64, float64, float16 or None "
+                                          r"\(or a dict of them by input name\). Found 'float8'"):
+        Odd.check_data(Dataset(np.zeros((2, 5)), np.zeros(2)), "f")
