@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.live import ENDED
-from coordinator.rundir import CHECKPOINT, CONFIG, LOCK, METRICS, STATUS, SUMMARY, first_metric
+from coordinator.rundir import CHECKPOINT, CONFIG, LOCK, METRICS, STATUS, SUMMARY, shown_metric
 
 MAX_DEPTH = 4  # how deep under DIR ``fedshield runs`` looks (a comparison's runs are two levels down)
 
@@ -65,10 +65,10 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
         return []
 
 
-def _result(accuracy: float | None, metrics: dict[str, Any]) -> str:
+def _result(accuracy: float | None, metrics: dict[str, Any], loss: float | None = None) -> str:
     """A run's accuracy for the table, else the task's ``first_metric`` as ``name=value`` (``rmse=0.912``: one
-    word, as every cell), else ``-``."""
-    named = first_metric(metrics) if accuracy is None else None
+    word, as every cell), else its loss (``loss=0.2451``: a task whose evaluate gives nothing more), else ``-``."""
+    named = shown_metric(accuracy, metrics, loss) if accuracy is None else None
     return f"{named[0]}={named[1]:.4g}".replace(" ", "_") if named else _f(accuracy, ".4f")
 
 
@@ -129,6 +129,8 @@ class RunInfo:
     live: dict[str, Any] = field(default_factory=dict)
     test_metrics: dict[str, Any] = field(default_factory=dict)  # the task's own, shown where it has no accuracy
     fed_metrics: dict[str, Any] = field(default_factory=dict)
+    test_loss: float | None = None  # shown where there is neither accuracy nor a metric of the task's
+    fed_loss: float | None = None
 
 
 def _mtime(path: Path) -> float:
@@ -179,9 +181,14 @@ def run_info(run_dir: Path, rows: list[dict[str, Any]] | None = None) -> RunInfo
         total = (_json(run_dir / CONFIG) or {}).get("num-rounds")
     named = last.get("test_metrics") or (summary.get("final_test_metrics") if current else None) or {}
     fed_named = next((r["fed_eval_metrics"] for r in reversed(rows) if isinstance(r.get("fed_eval_metrics"), dict)), {})
+    loss = summary.get("final_test_loss") if current and _number(summary.get("final_test_loss")) else last.get("test_loss")
+    fed_loss = next((r.get("fed_eval_loss") for r in reversed(rows) if _number(r.get("fed_eval_loss"))), None)
+    if current and _number(summary.get("final_fed_eval_loss")):
+        fed_loss = summary["final_fed_eval_loss"]
     return RunInfo(run_dir, status, rounds, int(total) if _number(total) else None, acc, fed,
                    eps if _number(eps) else None, wall if _number(wall) else None, modified, failure, summary, live,
-                   named if isinstance(named, dict) else {}, fed_named)
+                   named if isinstance(named, dict) else {}, fed_named, loss if _number(loss) else None,
+                   fed_loss if _number(fed_loss) else None)
 
 
 def find_runs(top: Path) -> list[Path]:
@@ -232,8 +239,8 @@ def format_runs(runs: list[RunInfo], top: str) -> str:
     for r in runs:
         name = str(r.path.relative_to(root)) if r.path != root else r.path.name or str(r.path)
         rounds = f"{r.rounds}/{r.num_rounds}" if r.num_rounds else str(r.rounds)
-        lines.append((name, r.status, rounds, _result(r.test_accuracy, r.test_metrics),
-                      _result(r.fed_accuracy, r.fed_metrics),
+        lines.append((name, r.status, rounds, _result(r.test_accuracy, r.test_metrics, r.test_loss),
+                      _result(r.fed_accuracy, r.fed_metrics, r.fed_loss),
                       _f(r.epsilon, ".3g"), _duration(r.wall_time_s),
                       time.strftime("%Y-%m-%d %H:%M", time.localtime(r.modified))))
     widths = [max(len(row[i]) for row in lines) for i in range(len(head))]

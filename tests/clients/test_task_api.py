@@ -289,6 +289,10 @@ def test_a_model_with_a_dict_output_trains_and_its_result_is_its_loss(tmp_path, 
     assert s["rounds"] == 3 and s["rejected_total"] == 0 and s["final_test_metrics"] == {}
     assert 0.0 < s["final_test_loss"] < 1.0
     assert result_text(s) == f"test loss {s['final_test_loss']:.4g}"
+    from simulations.reports import format_runs, list_runs  # fedshield runs: its loss too, not "-"
+
+    row = format_runs(list_runs(str(tmp_path)), str(tmp_path)).splitlines()[1].split()
+    assert row[3:5] == [f"loss={s['final_test_loss']:.4g}", "-"], row
 
 
 def test_an_evaluate_that_fails_stops_the_run_in_one_line_before_any_training(tmp_path):
