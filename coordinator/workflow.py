@@ -193,8 +193,12 @@ def check_fingerprint(ckpt: dict[str, Any], want: dict[str, Any], path: Any) -> 
     diff = ", ".join(f"{k} = {shown(have.get(k, '(unset)'), 40)} there, {shown(want.get(k, '(unset)'), 40)} now"
                      for k in sorted(keys, key=str) if not same[k])
     if diff:
+        hint = ""
+        if not same.get("numel", True) and "frozen-check" in want and "frozen-check" not in have:
+            hint = (" (this task's frozen parameters stay off the wire, and the checkpoint is from a fedshield that "
+                    "sent them: set federate_frozen = True on the task to resume it)")
         raise CoordinatorError(f"run directory {path} must hold a checkpoint of this configuration to resume. "
-                               f"Found {diff}; use another run-dir, or the settings it was run with.")
+                               f"Found {diff}{hint}; use another run-dir, or the settings it was run with.")
 
 
 class SyncWorkflow:

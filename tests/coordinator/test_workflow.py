@@ -451,6 +451,10 @@ def test_a_run_resumes_with_its_frozen_values_up_to_float_noise_and_not_with_oth
     with pytest.raises(CoordinatorError, match="frozen-check"):
         check_fingerprint({"fingerprint": run_fingerprint(cfg, 100, frozen=frozen)},
                           run_fingerprint(cfg, 100, frozen=(0.02, *frozen[1:])), tmp_path)
+    # a checkpoint from before frozen parameters stayed off the wire: the whole model travelled, no summary
+    with pytest.raises(CoordinatorError, match=r"numel = 164 there, 100 now.*set federate_frozen = True on the task "
+                                               r"to resume it\); use another run-dir"):
+        check_fingerprint({"fingerprint": run_fingerprint(cfg, 164)}, run_fingerprint(cfg, 100, frozen=frozen), tmp_path)
 
 
 # -- a checkpoint edited or cut short (review helper-50) ---------------------------------------------------------
