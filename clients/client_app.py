@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -32,6 +33,7 @@ from .protocol import (CLIENT_TIME, CODEC, EVAL_PREFIX, LOCAL_DP, MAX_METRIC, ME
                        train_reply_content)
 from .config import BUILTIN_TASKS, TaskSpec
 from .tasks import Task, evaluated, load_task
+from .tasks.base import augmented, augments
 from .tasks.layout import frozen_match
 from .training import train_local
 
@@ -110,7 +112,8 @@ def train_with_local_dp(model, data, instr, record, context: Context, task: Task
             if after > max_eps:
                 raise ClientError(f"this round would bring this data's local epsilon to {after:.4g}, past its owner's "
                                   f"--max-local-epsilon {max_eps:g}: refused before training.")
-        _, stats, state = train_local_dp(model, data, instr.train, dp, None, state, loss_fn=task.loss)
+        augment = functools.partial(augmented, task) if augments(task) else None
+        _, stats, state = train_local_dp(model, data, instr.train, dp, None, state, loss_fn=task.loss, augment=augment)
         if store is not None:
             store.save(state)
     context.state[DP_LEDGER] = ConfigRecord({"state": json.dumps(state)})

@@ -740,10 +740,12 @@ def ledger_epsilon(history: list[tuple[float, float, int]], dp: LocalDpSettings)
 def train_local_dp(
     model: nn.Module, data: Dataset, settings: TrainSettings, dp: LocalDpSettings,
     generator: torch.Generator | None, accountant_state: Mapping[str, Any] | None = None,
-    loss_fn: LossFn | None = None,
+    loss_fn: LossFn | None = None, augment: Callable[[Any, torch.Tensor, torch.Generator], tuple] | None = None,
 ) -> tuple[nn.Module, dict[str, float], dict[str, Any]]:
     """DP-SGD for ``settings.local_epochs`` epochs over ``data``; trains ``model`` in place.
 
+    ``augment(x, y, generator)`` (a task's ``augment``, checked) transforms each sampled batch before its step,
+    drawing from ``generator``.
     ``generator`` (a CPU torch generator) drives the Poisson sampling and seeds the
     noise, so a seeded call is reproducible (tests); ``None`` takes
     :func:`private_generator`, which a real client must use (see the module docstring:
@@ -782,8 +784,10 @@ def train_local_dp(
             for _ in range(settings.local_epochs):
                 for (index,) in trainer.loader:
                     index = index.to(device)
-                    yb = y[index]
-                    loss = trainer.step(take(x, index), yb)
+                    xb, yb = take(x, index), y[index]
+                    if augment is not None and len(yb):  # each example transformed on its own (Task.augment)
+                        xb, yb = augment(xb, yb, generator)
+                    loss = trainer.step(xb, yb)
                     steps += 1
                     if len(yb):  # Poisson sampling can draw an empty batch: noise only
                         total += loss.item() * len(yb)
@@ -805,7 +809,7 @@ def train_local_dp(
         finally:
             model = trainer.close()
     if retry:
-        return train_local_dp(model, data, settings, dp, generator, accountant_state, loss_fn)
+        return train_local_dp(model, data, settings, dp, generator, accountant_state, loss_fn, augment)
     stats = {
         "train-loss": total / max(seen, 1),
         "train-time-s": time.perf_counter() - start,

@@ -39,7 +39,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from clients import Dataset, Task, TrainSettings
-from clients.tasks.base import normalises_by_batch
+from clients.tasks.base import augments, normalises_by_batch
 from clients.tasks.inputs import call_args, concat, take, to_tensors
 from clients.tasks.layout import fits
 
@@ -53,6 +53,9 @@ def batched_supported(task: Task, model: nn.Module) -> str | None:
     if type(task).train is not Task.train:
         return (f"task {name} brings its own train: only the default loop (Task.train) can be batched; its clients "
                 "train one at a time")
+    if augments(task):
+        return (f"task {name} augments its batches (Task.augment) with each client's generator, which a step batched "
+                "over clients cannot reproduce")
     norm = next((n for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
                  and m.track_running_stats and m.momentum is None), None)
     if norm is not None:

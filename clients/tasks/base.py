@@ -23,7 +23,7 @@ from torch import nn
 from .._errors import ClientError, ConfigError
 from ..config import TaskSpec, TrainSettings
 from ..partition import dirichlet_partition, iid_partition
-from .inputs import forward, take, to_tensors
+from .inputs import forward, leaves, named, take, to_tensors
 from .layout import ModelLayout, frozen_summary
 from .sgd import SGD
 
@@ -136,6 +136,14 @@ class Task(ABC):
             return {"accuracy": (output.argmax(-1) == target).float().mean().item()}
         return {}
 
+    def augment(self, x: Any, y: torch.Tensor, generator: torch.Generator) -> tuple[Any, torch.Tensor]:
+        """A training batch's inputs and targets, transformed before each step of the default loop and of local DP
+        (random crops, flips, noise: draw from ``generator``, the node's, so a rerun repeats them; it lives on the
+        CPU). The default returns them unchanged; evaluation never augments. Return as many examples as given, and
+        under local DP transform each example on its own (a mix of two, as mixup makes, would let one example move
+        another's gradient, outside DP-SGD's bound)."""
+        return x, y
+
     def train(self, model: nn.Module, data: Dataset, settings: TrainSettings,
               generator: torch.Generator) -> dict[str, float]:
         """Train ``model`` in place on ``data``; return metrics (``train-loss`` if known).
@@ -159,7 +167,8 @@ class Task(ABC):
                 perm = torch.randperm(len(y), generator=generator).to(device)
                 for batch in epoch_batches(perm, settings.batch_size, merge):
                     opt.zero_grad(set_to_none=True)
-                    loss = self.loss(forward(model, take(x, batch)), y[batch])
+                    xb, yb = augmented(self, take(x, batch), y[batch], generator)
+                    loss = self.loss(forward(model, xb), yb)
                     loss.backward()
                     if mu > 0:  # the proximal term's gradient, mu (w - w_global), added in one fused pass
                         grads = [_dense_grad(p) for p in params]
@@ -516,6 +525,25 @@ def _forward_takes_channels_last(model: nn.Module, x: Any) -> bool:
                 b.copy_(saved[name])
 
 
+def augments(task: Task) -> bool:
+    """Whether ``task`` overrides :meth:`Task.augment`."""
+    return type(task).augment is not Task.augment
+
+
+def augmented(task: Task, x: Any, y: torch.Tensor, generator: torch.Generator) -> tuple[Any, torch.Tensor]:
+    """``task.augment`` of a batch, checked: as many examples of every input and target as were given (a batch's
+    size weighs its loss; under local DP it is the sampled batch the noise is calibrated to)."""
+    if not augments(task):
+        return x, y
+    out = task.augment(x, y, generator)
+    ok = isinstance(out, tuple) and len(out) == 2
+    lengths = {len(a) for a in (*leaves(out[0]), out[1])} if ok and isinstance(out[1], torch.Tensor) else set()
+    if not ok or lengths != {len(y)} or named(out[0]) != named(x):
+        raise ClientError(f"task {task.spec.task!r}: augment must return (x, y) with the {len(y)} examples it was "
+                          f"given, x of the same kind. Found {type(out).__name__} {sorted(lengths)[:3]}.")
+    return out
+
+
 def _dense_grad(p: torch.Tensor) -> torch.Tensor:
     """``p``'s gradient as a dense tensor (zeros where none): the proximal term touches every entry, and a sparse
     gradient (``nn.Embedding(sparse=True)``) cannot take a dense addend in place."""
@@ -582,4 +610,4 @@ def timed_train(task: Task, model: nn.Module, data: Dataset, settings: TrainSett
     return {**{k: v for k, v in numbers.items() if v is not None}, "train-time-s": time.perf_counter() - start}
 
 
-__all__ = ["Dataset", "Task", "timed_train"]
+__all__ = ["Dataset", "Task", "augmented", "augments", "timed_train"]

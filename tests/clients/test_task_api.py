@@ -533,3 +533,37 @@ def test_a_float64_model_trains_and_an_unknown_dtype_is_one_line(tmp_path):
     with pytest.raises(ClientError, match="x_dtype must be one of float32, int64, float64, float16 or None "
                                           r"\(or a dict of them by input name\). Found 'float8'"):
         Odd.check_data(Dataset(np.zeros((2, 5)), np.zeros(2)), "f")
+
+
+class Flipped(LazyCnn):
+    """LazyCnn's images flipped left-right at random and noised, per example, from the node's generator."""
+
+    input_shape = (1, 6, 6)
+    calls = 0
+
+    def augment(self, x, y, generator):
+        type(self).calls += 1
+        flip = torch.rand(len(y), generator=generator) < 0.5
+        x = torch.where(flip[:, None, None, None], x.flip(-1), x)
+        return x + 0.05 * torch.randn(x.shape, generator=generator), y
+
+
+class Dropping(Flipped):
+    def augment(self, x, y, generator):
+        return x[1:], y[1:]
+
+
+def test_augment_transforms_each_training_batch_reproducibly_on_every_path(tmp_path, caplog):
+    settings = dict(num_supernodes=3, num_rounds=2, lr=0.05, local_epochs=2)
+    plain = simulate(LazyCnn, run_dir=tmp_path / "plain", batched=False, **settings)
+    with caplog.at_level(logging.INFO):
+        runs = [simulate(Flipped, run_dir=tmp_path / str(b), batched=b, **settings) for b in (True, False)]
+    assert any("augments its batches (Task.augment)" in r.getMessage() for r in caplog.records)  # one at a time
+    assert runs[0]["final_test_loss"] == runs[1]["final_test_loss"] != plain["final_test_loss"]  # seeded draws
+    assert all(s["rejected_total"] == 0 and 0.4 <= s["final_test_accuracy"] <= 1.0 for s in runs)
+    Flipped.calls = 0
+    private = simulate(Flipped, run_dir=tmp_path / "ldp", dp="local", local_noise_multiplier=0.5, **settings)
+    assert private["rejected_total"] == 0 and Flipped.calls > 0 and private["local_epsilon_max"] > 0
+    bad = simulate(Dropping, run_dir=tmp_path / "bad", **{**settings, "num_rounds": 1})
+    assert bad["rejected_total"] == 3
+    assert any("augment must return (x, y) with the" in r.getMessage() for r in caplog.records)
