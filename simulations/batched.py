@@ -31,16 +31,16 @@ cross-entropy over sequences of equal length are). :func:`batched_supported` say
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
 from clients import Dataset, Task, TrainSettings
 from clients.tasks.base import augments, normalises_by_batch
-from clients.tasks.inputs import call_args, concat, take, to_tensors
+from clients.tasks.inputs import call_args, concat, take, to_tensors, unsqueeze
 from clients.tasks.layout import fits
 
 DEFAULT_CHUNK = 512  # clients trained at once: 3 stacked states (weights, gradients, momentum) of
@@ -197,11 +197,16 @@ def _client_step(task: Task, model: nn.Module, frozen: dict[str, torch.Tensor]):
     (grads, the mean loss over the batch's real examples); the buffers are updated in place."""
 
     def example_loss(out, y):  # task.loss on a batch of one: a per-example value
-        return task.loss(tree_map(lambda t: t.unsqueeze(0), out), y.unsqueeze(0))
+        return task.loss(unsqueeze(out), y.unsqueeze(0))
 
     def batch_loss(params, buffers, x, y, mask):
         out = torch.func.functional_call(model, {**params, **buffers, **frozen}, *call_args(x))
-        per = torch.func.vmap(example_loss)(out, y)
+        if dataclasses.is_dataclass(out) and not isinstance(out, type):  # an output object, which vmap cannot take:
+            fields = {f.name: getattr(out, f.name) for f in dataclasses.fields(out) if f.init}  # its fields, put back
+            per = torch.func.vmap(lambda f, yi: task.loss(dataclasses.replace(out, **unsqueeze(f)), yi.unsqueeze(0)))(
+                fields, y)
+        else:
+            per = torch.func.vmap(example_loss)(out, y)
         if per.shape != mask.shape:
             raise ValueError(f"task {type(task).__name__}'s loss must return one scalar for a batch. Found shape "
                              f"{tuple(per.shape[1:])} for a batch of one.")

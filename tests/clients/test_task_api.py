@@ -4,6 +4,7 @@ task with its own loss run from Python (simulations.simulate)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 
@@ -275,6 +276,23 @@ class DictOutput(Regression):
         return nn.functional.mse_loss(output["prediction"], target)
 
 
+@dataclasses.dataclass
+class Prediction:
+    """An output object, as libraries' models return (a dataclass of tensors; vmap takes none)."""
+
+    value: torch.Tensor
+    features: torch.Tensor | None = None
+
+
+class DataclassOutput(DictOutput):
+    class Net(DictOutput.Net):
+        def forward(self, x):
+            return Prediction(self.body(x), x)
+
+    def loss(self, output, target):
+        return nn.functional.mse_loss(output.value, target)
+
+
 class BrokenEvaluate(Regression):
     def evaluate(self, model, data, batch_size=1024):
         return {"loss": float(model(torch.from_numpy(data.x)).sum()), "odd": 1 / 0}
@@ -293,6 +311,15 @@ def test_a_model_with_a_dict_output_trains_and_its_result_is_its_loss(tmp_path, 
 
     row = format_runs(list_runs(str(tmp_path)), str(tmp_path)).splitlines()[1].split()
     assert row[3:5] == [f"loss={s['final_test_loss']:.4g}", "-"], row
+
+
+def test_an_output_object_trains_batched_as_one_by_one(tmp_path, caplog):
+    with caplog.at_level(logging.INFO):
+        runs = [simulate(DataclassOutput, run_dir=tmp_path / str(b), num_supernodes=4, num_rounds=2, partitioning="iid",
+                         local_epochs=2, lr=0.05, batched=b) for b in (True, False)]
+    assert not [r for r in caplog.records if "train one at a time" in r.getMessage()]  # (it fell back before)
+    assert runs[0]["final_test_loss"] == pytest.approx(runs[1]["final_test_loss"], rel=1e-5)
+    assert 0.0 < runs[0]["final_test_loss"] < 3.0 and runs[0]["rejected_total"] == 0
 
 
 def test_an_evaluate_that_fails_stops_the_run_in_one_line_before_any_training(tmp_path):
