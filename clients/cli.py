@@ -29,6 +29,7 @@ from .flower_pins import EMPTY_PULL_SLEEP as IDLE_POLL
 from .flower_pins import write_atomically
 from .supervisor import NODE_FILE, RECEIVED, RUNTIME, SECRET, Plan, start_process, stop_group
 from .tasks import Task, load_task
+from .tasks.inputs import names_shown, signature_misfit
 
 # Flower exit codes (flwr.supercore.exit.ExitCode) a device owner may meet, in words.
 def export_partitions(task: str, num_partitions: int, out: str, partitioning: str = "dirichlet",
@@ -155,7 +156,7 @@ def _own_task(args: argparse.Namespace):
 def _check_builtin(data, source: str) -> None:
     """``data`` fits a built-in task (an agent without --task); else the ClientApp would fail once training starts."""
     if isinstance(data.x, dict):
-        raise ClientError(f"{source.split(' ')[0]} holds named inputs ({', '.join(sorted(data.x))}): the built-in "
+        raise ClientError(f"{source.split(' ')[0]} holds named inputs ({names_shown(sorted(data.x))}): the built-in "
                           "tasks take one array x (n, features); give the task it was made for with --task.")
     if data.x.ndim != 2 or data.y.ndim != 1 or len(data.x) != len(data.y) or len(data.y) == 0:
         raise ClientError(f"{source.split(' ')[0]} must hold x (n, features) and y (n,) with n > 0. Found "
@@ -175,6 +176,9 @@ def _data_config(args: argparse.Namespace) -> str:
         data = load_npz(args.data)
         if task is not None:
             task.check_data(data, f"--data {args.data}")
+            misfit = task.inputs_misfit(data.x)
+            if misfit:
+                raise ClientError(f"--data {args.data}: its named inputs must fit the task's model. Found {misfit}.")
             # (the task is this node's whatever the run's data-seed: only the task's name is checked before it runs)
             check_split(args.data, task.spec, fields=("task",), against="in --task")
         else:

@@ -14,6 +14,7 @@ import numpy as np
 
 from ._errors import ClientError
 from .tasks import Dataset, Task
+from .tasks.inputs import MAX_INPUTS, names_shown
 
 _CACHE: OrderedDict[tuple, Dataset] = OrderedDict()  # least recently used first
 _CACHE_SIZE = 10_000  # clients' data kept in a process: a simulated population of a million samples 10k a round
@@ -59,7 +60,9 @@ def load_npz(path: str | os.PathLike) -> Dataset:
         inputs = sorted(k for k in npz.files if k.startswith(_NAMED))  # named inputs: x.<name> each
         if ("x" not in npz.files and not inputs) or "y" not in npz.files or ("x" in npz.files and inputs):
             raise ClientError("data file must hold arrays 'x' and 'y' (or named inputs 'x.NAME' instead of 'x'). "
-                              f"Found {sorted(npz.files)[:12]} in {p}.")
+                              f"Found [{names_shown(sorted(npz.files), 8)}] in {p}.")
+        if len(inputs) > MAX_INPUTS:  # (before any is read: each costs a member's header and array)
+            raise ClientError(f"data file must hold at most {MAX_INPUTS} named inputs. Found {len(inputs)} in {p}.")
         try:
             for name in (*(inputs or ["x"]), "y"):
                 _check_declared_size(npz, name, p)

@@ -214,9 +214,10 @@ def _replay_error(model: nn.Module) -> ClientError:
                        "random numbers (dropout): hold them in a submodule (nn.Embedding...)")
 
 
-def _no_grad_sample_error(model: nn.Module) -> ClientError:
-    """The one line for Opacus's "Per sample gradient is not initialized": which parameters had none, and why."""
-    names = [n for n, p in model.named_parameters() if p.requires_grad and getattr(p, "grad_sample", None) is None]
+def _no_grad_sample_error(model: nn.Module, attr: str = "grad_sample") -> ClientError:
+    """The one line for Opacus's "Per sample gradient is not initialized" (``attr``: what Opacus's path keeps per
+    parameter, ghost's ``_norm_sample``): which parameters had none, and why."""
+    names = [n for n, p in model.named_parameters() if p.requires_grad and getattr(p, attr, None) is None]
     return ClientError(
         f"local DP: {', '.join(names[:3]) or '?'}{' ...' if len(names) > 3 else ''} got no per-example gradient "
         "(Opacus's hooks): call its module in forward (self.pos(ids), not self.pos.weight); freeze unused ones")
@@ -670,7 +671,6 @@ def make_private_trainer(
             f"shared across examples), or DP-SGD's bound on one example's influence fails. Found: {exc}"
         ) from None
     except NotImplementedError as exc:  # a trainable layer with buffers (spectral_norm's u): no Opacus rule
-        model = getattr(model, "_module", model)  # (Opacus may have wrapped it before refusing)
         text = " ".join(str(exc).split())
         _to_vmap(model, "Opacus has no per-example rule for a trainable layer with buffers (spectral_norm's vectors)"
                  if "trainable layer with buffers" in text else f"Opacus cannot clip it ({text[:160]})")
@@ -796,15 +796,17 @@ def train_local_dp(
             if "randomness error mode" not in str(exc):
                 raise
             raise _replay_error(model) from None
-        except ValueError as exc:
-            if "Per sample gradient is not initialized" not in str(exc):
+        except (ValueError, AttributeError) as exc:
+            # (hooks: "Per sample gradient is not initialized"; ghost: a parameter without "_norm_sample")
+            attr = "_norm_sample" if "_norm_sample" in str(exc) else "grad_sample"
+            if attr == "grad_sample" and "Per sample gradient is not initialized" not in str(exc):
                 raise
             if steps or trainer.grad_sample_mode == "vmap":  # (a step taken: its update and charge stand)
-                raise _no_grad_sample_error(model) from None
+                raise _no_grad_sample_error(model, attr) from None
             # a parameter read directly (self.pos.weight), never through its module: Opacus's hooks see no use of it.
             # Nothing was stepped or charged (Opacus checks before it adds noise): the call starts again on vmap
             retry = True
-            _to_vmap(model, _no_grad_sample_error(model).args[0].removeprefix("local DP: ").split(" (Opacus")[0]
+            _to_vmap(model, _no_grad_sample_error(model, attr).args[0].removeprefix("local DP: ").split(" (Opacus")[0]
                      + " from Opacus's hooks (read directly, not through its module's forward)")
         finally:
             model = trainer.close()

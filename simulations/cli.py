@@ -330,7 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "loss and training loop run here; default: the built-in tasks only)")
     ast.add_argument("--data", type=_path, help="this node's data (.npz with x, or named inputs x.NAME, and y)")
     ast.add_argument("--eval-data", type=_path, help="this node's held-out data for federated evaluation (.npz "
-                     "with x and y; with --data)")
+                     "as --data; with --data)")
     ast.add_argument("--partition", metavar="ID/N", help="use partition ID of N of the task's built-in data instead of --data")
     ast.add_argument("--port", type=int, default=0,
                      help="the SuperNode's local Runtime API port, for its worker (default 0: each node binds a free one)")

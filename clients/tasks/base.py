@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
@@ -23,11 +24,11 @@ from torch import nn
 from .._errors import ClientError, ConfigError
 from ..config import TaskSpec, TrainSettings
 from ..partition import dirichlet_partition, iid_partition
-from .inputs import forward, leaves, named, take, to_tensors
+from .inputs import MAX_INPUTS, forward, leaves, named, names_shown, signature_misfit, take, to_tensors
 from .layout import ModelLayout, frozen_summary
 from .sgd import SGD
 
-_DTYPES = {"float32": np.float32, "int64": np.int64, "float64": np.float64, "float16": np.float16}
+_DTYPES = {"float32": np.float32, "int64": np.int64, "float64": np.float64, "float16": np.float16, "bool": np.bool_}
 _GLOBAL_RNG = threading.Lock()
 _SAID: set[tuple[type, str]] = set()  # tasks (class, name) whose private model's change has been logged
 _GLOBAL_SEED_SALT = 0x5DEECE66D  # the global generator's seed differs from the batches' generator's own
@@ -68,7 +69,7 @@ class Dataset:
         """A torch map-style dataset of ``(x, y)`` pairs stacked into arrays (it is read once); an ``x`` that is a
         dict of tensors or arrays (a tokenizer's output) becomes named inputs."""
         xs, ys = zip(*(data[i] for i in range(len(data))), strict=True)  # type: ignore[arg-type]
-        if xs and isinstance(xs[0], dict):
+        if xs and isinstance(xs[0], Mapping):  # (a tokenizer's BatchEncoding is a UserDict)
             x: Any = {k: np.stack([np.asarray(item[k]) for item in xs]) for k in xs[0]}
         else:
             x = np.stack([np.asarray(item) for item in xs])
@@ -295,20 +296,26 @@ class Task(ABC):
         task's dtypes; ClientError naming ``source`` and the rule otherwise."""
         for attr in ("x_dtype", "y_dtype"):
             value = getattr(cls, attr)
-            for kind in (value.values() if isinstance(value, dict) and attr == "x_dtype" else [value]):
-                if kind is not None and kind not in _DTYPES:
+            by_name = isinstance(value, dict) and attr == "x_dtype"
+            for kind in (value.values() if by_name else [value]):
+                if kind is not None and not (isinstance(kind, str) and kind in _DTYPES):
                     raise ClientError(f"task {cls.name or cls.__name__}: {attr} must be one of {', '.join(_DTYPES)} or "
                                       f"None{' (or a dict of them by input name)' if attr == 'x_dtype' else ''}. Found "
                                       f"{str(kind)[:40]!r}.")
+        if isinstance(data.x, Mapping) and not isinstance(data.x, dict):  # (a UserDict: named inputs too)
+            data = Dataset(dict(data.x), data.y)
         y = np.asarray(data.y)
         x = _check_named(data.x, source) if isinstance(data.x, dict) else {"x": np.asarray(data.x)}
+        if isinstance(cls.input_shape, dict) and not isinstance(data.x, dict):
+            raise ClientError(f"{source}: x must be named inputs ({names_shown(cls.input_shape)}) for task "
+                              f"{cls.name or cls.__name__}. Found one array of shape {x['x'].shape}.")
         shapes = cls.input_shape if isinstance(data.x, dict) else {"x": cls.input_shape}
         if isinstance(data.x, dict) and shapes is not None and not isinstance(shapes, dict):
             raise ClientError(f"{source}: named inputs need input_shape to be a dict of shapes by name (or None). "
                               f"Found {shapes!r} for task {cls.name or cls.__name__}.")
         if isinstance(shapes, dict) and set(shapes) != set(x) and isinstance(data.x, dict):
-            raise ClientError(f"{source}: x must hold the inputs {sorted(shapes)} for task "
-                              f"{cls.name or cls.__name__}. Found {sorted(x)}.")
+            raise ClientError(f"{source}: x must hold the inputs {names_shown(sorted(shapes))} for task "
+                              f"{cls.name or cls.__name__}. Found {names_shown(sorted(x))}.")
         for what, a in (*x.items(), ("y", y)):
             if not (np.issubdtype(a.dtype, np.floating) or np.issubdtype(a.dtype, np.integer)
                     or (what != "y" and a.dtype == np.bool_ and isinstance(data.x, dict))):
@@ -323,8 +330,9 @@ class Task(ABC):
                                   f"Found {a.shape}.")
         n = len(next(iter(x.values())))
         if any(len(a) != n for a in x.values()):
-            raise ClientError(f"{source}: every input must hold the same number of examples. Found "
-                              + ", ".join(f"{k} {len(a)}" for k, a in x.items()) + ".")
+            first, *odd = [(k, a) for i, (k, a) in enumerate(x.items()) if i == 0 or len(a) != n]  # (the first, then
+            raise ClientError(f"{source}: every input must hold the same number of examples. Found "  # the odd ones)
+                              + ", ".join(f"{names_shown([k])} {len(a)}" for k, a in [first, *odd[:3]]) + ".")
         if len(y) != n or (cls.target_shape is not None and y.shape[1:] != cls.target_shape):
             want = (n, *(y.shape[1:] if cls.target_shape is None else cls.target_shape))
             raise ClientError(f"{source}: y must have shape {want} (one target per example of x). Found {y.shape}.")
@@ -369,12 +377,17 @@ class Task(ABC):
                               "whose sizes a first forward sets: set the task's input_shape (x's shape past the "
                               "example axis) so that fedshield runs one, or give their sizes.")
         device = next(iter(model.parameters())).device
-        kinds = self.x_dtype if isinstance(self.x_dtype, dict) else {}
-        dtype = {"int64": torch.int64, "float64": torch.float64, "float16": torch.float16}
+        dtypes = self.x_dtype if isinstance(self.x_dtype, dict) else {} if isinstance(shapes, dict) else {
+            "x": self.x_dtype}
+        names = list(shapes) if isinstance(shapes, dict) else ["x"]
+        unknown = [k for k in names if dtypes.get(k) is None]
+        if unknown:  # (named inputs are cast by the data's kind, unknown before any data)
+            raise ClientError(f"task {self.spec.task!r}: build_model returns lazy modules ({lazy[0][1]} {lazy[0][0]!r}), "
+                              f"sized by a forward of zeros: set x_dtype to a dict giving each input's dtype (missing "
+                              f"{names_shown(unknown)}), so that the zeros are what the data will be.")
 
         def zeros(shape: tuple[int, ...], name: str) -> torch.Tensor:
-            kind = kinds.get(name, self.x_dtype if isinstance(self.x_dtype, str) else "float32")
-            return torch.zeros((1, *shape), dtype=dtype.get(kind, torch.float32), device=device)
+            return torch.zeros((1, *shape), dtype=getattr(torch, str(np.dtype(_DTYPES[dtypes[name]]))), device=device)
 
         x = ({k: zeros(v, k) for k, v in shapes.items()} if isinstance(shapes, dict) else zeros(shapes, "x"))
         mode = model.training
@@ -412,6 +425,18 @@ class Task(ABC):
                 model = self.build(private)
             cache[private] = ModelLayout.of(model, self.federate_buffers, tuple(self.keep_local), self.federate_frozen)
         return cache[private]
+
+    def inputs_misfit(self, x: Any) -> str | None:
+        """Why named inputs ``x`` do not fit the model's forward (names it does not take, arguments it needs), or
+        None: an agent checks its data file's names before its node starts, not at the first reply."""
+        if not named(x):
+            return None
+        try:
+            with torch.device("meta"):
+                model = self.build_model()
+        except (RuntimeError, NotImplementedError, TypeError):  # a model that needs real tensors to build
+            model = self.build_model()
+        return signature_misfit(model, x)
 
     def num_parameters(self, private: bool = False) -> int:
         """Elements of the flat update (parameters plus federated buffers), from the layout: a message or
@@ -466,27 +491,30 @@ def _cast(a: np.ndarray, dtype: str | None) -> np.ndarray:
         return a.astype(_DTYPES[dtype], copy=False)
 
 
-_MAX_INPUTS = 64
-
-
 def _check_named(x: dict, source: str) -> dict[str, np.ndarray]:
     """Named inputs' names (keyword arguments of the model's forward: identifiers) and arrays."""
-    if not x or len(x) > _MAX_INPUTS:
-        raise ClientError(f"{source}: named inputs must be 1 to {_MAX_INPUTS} arrays. Found {len(x)}.")
-    bad = [k for k in x if not (isinstance(k, str) and k.isidentifier() and not k.startswith("_"))]
+    if not x or len(x) > MAX_INPUTS:
+        raise ClientError(f"{source}: named inputs must be 1 to {MAX_INPUTS} arrays. Found {len(x)}.")
+    bad = [k for k in x if not (isinstance(k, str) and k.isidentifier() and not k.startswith("_") and len(k) <= 64)]
     if bad:
-        raise ClientError(f"{source}: named inputs' names must be identifiers (the forward's keyword arguments), "
-                          f"not starting with '_'. Found {str(bad[0])[:64]!r}.")
+        raise ClientError(f"{source}: named inputs' names must be identifiers of at most 64 characters (the forward's "
+                          f"keyword arguments), not starting with '_'. Found {names_shown(bad[:1])}.")
     return {k: np.asarray(a) for k, a in x.items()}
 
 
 def _input_dtype(x_dtype: Any, name: str, a: np.ndarray, is_named: bool) -> str | None:
-    """What input ``name`` is cast to: ``x_dtype`` for one input; for named inputs, ``x_dtype[name]`` when
-    ``x_dtype`` is a dict holding it, else by kind (floats as float32, integers as int64: ids, bools kept)."""
-    if isinstance(x_dtype, dict) and name in x_dtype:
-        return x_dtype[name]
-    if not is_named and not isinstance(x_dtype, dict):
+    """What input ``name`` is cast to: ``x_dtype[name]`` where ``x_dtype`` is a dict naming it; ``x_dtype`` for one
+    input; for named inputs, a string ``x_dtype`` casts those of its kind (``"float64"`` the floats), None keeps
+    them all, and the rest go by kind (floats to float32, integers to int64: ids, bools kept)."""
+    if isinstance(x_dtype, dict):
+        return x_dtype[name] if name in x_dtype else _by_kind(a)
+    if not is_named or x_dtype is None:
         return x_dtype
+    same = np.dtype(_DTYPES[x_dtype]).kind.replace("u", "i") == a.dtype.kind.replace("u", "i")
+    return x_dtype if same else _by_kind(a)
+
+
+def _by_kind(a: np.ndarray) -> str | None:
     return "float32" if a.dtype.kind == "f" else "int64" if a.dtype.kind in "iu" else None
 
 

@@ -13,6 +13,35 @@ import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
 Inputs = Any  # np.ndarray | torch.Tensor | dict[str, np.ndarray | torch.Tensor]
+MAX_INPUTS = 64  # named inputs a dataset or data file may hold
+
+
+def names_shown(names: Any, limit: int = 4) -> str:
+    """Input names for a message: the first ``limit``, each cut to 40 characters (a file's member names come from
+    whoever wrote it), with how many there are when more."""
+    names = [str(n) for n in names]
+    cut = ", ".join(repr(n if len(n) <= 40 else n[:40] + "...") for n in names[:limit])
+    return cut + (f" ... ({len(names)} in all)" if len(names) > limit else "")
+
+
+def signature_misfit(model: Any, names: Any) -> str | None:
+    """Why named inputs ``names`` do not fit ``model``'s forward (names it does not take, arguments it needs that
+    are not among them), or None (they fit, or the forward takes ``**kwargs`` or hides its signature)."""
+    import inspect
+
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    if any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    unknown = sorted(set(names) - {p.name for p in params if p.kind in keyword})
+    missing = [p.name for p in params if p.kind in keyword and p.default is p.empty and p.name not in set(names)]
+    if not unknown and not missing:
+        return None
+    said = [f"it takes no {names_shown(unknown)}" if unknown else "", f"it needs {names_shown(missing)}" if missing else ""]
+    return f"{type(model).__name__}.forward({', '.join(p.name for p in params)}): " + "; ".join(w for w in said if w)
 
 
 def named(x: Inputs) -> bool:
@@ -63,4 +92,5 @@ def unsqueeze(x: Inputs) -> Inputs:
     return tree_map(lambda t: t.unsqueeze(0), x)
 
 
-__all__ = ["Inputs", "call_args", "concat", "forward", "leaves", "named", "repeat", "take", "to_tensors", "unsqueeze"]
+__all__ = ["MAX_INPUTS", "Inputs", "call_args", "concat", "forward", "leaves", "named", "names_shown", "repeat",
+           "signature_misfit", "take", "to_tensors", "unsqueeze"]

@@ -148,6 +148,16 @@ class _LooseParameter(nn.Module):
         return self.drop(self.body(x)) + (self.shift.weight[0] if self.via else self.shift)
 
 
+class _Wrapped(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self._module = nn.Sequential(nn.utils.spectral_norm(nn.Linear(64, 32)), nn.ReLU())
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x):
+        return self.head(self._module(x))
+
+
 def test_what_opacus_cannot_give_a_per_example_gradient_for_takes_the_vmap_path(data, caplog):
     import logging
 
@@ -173,11 +183,19 @@ def test_what_opacus_cannot_give_a_per_example_gradient_for_takes_the_vmap_path(
     listed = nn.Sequential(nn.Linear(64, 10))
     listed.extra = nn.ParameterList([nn.Parameter(torch.zeros(10))])
     assert resolve_grad_sample_mode(listed, "hooks") == "vmap"
-    # a trainable layer with buffers (spectral_norm's u and v), which Opacus refuses: vmap, said once
-    normed = nn.Sequential(nn.utils.spectral_norm(nn.Linear(64, 32)), nn.ReLU(), nn.Linear(32, 10))
+    # ghost (the default's fallback without a task loss) finds it in its backward, before any step: vmap likewise
+    _VMAP_FOR.clear()
+    _, ghost, _ = train_local_dp(_LooseParameter(0.0, True), data, SETTINGS, LocalDpSettings(grad_sample_mode="ghost"),
+                                 torch.Generator(), None)
+    assert ghost["dp-path"] == "vmap" and ghost["dp-steps"] > 0
+    # a trainable layer with buffers (spectral_norm's u and v), which Opacus refuses: vmap, said once; the model is
+    # the caller's whole module, even one holding a submodule named as Opacus's wrapper holds it (_module)
+    normed = _Wrapped()
+    head = normed.head.weight.detach().clone()
     with caplog.at_level(logging.INFO):
-        _, stats, _ = train_local_dp(normed, data, SETTINGS, dp, torch.Generator(), None)
+        out, stats, _ = train_local_dp(normed, data, SETTINGS, dp, torch.Generator(), None)
     assert stats["dp-path"] == "vmap" and math.isfinite(stats["train-loss"])
+    assert out is normed and not torch.equal(head, normed.head.weight)
     assert any("trainable layer with buffers (spectral_norm's vectors)" in r.getMessage() for r in caplog.records)
     # the model's own parameter with dropout in its forward: vmap, not Opacus's replay (which cannot draw it)
     _, stats, _ = train_local_dp(_LooseParameter(0.5), data, SETTINGS, dp, torch.Generator(), None)

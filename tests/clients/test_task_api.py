@@ -557,7 +557,7 @@ def test_a_float64_model_trains_and_an_unknown_dtype_is_one_line(tmp_path):
     class Odd(Regression):
         x_dtype = "float8"
 
-    with pytest.raises(ClientError, match="x_dtype must be one of float32, int64, float64, float16 or None "
+    with pytest.raises(ClientError, match="x_dtype must be one of float32, int64, float64, float16, bool or None "
                                           r"\(or a dict of them by input name\). Found 'float8'"):
         Odd.check_data(Dataset(np.zeros((2, 5)), np.zeros(2)), "f")
 
