@@ -793,6 +793,10 @@ def train_local_dp(
                         total += loss.item() * len(yb)
                         seen += len(yb)
         except RuntimeError as exc:
+            if "mutate a captured Tensor" in str(exc):  # vmap's: a forward writing a buffer in place
+                raise ClientError("local DP: the model's forward writes a tensor it holds in place (a running statistic "
+                                  "of its batch), which vmap's per-example gradients cannot run and DP-SGD would not "
+                                  "noise: compute it outside the forward, or drop it") from None
             if "randomness error mode" not in str(exc):
                 raise
             raise _replay_error(model) from None

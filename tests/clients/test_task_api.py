@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from clients import ClientError, ConfigError, Dataset, Task, TaskSpec
+from clients import ClientError, ConfigError, Dataset, Task, TaskSpec, TrainSettings
 from clients.client_app import node_task
 from clients.tasks import ModelLayout, load_task, task_class, task_name
 from simulations import simulate
@@ -594,3 +594,44 @@ def test_augment_transforms_each_training_batch_reproducibly_on_every_path(tmp_p
     bad = simulate(Dropping, run_dir=tmp_path / "bad", **{**settings, "num_rounds": 1})
     assert bad["rejected_total"] == 3
     assert any("augment must return (x, y) with the" in r.getMessage() for r in caplog.records)
+
+
+class _RunningMean(nn.Module):
+    """A layer that keeps a running mean of its inputs in a buffer, written in its forward (as BatchNorm does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(5, 16)
+        self.register_buffer("mean", torch.zeros(5))
+
+    def forward(self, x):
+        if self.training:
+            with torch.no_grad():
+                self.mean.mul_(0.9).add_(0.1 * x.mean(0))
+        return self.lin(x - self.mean)
+
+
+class RunningStats(Regression):
+    def build_model(self) -> nn.Module:
+        return nn.Sequential(_RunningMean(), nn.Tanh(), nn.Linear(16, 1), nn.Flatten(0))
+
+
+class RunningStatsLocal(RunningStats):
+    keep_local = ("0.mean",)
+
+
+def test_under_local_dp_a_statistic_the_forward_writes_never_reaches_the_coordinator(tmp_path, caplog):
+    """Opacus's hooks train such a model and its buffer would travel un-noised: each reply is refused in one line
+    (kept on the client, it trains); vmap cannot run the write, and says so in one line."""
+    private = dict(num_supernodes=3, num_rounds=1, partitioning="iid", dp="local", local_noise_multiplier=0.5)
+    s = simulate(RunningStats, run_dir=tmp_path / "sent", **private)
+    assert s["rejected_total"] == 3
+    assert any("local DP: buffer '0.mean' changed in training (a statistic of the data" in r.getMessage()
+               for r in caplog.records)
+    assert simulate(RunningStatsLocal, run_dir=tmp_path / "kept", **private)["rejected_total"] == 0
+    from clients.dp_training import LocalDpSettings, train_local_dp
+
+    data = RunningStats().train_set.take(slice(0, 20))
+    with pytest.raises(ClientError, match="the model's forward writes a tensor it holds in place"):
+        train_local_dp(RunningStats().build_model(), data, TrainSettings(batch_size=8), LocalDpSettings(
+            grad_sample_mode="vmap"), torch.Generator(), loss_fn=RunningStats().loss)
