@@ -188,6 +188,8 @@ def _data_config(args: argparse.Namespace) -> str:
         if eval_path:
             held = load_npz(eval_path)
             (task.check_data if task is not None else _check_builtin)(held, f"--eval-data {eval_path}")
+            if task is not None and (misfit := task.inputs_misfit(held.x)):
+                raise ClientError(f"--eval-data {eval_path}: its named inputs must fit the task's model. Found {misfit}.")
             out += f" eval-data-path={_literal_path(Path(eval_path).resolve(), '--eval-data')}"
         return out
     if getattr(args, "eval_data", None):

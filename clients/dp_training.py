@@ -60,7 +60,7 @@ from privacy import quiet_import_opacus
 from ._errors import ClientError
 from .config import MAX_NOISE_MULTIPLIER, MIN_LOCAL_NOISE_MULTIPLIER, TrainSettings, check
 from .tasks import Dataset
-from .tasks.inputs import call_args, forward, take, to_tensors, unsqueeze
+from .tasks.inputs import call_args, forward, leaves, take, to_tensors, unsqueeze
 
 GRAD_SAMPLE_MODES = ("fast", "ghost", "hooks", "functorch", "vmap")
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # a task's loss: (output, target) -> batch mean
@@ -205,6 +205,37 @@ def _to_vmap(model: nn.Module, why: str) -> None:
         _VMAP_FOR.add(key)
         log(INFO, "[fedshield] local DP: %s: %s; fedshield's vmap path clips each example's gradient instead",
             type(model).__name__, why)
+
+
+def data_dependent_buffers(model: nn.Module, x: Any) -> list[str]:
+    """Floating buffers a training-mode forward writes differently for two batches of ``x`` (a running statistic
+    of the data, as BatchNorm's): under DP-SGD one example then moves the others' gradients and later steps, kept on
+    the client or sent. Buffers written from the weights alone (spectral_norm's vectors) or counters come out the
+    same and pass. Nothing is changed: buffers and torch's generator are put back; a forward that fails here passes
+    (training fails the same way and says why)."""
+    n = len(leaves(x)[0]) if leaves(x) else 0
+    floats = [name for name, b in model.named_buffers() if b.is_floating_point()]
+    if not floats or n < 2:
+        return []
+    k = min(2, n // 2)
+    saved = {name: model.get_buffer(name).detach().clone() for name in floats}
+    seen, mode = [], model.training
+    device = saved[floats[0]].device
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            for part in (slice(0, k), slice(k, 2 * k)):
+                forward(model.train(), take(x, part))
+                seen.append({name: model.get_buffer(name).detach().clone() for name in floats})
+                for name in floats:
+                    model.get_buffer(name).copy_(saved[name])
+    except Exception:  # noqa: BLE001 - (see above)
+        return []
+    finally:
+        with torch.no_grad():
+            for name in floats:
+                model.get_buffer(name).copy_(saved[name])
+        model.train(mode)
+    return [name for name in floats if not torch.equal(seen[0][name], seen[1][name])]
 
 
 def _replay_error(model: nn.Module) -> ClientError:
@@ -763,6 +794,12 @@ def train_local_dp(
         raise ClientError("data must hold at least one example for DP-SGD. Found 0.")
     device = next(model.parameters()).device
     x, y = to_tensors(data.x, device), to_tensors(data.y, device)
+    written = data_dependent_buffers(model, x)
+    if written:  # refused before anything is trained or charged
+        raise ClientError(f"local DP: buffer {written[0]!r}{f' (and {len(written) - 1} more)' if len(written) > 1 else ''} is written from "
+                          "each batch in the forward (a statistic of the data, as BatchNorm's): one example would move "
+                          "the others' gradients, outside DP-SGD's bound, kept or sent: compute it outside the forward "
+                          "or drop it")
     accountant = accountant_from_state(accountant_state)
     generator = private_generator() if generator is None else generator
     loader = torch.utils.data.DataLoader(  # batches of example indices (one gather a batch, named inputs alike)
@@ -794,9 +831,9 @@ def train_local_dp(
                         seen += len(yb)
         except RuntimeError as exc:
             if "mutate a captured Tensor" in str(exc):  # vmap's: a forward writing a buffer in place
-                raise ClientError("local DP: the model's forward writes a tensor it holds in place (a running statistic "
-                                  "of its batch), which vmap's per-example gradients cannot run and DP-SGD would not "
-                                  "noise: compute it outside the forward, or drop it") from None
+                raise ClientError("local DP: the model's forward writes a tensor it holds in place (a counter or "
+                                  "statistic), which vmap's per-example gradients cannot run: compute it outside the "
+                                  "forward, or drop it") from None
             if "randomness error mode" not in str(exc):
                 raise
             raise _replay_error(model) from None

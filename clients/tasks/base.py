@@ -291,17 +291,22 @@ class Task(ABC):
         return cache[num_partitions]
 
     @classmethod
+    def _check_dtypes(cls) -> None:
+        """``x_dtype`` and ``y_dtype`` are names of dtypes (``bool`` for inputs only) or None; ClientError else."""
+        for attr in ("x_dtype", "y_dtype"):
+            value = getattr(cls, attr)
+            allowed = [k for k in _DTYPES if attr == "x_dtype" or k != "bool"]
+            for kind in (value.values() if isinstance(value, dict) and attr == "x_dtype" else [value]):
+                if kind is not None and not (isinstance(kind, str) and kind in allowed):
+                    raise ClientError(f"task {cls.name or cls.__name__}: {attr} must be one of {', '.join(allowed)} or "
+                                      f"None{' (or a dict of them by input name)' if attr == 'x_dtype' else ''}. Found "
+                                      f"{str(kind)[:40]!r}.")
+
+    @classmethod
     def check_data(cls, data: Dataset, source: str) -> Dataset:
         """``data`` checked against the task (shapes, dtypes, label range, finite values) and cast to the
         task's dtypes; ClientError naming ``source`` and the rule otherwise."""
-        for attr in ("x_dtype", "y_dtype"):
-            value = getattr(cls, attr)
-            by_name = isinstance(value, dict) and attr == "x_dtype"
-            for kind in (value.values() if by_name else [value]):
-                if kind is not None and not (isinstance(kind, str) and kind in _DTYPES):
-                    raise ClientError(f"task {cls.name or cls.__name__}: {attr} must be one of {', '.join(_DTYPES)} or "
-                                      f"None{' (or a dict of them by input name)' if attr == 'x_dtype' else ''}. Found "
-                                      f"{str(kind)[:40]!r}.")
+        cls._check_dtypes()
         if isinstance(data.x, Mapping) and not isinstance(data.x, dict):  # (a UserDict: named inputs too)
             data = Dataset(dict(data.x), data.y)
         y = np.asarray(data.y)
@@ -376,15 +381,19 @@ class Task(ABC):
             raise ClientError(f"task {self.spec.task!r}: build_model returns lazy modules ({lazy[0][1]} {lazy[0][0]!r}), "
                               "whose sizes a first forward sets: set the task's input_shape (x's shape past the "
                               "example axis) so that fedshield runs one, or give their sizes.")
+        self._check_dtypes()
         device = next(iter(model.parameters())).device
-        dtypes = self.x_dtype if isinstance(self.x_dtype, dict) else {} if isinstance(shapes, dict) else {
-            "x": self.x_dtype}
-        names = list(shapes) if isinstance(shapes, dict) else ["x"]
-        unknown = [k for k in names if dtypes.get(k) is None]
-        if unknown:  # (named inputs are cast by the data's kind, unknown before any data)
-            raise ClientError(f"task {self.spec.task!r}: build_model returns lazy modules ({lazy[0][1]} {lazy[0][0]!r}), "
-                              f"sized by a forward of zeros: set x_dtype to a dict giving each input's dtype (missing "
-                              f"{names_shown(unknown)}), so that the zeros are what the data will be.")
+        if isinstance(shapes, dict):  # named inputs are cast by the data's kind, unknown before any data
+            dtypes = self.x_dtype if isinstance(self.x_dtype, dict) else {}
+            unknown = [k for k in shapes if dtypes.get(k) is None]
+            if unknown:
+                raise ClientError(f"task {self.spec.task!r}: build_model returns lazy modules ({lazy[0][1]} "
+                                  f"{lazy[0][0]!r}), sized by a forward of zeros: set x_dtype to a dict giving each "
+                                  f"named input's dtype (missing {names_shown(unknown)}), so that the zeros are what "
+                                  "the data will be.")
+        else:
+            kind = self.x_dtype.get("x") if isinstance(self.x_dtype, dict) else self.x_dtype
+            dtypes = {"x": kind or "float32"}
 
         def zeros(shape: tuple[int, ...], name: str) -> torch.Tensor:
             return torch.zeros((1, *shape), dtype=getattr(torch, str(np.dtype(_DTYPES[dtypes[name]]))), device=device)

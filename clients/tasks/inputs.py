@@ -29,6 +29,10 @@ def signature_misfit(model: Any, names: Any) -> str | None:
     are not among them), or None (they fit, or the forward takes ``**kwargs`` or hides its signature)."""
     import inspect
 
+    from torch import nn
+
+    if isinstance(model, nn.Module) and (type(model).__call__ is not nn.Module.__call__ or model._forward_pre_hooks):
+        return None  # (its own __call__ or a pre-hook may rename or pack the inputs before forward sees them)
     try:
         params = list(inspect.signature(model.forward).parameters.values())
     except (TypeError, ValueError):
@@ -41,7 +45,7 @@ def signature_misfit(model: Any, names: Any) -> str | None:
     if not unknown and not missing:
         return None
     said = [f"it takes no {names_shown(unknown)}" if unknown else "", f"it needs {names_shown(missing)}" if missing else ""]
-    return f"{type(model).__name__}.forward({', '.join(p.name for p in params)}): " + "; ".join(w for w in said if w)
+    return f"{type(model).__name__}.forward: " + "; ".join(w for w in said if w)
 
 
 def named(x: Inputs) -> bool:

@@ -239,9 +239,22 @@ def test_an_agents_named_inputs_must_fit_its_models_forward(tmp_path):
                                               "side": data.x["side"]}, data.y))
     args = argparse.Namespace(data=str(tmp_path / "wrong.npz"), partition=None, eval_data=None,
                               task=f"{__file__}:Reviews")
-    with pytest.raises(ClientError, match=r"named inputs must fit the task's model. Found _Pooled.forward\(ids, mask, "
-                                          r"side\): it takes no 'tokens'; it needs 'ids'"):
+    with pytest.raises(ClientError, match=r"named inputs must fit the task's model. Found _Pooled.forward: it takes no "
+                                          r"'tokens'; it needs 'ids'"):
         _data_config(args)
+    from clients.tasks.inputs import signature_misfit
+
+    class Packed(nn.Module):  # its own __call__ (or a pre-hook) may rename the inputs: not second-guessed
+        def __call__(self, **inputs):
+            return self.forward(inputs)
+
+        def forward(self, batch):
+            return batch
+
+    hooked = _Pooled()
+    hooked.register_forward_pre_hook(lambda m, args, kwargs: (args, kwargs), with_kwargs=True)
+    assert signature_misfit(Packed(), ["tokens"]) is None and signature_misfit(hooked, ["tokens"]) is None
+    assert signature_misfit(_Pooled(), ["ids", "mask", "side"]) is None
 
 
 class LazyReviews(Reviews):
@@ -263,6 +276,6 @@ def test_lazy_modules_over_named_inputs_are_sized_with_each_inputs_dtype():
     class Untyped(LazyReviews):
         x_dtype = "float32"
 
-    with pytest.raises(ClientError, match=r"set x_dtype to a dict giving each input's dtype \(missing 'ids', 'mask', "
-                                          r"'side'\)"):
+    with pytest.raises(ClientError, match=r"set x_dtype to a dict giving each named input's dtype \(missing 'ids', "
+                                          r"'mask', 'side'\)"):
         Untyped().num_parameters()

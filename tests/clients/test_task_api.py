@@ -541,6 +541,11 @@ def test_lazy_modules_are_sized_from_input_shape_and_train(tmp_path, batched):
     s = simulate(LazyCnn, run_dir=tmp_path / "lazy", num_supernodes=3, num_rounds=2, lr=0.05, batched=batched)
     assert s["rejected_total"] == 0 and 0.4 <= s["final_test_accuracy"] <= 1.0
 
+    class Kept(LazyCnn):
+        x_dtype = None  # (one input kept as it comes: sized with float32 zeros)
+
+    assert Kept().num_parameters() == task.num_parameters()
+
     class Unsized(LazyCnn):
         input_shape = None
 
@@ -620,18 +625,28 @@ class RunningStatsLocal(RunningStats):
     keep_local = ("0.mean",)
 
 
-def test_under_local_dp_a_statistic_the_forward_writes_never_reaches_the_coordinator(tmp_path, caplog):
-    """Opacus's hooks train such a model and its buffer would travel un-noised: each reply is refused in one line
-    (kept on the client, it trains); vmap cannot run the write, and says so in one line."""
-    private = dict(num_supernodes=3, num_rounds=1, partitioning="iid", dp="local", local_noise_multiplier=0.5)
-    s = simulate(RunningStats, run_dir=tmp_path / "sent", **private)
-    assert s["rejected_total"] == 3
-    assert any("local DP: buffer '0.mean' changed in training (a statistic of the data" in r.getMessage()
-               for r in caplog.records)
-    assert simulate(RunningStatsLocal, run_dir=tmp_path / "kept", **private)["rejected_total"] == 0
-    from clients.dp_training import LocalDpSettings, train_local_dp
+class SpectralNormed(Regression):
+    """spectral_norm's vectors are buffers its forward rewrites from the weights alone: they travel, as they may."""
 
-    data = RunningStats().train_set.take(slice(0, 20))
-    with pytest.raises(ClientError, match="the model's forward writes a tensor it holds in place"):
-        train_local_dp(RunningStats().build_model(), data, TrainSettings(batch_size=8), LocalDpSettings(
-            grad_sample_mode="vmap"), torch.Generator(), loss_fn=RunningStats().loss)
+    def build_model(self) -> nn.Module:
+        return nn.Sequential(nn.utils.spectral_norm(nn.Linear(5, 16)), nn.Tanh(), nn.Linear(16, 1), nn.Flatten(0))
+
+
+def test_under_local_dp_a_statistic_the_forward_writes_is_refused_before_training(tmp_path, caplog):
+    """A buffer written from each batch (a running mean of the inputs) lets one example move the others' gradients:
+    Opacus's hooks trained such a model and sent the mean un-noised. Now each node refuses before it trains or
+    charges its ledger, the buffer kept or sent; buffers written from the weights alone (spectral_norm) pass."""
+    private = dict(num_supernodes=3, num_rounds=1, partitioning="iid", dp="local", local_noise_multiplier=0.5)
+    for cls in (RunningStats, RunningStatsLocal):
+        s = simulate(cls, run_dir=tmp_path / cls.__name__, **private)
+        assert s["rejected_total"] == 3 and not (s.get("local_epsilon_max") or 0) > 0  # (nothing charged)
+    assert any("local DP: buffer '0.mean' is written from each batch in the forward" in r.getMessage()
+               for r in caplog.records)
+    normed = simulate(SpectralNormed, run_dir=tmp_path / "sn", **private)
+    assert normed["rejected_total"] == 0 and normed["local_epsilon_max"] > 0
+    from clients.dp_training import data_dependent_buffers
+
+    model = RunningStats().build_model()
+    x = torch.randn(4, 5)
+    assert data_dependent_buffers(model, x) == ["0.mean"] and torch.equal(model[0].mean, torch.zeros(5))
+    assert data_dependent_buffers(SpectralNormed().build_model(), x) == []
