@@ -794,6 +794,11 @@ def train_local_dp(
         raise ClientError("data must hold at least one example for DP-SGD. Found 0.")
     device = next(model.parameters()).device
     x, y = to_tensors(data.x, device), to_tensors(data.y, device)
+    renorm = next((n for n, m in model.named_modules() if isinstance(m, nn.Embedding | nn.EmbeddingBag)
+                   and m.max_norm is not None), None)
+    if renorm is not None:  # (its forward rescales, in place, the rows each batch reads: a change no noise covers)
+        raise ClientError(f"local DP: embedding {renorm!r} renormalises the rows each batch reads (max_norm), in place "
+                          "and outside DP-SGD's noise: drop max_norm for local DP")
     written = data_dependent_buffers(model, x)
     if written:  # refused before anything is trained or charged
         raise ClientError(f"local DP: buffer {written[0]!r}{f' (and {len(written) - 1} more)' if len(written) > 1 else ''} is written from "

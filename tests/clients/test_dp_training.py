@@ -130,6 +130,10 @@ def test_empty_data_and_batchnorm_model_raise_client_error(task, data):
     bn = nn.Sequential(nn.Linear(64, 16), nn.BatchNorm1d(16), nn.Linear(16, 10))
     with pytest.raises(ClientError, match=r"buffer '1.running_mean' \(and 1 more\) is written from each batch"):
         train_local_dp(bn, data, SETTINGS, LocalDpSettings(), torch.Generator(), None)
+    ids = type(data)(np.zeros((len(data), 3), np.int64), data.y)
+    renorm = nn.Sequential(nn.Embedding(4, 8, max_norm=1.0), nn.Flatten(), nn.Linear(24, 10))
+    with pytest.raises(ClientError, match="embedding '0' renormalises the rows each batch reads"):
+        train_local_dp(renorm, ids, SETTINGS, LocalDpSettings(), torch.Generator(), None)
 
 
 class _LooseParameter(nn.Module):
