@@ -622,6 +622,13 @@ class PrivateTrainer:
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Forward, clipped backward, noisy update; returns the batch's mean loss (detached)."""
         self.optimizer.zero_grad(set_to_none=True)
+        if not len(y):  # Poisson sampling drew no example: noise only, as the hooks path steps it (ghost's and
+            for p in self.module.parameters():  # functorch's forward of an empty batch fails on an embedding)
+                if p.requires_grad:
+                    p.grad = torch.zeros_like(p)
+                    p.grad_sample = torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device)
+            self.optimizer.step()
+            return torch.zeros((), device=y.device)
         loss = self.criterion(forward(self.module, x), y)
         loss.backward()
         self.optimizer.step()

@@ -630,3 +630,27 @@ def test_the_vmap_path_takes_an_empty_batch():
     model = nn.Linear(4, 3)
     sums, loss, norms = vmap_clipped_grad_sum(model, torch.zeros(0, 4), torch.zeros(0, dtype=torch.long), 1.0)
     assert all(not s.any() for s in sums) and loss.item() == 0 and norms.numel() == 0
+
+
+@pytest.mark.parametrize("mode", ["fast", "ghost", "hooks", "functorch", "vmap"])
+def test_an_empty_poisson_batch_is_a_noise_only_step_on_every_path(mode):
+    """Three examples in batches of one under Poisson sampling draw empty batches; ghost's and functorch's forward
+    of an empty batch failed on an embedding with a raw RuntimeError."""
+    class Bag(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.e, self.o = nn.Embedding(20, 16), nn.Linear(16, 3)
+
+        def forward(self, x):
+            return self.o(self.e(x).mean(1))
+
+    from clients import Dataset
+
+    torch.manual_seed(0)
+    model = Bag()
+    before = [p.detach().clone() for p in model.parameters()]
+    data = Dataset(np.random.default_rng(0).integers(0, 20, (3, 8)), np.array([0, 1, 2]))
+    _, stats, _ = train_local_dp(model, data, TrainSettings(local_epochs=10, batch_size=1, lr=0.1),
+                                 LocalDpSettings(grad_sample_mode=mode), torch.Generator().manual_seed(1))
+    assert stats["dp-steps"] == 30 and stats["epsilon"] > 0
+    assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
