@@ -65,15 +65,34 @@ class Dataset:
         return type(self)(take(self.x, index), self.y[index])
 
     @classmethod
-    def from_torch(cls, data: "torch.utils.data.Dataset") -> "Dataset":
-        """A torch map-style dataset of ``(x, y)`` pairs stacked into arrays (it is read once); an ``x`` that is a
-        dict of tensors or arrays (a tokenizer's output) becomes named inputs."""
-        xs, ys = zip(*(data[i] for i in range(len(data))), strict=True)  # type: ignore[arg-type]
-        if xs and isinstance(xs[0], Mapping):  # (a tokenizer's BatchEncoding is a UserDict)
-            x: Any = {k: np.stack([np.asarray(item[k]) for item in xs]) for k in xs[0]}
+    def from_torch(cls, data: Any) -> Dataset:
+        """``(x, y)`` pairs stacked into arrays, read once: from a torch map-style dataset, an iterable one, or a
+        DataLoader (its batches concatenated, in its order); an ``x`` that is a dict of tensors or arrays (a
+        tokenizer's output) becomes named inputs. Items of different shapes (sequences of different lengths) are one
+        ClientError: pad them first (a DataLoader's ``collate_fn`` can)."""
+        loader = isinstance(data, torch.utils.data.DataLoader)
+        if loader or not (hasattr(data, "__getitem__") and hasattr(data, "__len__")):
+            pairs = list(data)
         else:
-            x = np.stack([np.asarray(item) for item in xs])
-        return cls(x, np.stack([np.asarray(y) for y in ys]))
+            pairs = [data[i] for i in range(len(data))]
+        if any(not isinstance(p, list | tuple) or len(p) != 2 for p in pairs[:1]):
+            raise ClientError(f"Dataset.from_torch needs (x, y) pairs. Found {type(pairs[0]).__name__}.")
+        xs, ys = (list(v) for v in zip(*pairs, strict=True)) if pairs else ([], [])
+        join = np.concatenate if loader else np.stack
+
+        def joined(parts: list, what: str) -> np.ndarray:
+            arrays = [np.asarray(p.cpu() if isinstance(p, torch.Tensor) else p) for p in parts]
+            shapes = sorted({a.shape[1:] if loader else a.shape for a in arrays}, key=str)
+            if len(shapes) > 1:
+                raise ClientError(f"Dataset.from_torch: every example's {what} must have the same shape to stack "
+                                  f"(pad sequences first). Found {shapes[0]} and {shapes[1]}.")
+            return join(arrays) if arrays else np.zeros(0)
+
+        if xs and isinstance(xs[0], Mapping):  # (a tokenizer's BatchEncoding is a UserDict)
+            x: Any = {k: joined([item[k] for item in xs], f"{k!r}") for k in xs[0]}
+        else:
+            x = joined(xs, "x")
+        return cls(x, joined(ys, "y"))
 
 
 class Task(ABC):

@@ -279,3 +279,20 @@ def test_lazy_modules_over_named_inputs_are_sized_with_each_inputs_dtype():
     with pytest.raises(ClientError, match=r"set x_dtype to a dict giving each named input's dtype \(missing 'ids', "
                                           r"'mask', 'side'\)"):
         Untyped().num_parameters()
+
+
+def test_from_torch_reads_iterables_and_dataloaders_and_says_when_items_differ_in_shape():
+    pairs = [(torch.full((2,), float(i)), i % 2) for i in range(5)]
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(pairs)
+
+    loader = torch.utils.data.DataLoader(pairs, batch_size=2)
+    for source in (pairs, Stream(), loader):
+        data = Dataset.from_torch(source)
+        assert data.x.shape == (5, 2) and data.y.tolist() == [0, 1, 0, 1, 0] and data.x[3, 0] == 3.0
+    ragged = [(torch.zeros(3), 0), (torch.zeros(4), 1)]
+    with pytest.raises(ClientError, match=r"every example's x must have the same shape to stack \(pad sequences "
+                                          r"first\). Found \(3,\) and \(4,\)"):
+        Dataset.from_torch(ragged)
