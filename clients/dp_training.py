@@ -54,6 +54,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from privacy import quiet_import_opacus
 
@@ -207,35 +208,62 @@ def _to_vmap(model: nn.Module, why: str) -> None:
             type(model).__name__, why)
 
 
-def data_dependent_buffers(model: nn.Module, x: Any) -> list[str]:
-    """Floating buffers a training-mode forward writes differently for two batches of ``x`` (a running statistic
-    of the data, as BatchNorm's): under DP-SGD one example then moves the others' gradients and later steps, kept on
-    the client or sent. Buffers written from the weights alone (spectral_norm's vectors) or counters come out the
-    same and pass. Nothing is changed: buffers and torch's generator are put back; a forward that fails here passes
-    (training fails the same way and says why)."""
+def data_dependent_state(model: nn.Module, x: Any, batch_size: int = 2,
+                         augment: Callable[[Any, torch.Tensor, torch.Generator], tuple] | None = None) -> list[str]:
+    """The buffers and parameters a training-mode forward writes differently for two batches of ``x`` (as the
+    training loop would feed them, ``augment`` included): a statistic of the data kept in the model (BatchNorm's
+    running mean, an embedding's ``max_norm`` rescaling the rows it reads, a data-dependent initialisation). Under
+    DP-SGD one example then moves the others' gradients and later steps, and the values leave un-noised, kept on the
+    client or sent. What the weights alone write (spectral_norm's vectors) or a counter comes out the same and passes.
+    One example is compared with zeros. Nothing is left changed (buffers, parameters, torch's generator, the mode);
+    a forward that fails is a ClientError naming it: a model this cannot check is not trained."""
     n = len(leaves(x)[0]) if leaves(x) else 0
-    floats = [name for name, b in model.named_buffers() if b.is_floating_point()]
-    if not floats or n < 2:
+    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    if n == 0 or not state:
         return []
-    k = min(2, n // 2)
-    saved = {name: model.get_buffer(name).detach().clone() for name in floats}
-    seen, mode = [], model.training
-    device = saved[floats[0]].device
+    k = max(1, min(batch_size, n // 2))
+    first = take(x, slice(0, k))
+    second = take(x, slice(k, 2 * k)) if n >= 2 else tree_map(lambda t: torch.zeros_like(t) if t.any() else
+                                                              torch.ones_like(t), first)
+    saved = {name: t.detach().clone() for name, t in state.items()}
+    sums, mode = [], model.training
+    device = next(iter(saved.values())).device
+
+    def checksum() -> dict[str, tuple]:  # (exact for the shapes; float64 sums for the values)
+        now = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        return {name: (tuple(t.shape), t.detach().double().sum().item(), t.detach().double().square().sum().item())
+                for name, t in now.items()}
+
+    def restore() -> None:
+        for name, value in saved.items():
+            owner, _, leaf = name.rpartition(".")
+            module = model.get_submodule(owner)
+            now = module._parameters.get(leaf) if leaf in module._parameters else module._buffers.get(leaf)
+            if now is not None and now.shape == value.shape and now.dtype == value.dtype:
+                now.data.copy_(value)
+            elif leaf in module._buffers:  # (a forward that re-registered it at another size: the old one back)
+                module._buffers[leaf] = value.clone()
+
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            for part in (slice(0, k), slice(k, 2 * k)):
-                forward(model.train(), take(x, part))
-                seen.append({name: model.get_buffer(name).detach().clone() for name in floats})
-                for name in floats:
-                    model.get_buffer(name).copy_(saved[name])
-    except Exception:  # noqa: BLE001 - (see above)
-        return []
+            for part in (first, second):
+                if augment is not None:
+                    part, _ = augment(part, torch.zeros(len(leaves(part)[0]), dtype=torch.long, device=device),
+                                      torch.Generator().manual_seed(0))
+                forward(model.train(), part)
+                sums.append(checksum())
+                restore()
+    except Exception as exc:  # noqa: BLE001 - any failure of the user's forward: said, and not trained
+        raise ClientError(f"local DP: the model's forward must run on two batches of this node's data before training "
+                          f"(to check it keeps no statistic of them). Found {type(exc).__name__}: "
+                          f"{' '.join(str(exc).split())[:200]}") from None
     finally:
         with torch.no_grad():
-            for name in floats:
-                model.get_buffer(name).copy_(saved[name])
-        model.train(mode)
-    return [name for name in floats if not torch.equal(seen[0][name], seen[1][name])]
+            try:
+                restore()
+            finally:
+                model.train(mode)
+    return [name for name in saved if sums[0].get(name) != sums[1].get(name)]
 
 
 def _replay_error(model: nn.Module) -> ClientError:
@@ -623,11 +651,13 @@ class PrivateTrainer:
         """Forward, clipped backward, noisy update; returns the batch's mean loss (detached)."""
         self.optimizer.zero_grad(set_to_none=True)
         if not len(y):  # Poisson sampling drew no example: noise only, as the hooks path steps it (ghost's and
-            for p in self.module.parameters():  # functorch's forward of an empty batch fails on an embedding)
-                if p.requires_grad:
-                    p.grad = torch.zeros_like(p)
-                    p.grad_sample = torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device)
+            params = [p for p in self.module.parameters() if p.requires_grad]  # functorch's forward of an empty
+            for p in params:  # batch fails on an embedding)
+                p.grad = torch.zeros_like(p)
+                p.grad_sample = torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device)
             self.optimizer.step()
+            for p in params:  # (ghost's zero_grad never clears it: its next batch would find it and fail)
+                p.grad_sample = None
             return torch.zeros((), device=y.device)
         loss = self.criterion(forward(self.module, x), y)
         loss.backward()
@@ -806,12 +836,12 @@ def train_local_dp(
     if renorm is not None:  # (its forward rescales, in place, the rows each batch reads: a change no noise covers)
         raise ClientError(f"local DP: embedding {renorm!r} renormalises the rows each batch reads (max_norm), in place "
                           "and outside DP-SGD's noise: drop max_norm for local DP")
-    written = data_dependent_buffers(model, x)
+    written = data_dependent_state(model, x, min(settings.batch_size, len(y)), augment)
     if written:  # refused before anything is trained or charged
-        raise ClientError(f"local DP: buffer {written[0]!r}{f' (and {len(written) - 1} more)' if len(written) > 1 else ''} is written from "
-                          "each batch in the forward (a statistic of the data, as BatchNorm's): one example would move "
-                          "the others' gradients, outside DP-SGD's bound, kept or sent: compute it outside the forward "
-                          "or drop it")
+        more = f" (and {len(written) - 1} more)" if len(written) > 1 else ""
+        raise ClientError(f"local DP: {written[0]!r}{more} is written from each batch in the forward (a statistic of "
+                          "the data, as BatchNorm's): one example would move the others' gradients, outside DP-SGD's "
+                          "bound, kept or sent: compute it outside the forward or drop it")
     accountant = accountant_from_state(accountant_state)
     generator = private_generator() if generator is None else generator
     loader = torch.utils.data.DataLoader(  # batches of example indices (one gather a batch, named inputs alike)

@@ -69,9 +69,10 @@ class Dataset:
         """``(x, y)`` pairs stacked into arrays, read once: from a torch map-style dataset, an iterable one, or a
         DataLoader (its batches concatenated, in its order); an ``x`` that is a dict of tensors or arrays (a
         tokenizer's output) becomes named inputs. Items of different shapes (sequences of different lengths) are one
-        ClientError: pad them first (a DataLoader's ``collate_fn`` can)."""
-        loader = isinstance(data, torch.utils.data.DataLoader)
-        if loader or not (hasattr(data, "__getitem__") and hasattr(data, "__len__")):
+        ClientError: pad them first, to one length for the whole dataset."""
+        loader = isinstance(data, torch.utils.data.DataLoader) and data.batch_size is not None  # (None: unbatched)
+        if (isinstance(data, torch.utils.data.DataLoader | torch.utils.data.IterableDataset)
+                or not (hasattr(data, "__getitem__") and hasattr(data, "__len__"))):
             pairs = list(data)
         else:
             pairs = [data[i] for i in range(len(data))]

@@ -128,7 +128,7 @@ def test_empty_data_and_batchnorm_model_raise_client_error(task, data):
     with pytest.raises(ClientError, match="at least one example"):
         train_local_dp(_model(task), empty, SETTINGS, LocalDpSettings(), torch.Generator(), None)
     bn = nn.Sequential(nn.Linear(64, 16), nn.BatchNorm1d(16), nn.Linear(16, 10))
-    with pytest.raises(ClientError, match=r"buffer '1.running_mean' \(and 1 more\) is written from each batch"):
+    with pytest.raises(ClientError, match=r"'1.running_mean' \(and 1 more\) is written from each batch"):
         train_local_dp(bn, data, SETTINGS, LocalDpSettings(), torch.Generator(), None)
     ids = type(data)(np.zeros((len(data), 3), np.int64), data.y)
     renorm = nn.Sequential(nn.Embedding(4, 8, max_norm=1.0), nn.Flatten(), nn.Linear(24, 10))
@@ -231,6 +231,8 @@ def test_batches_are_poisson_sampled_unless_turned_off(task, data, poisson):
     train_local_dp(model, data, SETTINGS, dp, torch.Generator().manual_seed(0), None)
     handle.remove()
     steps, q = _steps_and_rate(len(data), SETTINGS)
+    assert sizes[:2] == [SETTINGS.batch_size] * 2  # (the check before training: two batches, no step)
+    sizes = sizes[2:]
     assert len(sizes) == steps
     per_epoch = steps // SETTINGS.local_epochs
     last = len(data) - SETTINGS.batch_size * (per_epoch - 1)
@@ -636,10 +638,10 @@ def test_the_vmap_path_takes_an_empty_batch():
 def test_an_empty_poisson_batch_is_a_noise_only_step_on_every_path(mode):
     """Three examples in batches of one under Poisson sampling draw empty batches; ghost's and functorch's forward
     of an empty batch failed on an embedding with a raw RuntimeError."""
-    class Bag(nn.Module):
+    class Bag(nn.Module):  # (ghost computes LayerNorm's per-example gradients: a leftover empty one failed it)
         def __init__(self):
             super().__init__()
-            self.e, self.o = nn.Embedding(20, 16), nn.Linear(16, 3)
+            self.e, self.o = nn.Embedding(20, 16), nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 3))
 
         def forward(self, x):
             return self.o(self.e(x).mean(1))
@@ -654,3 +656,69 @@ def test_an_empty_poisson_batch_is_a_noise_only_step_on_every_path(mode):
                                  LocalDpSettings(grad_sample_mode=mode), torch.Generator().manual_seed(1))
     assert stats["dp-steps"] == 30 and stats["epsilon"] > 0
     assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+
+
+class _GrowingCache(nn.Module):
+    """A cache buffer re-registered larger when a longer input comes (as rotary-position caches do)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(1, 3)
+        self.register_buffer("cache", torch.ones(4), persistent=False)
+
+    def forward(self, x):
+        if x.shape[1] > len(self.cache):
+            self.register_buffer("cache", torch.ones(x.shape[1]), persistent=False)
+        return self.lin((x * self.cache[: x.shape[1]]).sum(1, keepdim=True))
+
+
+class _DataInit(nn.Module):
+    """ActNorm-style: its first training forward sets a parameter from the batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.shift = nn.Linear(6, 3), nn.Parameter(torch.zeros(6))
+        self.register_buffer("ready", torch.tensor(False))
+
+    def forward(self, x):
+        if self.training and not self.ready:
+            with torch.no_grad():
+                self.shift.copy_(x.mean(0))
+                self.ready.fill_(True)
+        return self.lin(x - self.shift)
+
+
+def test_the_check_before_training_finds_state_written_from_the_data_and_leaves_the_model_as_it_was():
+    from clients import Dataset
+    from clients.dp_training import data_dependent_state
+
+    rng = np.random.default_rng(0)
+    grows = _GrowingCache()  # written from the input's length alone: passes, and the cache is put back
+    assert data_dependent_state(grows, torch.randn(4, 12)) == [] and grows.cache.shape == (4,)
+    _, stats, _ = train_local_dp(_GrowingCache(), Dataset(rng.normal(size=(20, 12)).astype(np.float32),
+                                                          rng.integers(0, 3, 20)), SETTINGS, LocalDpSettings(),
+                                 torch.Generator(), None)
+    assert stats["dp-steps"] > 0
+    init = _DataInit()
+    before = init.shift.detach().clone()
+    assert data_dependent_state(init, torch.randn(4, 6)) == ["shift"] and torch.equal(init.shift, before)
+    assert not bool(init.ready) and init.training
+
+    def crop(x, y, generator):  # an augmentation that changes the shape: the check feeds what training feeds
+        return x[:, :6], y
+
+    running = nn.Sequential(nn.Linear(6, 6), _MeanOf())
+    assert data_dependent_state(running, torch.randn(4, 10), augment=crop) == ["1.mean"]
+    with pytest.raises(ClientError, match=r"the model's forward must run on two batches of this node's data before "
+                                          r"training .* Found RuntimeError: mat1 and mat2 shapes cannot be multiplied"):
+        data_dependent_state(running, torch.randn(4, 10))
+
+
+class _MeanOf(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(6))
+
+    def forward(self, x):
+        self.mean.copy_(x.detach().mean(0))
+        return x[:, :3]

@@ -292,6 +292,13 @@ def test_from_torch_reads_iterables_and_dataloaders_and_says_when_items_differ_i
     for source in (pairs, Stream(), loader):
         data = Dataset.from_torch(source)
         assert data.x.shape == (5, 2) and data.y.tolist() == [0, 1, 0, 1, 0] and data.x[3, 0] == 3.0
+    class Sized(Stream):  # (an iterable dataset with a length: still iterated)
+        def __len__(self):
+            return 5
+
+    unbatched = torch.utils.data.DataLoader(pairs, batch_size=None)
+    for source in (Sized(), unbatched):
+        assert Dataset.from_torch(source).x.shape == (5, 2)
     ragged = [(torch.zeros(3), 0), (torch.zeros(4), 1)]
     with pytest.raises(ClientError, match=r"every example's x must have the same shape to stack \(pad sequences "
                                           r"first\). Found \(3,\) and \(4,\)"):

@@ -640,13 +640,14 @@ def test_under_local_dp_a_statistic_the_forward_writes_is_refused_before_trainin
     for cls in (RunningStats, RunningStatsLocal):
         s = simulate(cls, run_dir=tmp_path / cls.__name__, **private)
         assert s["rejected_total"] == 3 and not (s.get("local_epsilon_max") or 0) > 0  # (nothing charged)
-    assert any("local DP: buffer '0.mean' is written from each batch in the forward" in r.getMessage()
+    assert any("local DP: '0.mean' is written from each batch in the forward" in r.getMessage()
                for r in caplog.records)
     normed = simulate(SpectralNormed, run_dir=tmp_path / "sn", **private)
     assert normed["rejected_total"] == 0 and normed["local_epsilon_max"] > 0
-    from clients.dp_training import data_dependent_buffers
+    from clients.dp_training import data_dependent_state
 
     model = RunningStats().build_model()
     x = torch.randn(4, 5)
-    assert data_dependent_buffers(model, x) == ["0.mean"] and torch.equal(model[0].mean, torch.zeros(5))
-    assert data_dependent_buffers(SpectralNormed().build_model(), x) == []
+    assert data_dependent_state(model, x) == ["0.mean"] and torch.equal(model[0].mean, torch.zeros(5))
+    assert data_dependent_state(model, x[:1]) == ["0.mean"]  # (one example: compared with zeros)
+    assert data_dependent_state(SpectralNormed().build_model(), x) == []
