@@ -246,7 +246,11 @@ def data_dependent_state(model: nn.Module, x: Any, batch_size: int = 2,
 
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            draws = torch.random.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
             for part in (first, second):
+                torch.random.set_rng_state(draws[0])  # (each forward the same random draws: only the data differs)
+                if draws[1] is not None:
+                    torch.cuda.set_rng_state(draws[1], device)
                 if augment is not None:
                     part, _ = augment(part, torch.zeros(len(leaves(part)[0]), dtype=torch.long, device=device),
                                       torch.Generator().manual_seed(0))

@@ -722,3 +722,20 @@ class _MeanOf(nn.Module):
     def forward(self, x):
         self.mean.copy_(x.detach().mean(0))
         return x[:, :3]
+
+
+def test_the_check_before_training_gives_both_batches_the_same_random_draws():
+    """A buffer written from random numbers, not from the data (noise injected in training), passes."""
+    from clients.dp_training import data_dependent_state
+
+    class Jitter(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(6, 3)
+            self.register_buffer("last", torch.zeros(3))
+
+        def forward(self, x):
+            self.last.copy_(torch.rand(3))
+            return self.lin(x)
+
+    assert data_dependent_state(Jitter(), torch.randn(4, 6)) == []
