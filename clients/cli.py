@@ -29,7 +29,7 @@ from .flower_pins import EMPTY_PULL_SLEEP as IDLE_POLL
 from .flower_pins import write_atomically
 from .supervisor import NODE_FILE, RECEIVED, RUNTIME, SECRET, Plan, start_process, stop_group
 from .tasks import Task, load_task
-from .tasks.inputs import names_shown, signature_misfit
+from .tasks.inputs import names_shown
 
 # Flower exit codes (flwr.supercore.exit.ExitCode) a device owner may meet, in words.
 def export_partitions(task: str, num_partitions: int, out: str, partitioning: str = "dirichlet",
@@ -153,6 +153,17 @@ def _own_task(args: argparse.Namespace):
     return task, name
 
 
+def _check_node_data(task: Task | None, data, source: str) -> None:
+    """``data`` fits the node's own task (its checks, and its named inputs' names against the model's forward), or
+    a built-in one (an agent without --task)."""
+    if task is None:
+        _check_builtin(data, source)
+        return
+    task.check_data(data, source)
+    if misfit := task.inputs_misfit(data.x):
+        raise ClientError(f"{source}: its named inputs must fit the task's model. Found {misfit}.")
+
+
 def _check_builtin(data, source: str) -> None:
     """``data`` fits a built-in task (an agent without --task); else the ClientApp would fail once training starts."""
     if isinstance(data.x, dict):
@@ -174,22 +185,14 @@ def _data_config(args: argparse.Namespace) -> str:
     own = f" task={_literal_path(task_name, '--task')}"
     if args.data:
         data = load_npz(args.data)
-        if task is not None:
-            task.check_data(data, f"--data {args.data}")
-            misfit = task.inputs_misfit(data.x)
-            if misfit:
-                raise ClientError(f"--data {args.data}: its named inputs must fit the task's model. Found {misfit}.")
-            # (the task is this node's whatever the run's data-seed: only the task's name is checked before it runs)
+        _check_node_data(task, data, f"--data {args.data}")
+        if task is not None:  # (the task is this node's whatever the run's data-seed: only its name is checked here)
             check_split(args.data, task.spec, fields=("task",), against="in --task")
-        else:
-            _check_builtin(data, f"--data {args.data}")
         out = f"data-path={_literal_path(Path(args.data).resolve(), '--data')}" + own
         eval_path = getattr(args, "eval_data", None)
         if eval_path:
             held = load_npz(eval_path)
-            (task.check_data if task is not None else _check_builtin)(held, f"--eval-data {eval_path}")
-            if task is not None and (misfit := task.inputs_misfit(held.x)):
-                raise ClientError(f"--eval-data {eval_path}: its named inputs must fit the task's model. Found {misfit}.")
+            _check_node_data(task, held, f"--eval-data {eval_path}")
             out += f" eval-data-path={_literal_path(Path(eval_path).resolve(), '--eval-data')}"
         return out
     if getattr(args, "eval_data", None):

@@ -277,12 +277,17 @@ def _replay_error(model: nn.Module) -> ClientError:
                        "random numbers (dropout): hold them in a submodule (nn.Embedding...)")
 
 
-def _no_grad_sample_error(model: nn.Module, attr: str = "grad_sample") -> ClientError:
-    """The one line for Opacus's "Per sample gradient is not initialized" (``attr``: what Opacus's path keeps per
-    parameter, ghost's ``_norm_sample``): which parameters had none, and why."""
+def _without_grad_sample(model: nn.Module, attr: str = "grad_sample") -> str:
+    """The trainable parameters Opacus gave no per-example value (``attr``: what its path keeps per parameter,
+    ghost's ``_norm_sample``), for a message."""
     names = [n for n, p in model.named_parameters() if p.requires_grad and getattr(p, attr, None) is None]
+    return f"{', '.join(names[:3]) or '?'}{' ...' if len(names) > 3 else ''}"
+
+
+def _no_grad_sample_error(model: nn.Module, attr: str = "grad_sample") -> ClientError:
+    """The one line for Opacus's "Per sample gradient is not initialized": which parameters had none, and why."""
     return ClientError(
-        f"local DP: {', '.join(names[:3]) or '?'}{' ...' if len(names) > 3 else ''} got no per-example gradient "
+        f"local DP: {_without_grad_sample(model, attr)} got no per-example gradient "
         "(Opacus's hooks): call its module in forward (self.pos(ids), not self.pos.weight); freeze unused ones")
 
 
@@ -893,8 +898,8 @@ def train_local_dp(
             # a parameter read directly (self.pos.weight), never through its module: Opacus's hooks see no use of it.
             # Nothing was stepped or charged (Opacus checks before it adds noise): the call starts again on vmap
             retry = True
-            _to_vmap(model, _no_grad_sample_error(model, attr).args[0].removeprefix("local DP: ").split(" (Opacus")[0]
-                     + " from Opacus's hooks (read directly, not through its module's forward)")
+            _to_vmap(model, f"{_without_grad_sample(model, attr)} got no per-example gradient from Opacus's hooks "
+                     "(read directly, not through its module's forward)")
         finally:
             model = trainer.close()
     if retry:

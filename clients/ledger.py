@@ -45,8 +45,8 @@ PREFIX = "local-dp-ledger-"
 def data_key(data: Dataset) -> str:
     """A hash of the data's contents (shapes, dtypes, bytes)."""
     h = hashlib.sha256()
-    named = sorted(data.x.items()) if isinstance(data.x, dict) else []
-    for key, a in (*named, *([] if named else [("", data.x)]), ("", data.y)):
+    inputs = sorted(data.x.items()) if isinstance(data.x, dict) else [("", data.x)]  # ("": one array, as ever)
+    for key, a in (*inputs, ("", data.y)):
         h.update(f"{key}{a.dtype.str}{a.shape}".encode())
         h.update(memoryview(a.tobytes()))
     return h.hexdigest()[:32]

@@ -196,17 +196,14 @@ def _client_step(task: Task, model: nn.Module, frozen: dict[str, torch.Tensor]):
     """vmap(grad_and_value) of one client's batch loss: (params, buffers, x (B, ...), y (B, ...), mask (B,)) ->
     (grads, the mean loss over the batch's real examples); the buffers are updated in place."""
 
-    def example_loss(out, y):  # task.loss on a batch of one: a per-example value
-        return task.loss(unsqueeze(out), y.unsqueeze(0))
-
     def batch_loss(params, buffers, x, y, mask):
         out = torch.func.functional_call(model, {**params, **buffers, **frozen}, *call_args(x))
+        parts, rebuilt = out, lambda o: o
         if dataclasses.is_dataclass(out) and not isinstance(out, type):  # an output object, which vmap cannot take:
-            fields = {f.name: getattr(out, f.name) for f in dataclasses.fields(out) if f.init}  # its fields, put back
-            per = torch.func.vmap(lambda f, yi: task.loss(dataclasses.replace(out, **unsqueeze(f)), yi.unsqueeze(0)))(
-                fields, y)
-        else:
-            per = torch.func.vmap(example_loss)(out, y)
+            parts = {f.name: getattr(out, f.name) for f in dataclasses.fields(out) if f.init}  # its fields, put back
+            rebuilt = lambda f: dataclasses.replace(out, **f)
+        # task.loss on a batch of one: a per-example value
+        per = torch.func.vmap(lambda o, yi: task.loss(rebuilt(unsqueeze(o)), yi.unsqueeze(0)))(parts, y)
         if per.shape != mask.shape:
             raise ValueError(f"task {type(task).__name__}'s loss must return one scalar for a batch. Found shape "
                              f"{tuple(per.shape[1:])} for a batch of one.")

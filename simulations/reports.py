@@ -68,7 +68,7 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 def _result(accuracy: float | None, metrics: dict[str, Any], loss: float | None = None) -> str:
     """A run's accuracy for the table, else the task's ``first_metric`` as ``name=value`` (``rmse=0.912``: one
     word, as every cell), else its loss (``loss=0.2451``: a task whose evaluate gives nothing more), else ``-``."""
-    named = shown_metric(accuracy, metrics, loss) if accuracy is None else None
+    named = shown_metric(accuracy, metrics, loss)
     return f"{named[0]}={named[1]:.4g}".replace(" ", "_") if named else _f(accuracy, ".4f")
 
 

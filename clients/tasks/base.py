@@ -329,30 +329,29 @@ class Task(ABC):
         cls._check_dtypes()
         if isinstance(data.x, Mapping) and not isinstance(data.x, dict):  # (a UserDict: named inputs too)
             data = Dataset(dict(data.x), data.y)
-        y = np.asarray(data.y)
-        x = _check_named(data.x, source) if isinstance(data.x, dict) else {"x": np.asarray(data.x)}
-        if isinstance(cls.input_shape, dict) and not isinstance(data.x, dict):
-            raise ClientError(f"{source}: x must be named inputs ({names_shown(cls.input_shape)}) for task "
-                              f"{cls.name or cls.__name__}. Found one array of shape {x['x'].shape}.")
-        shapes = cls.input_shape if isinstance(data.x, dict) else {"x": cls.input_shape}
-        if isinstance(data.x, dict) and shapes is not None and not isinstance(shapes, dict):
-            raise ClientError(f"{source}: named inputs need input_shape to be a dict of shapes by name (or None). "
-                              f"Found {shapes!r} for task {cls.name or cls.__name__}.")
-        if isinstance(shapes, dict) and set(shapes) != set(x) and isinstance(data.x, dict):
-            raise ClientError(f"{source}: x must hold the inputs {names_shown(sorted(shapes))} for task "
-                              f"{cls.name or cls.__name__}. Found {names_shown(sorted(x))}.")
+        y, is_named, task = np.asarray(data.y), isinstance(data.x, dict), cls.name or cls.__name__
+        x = _check_named(data.x, source) if is_named else {"x": np.asarray(data.x)}
+        by_name = isinstance(cls.input_shape, dict)
+        if by_name != is_named and cls.input_shape is not None:
+            raise ClientError(f"{source}: x must be named inputs ({names_shown(cls.input_shape)}) for task {task}. "
+                              f"Found one array of shape {x['x'].shape}." if by_name else
+                              f"{source}: named inputs need input_shape to be a dict of shapes by name (or None). "
+                              f"Found {cls.input_shape!r} for task {task}.")
+        shapes = cls.input_shape if by_name else {"x": cls.input_shape}
+        if by_name and set(shapes) != set(x):
+            raise ClientError(f"{source}: x must hold the inputs {names_shown(sorted(shapes))} for task {task}. "
+                              f"Found {names_shown(sorted(x))}.")
         for what, a in (*x.items(), ("y", y)):
             if not (np.issubdtype(a.dtype, np.floating) or np.issubdtype(a.dtype, np.integer)
-                    or (what != "y" and a.dtype == np.bool_ and isinstance(data.x, dict))):
+                    or (what != "y" and a.dtype == np.bool_ and is_named)):
                 raise ClientError(f"{source}: {what} must be numeric. Found dtype {a.dtype}.")
             if a.ndim == 0:
                 raise ClientError(f"{source}: {what} must have a leading example axis. Found a scalar.")
         for what, a in x.items():
-            want = (shapes or {}).get(what)
+            want = shapes.get(what)
             if want is not None and a.shape[1:] != tuple(want):
                 shape = ", ".join(map(str, ("n", *want)))
-                raise ClientError(f"{source}: {what} must have shape ({shape}) for task {cls.name or cls.__name__}. "
-                                  f"Found {a.shape}.")
+                raise ClientError(f"{source}: {what} must have shape ({shape}) for task {task}. Found {a.shape}.")
         n = len(next(iter(x.values())))
         if any(len(a) != n for a in x.values()):
             first, *odd = [(k, a) for i, (k, a) in enumerate(x.items()) if i == 0 or len(a) != n]  # (the first, then
@@ -368,13 +367,13 @@ class Task(ABC):
         if cls.num_classes is not None and (y.min() < 0 or y.max() >= cls.num_classes):
             raise ClientError(f"{source}: y must hold integer labels in [0, {cls.num_classes}). Found {y.dtype} "
                               f"{y.min()}..{y.max()}.")
-        x = {k: _cast(a, _input_dtype(cls.x_dtype, k, a, isinstance(data.x, dict))) for k, a in x.items()}
+        x = {k: _cast(a, _input_dtype(cls.x_dtype, k, a, is_named)) for k, a in x.items()}
         y = _cast(y, cls.y_dtype)
         for what, a in (*x.items(), ("y", y)):
             if a.dtype.kind == "f" and not np.isfinite(a).all():
                 big = np.finfo(a.dtype).max
                 raise ClientError(f"{source}: {what} must be finite as {a.dtype}. Found NaN, inf or |{what}| > {big:.3g}.")
-        return Dataset(x if isinstance(data.x, dict) else x["x"], y)
+        return Dataset(x if is_named else x["x"], y)
 
     def build(self, private: bool = False) -> nn.Module:
         """The task's model; ``private``: made trainable by DP-SGD (Opacus's ModuleValidator.fix, e.g.
@@ -415,10 +414,9 @@ class Task(ABC):
             kind = self.x_dtype.get("x") if isinstance(self.x_dtype, dict) else self.x_dtype
             dtypes = {"x": kind or "float32"}
 
-        def zeros(shape: tuple[int, ...], name: str) -> torch.Tensor:
-            return torch.zeros((1, *shape), dtype=getattr(torch, str(np.dtype(_DTYPES[dtypes[name]]))), device=device)
-
-        x = ({k: zeros(v, k) for k, v in shapes.items()} if isinstance(shapes, dict) else zeros(shapes, "x"))
+        zeros = {k: np.zeros((1, *v), _DTYPES[dtypes[k]]) for k, v in (shapes if isinstance(shapes, dict) else
+                                                                         {"x": shapes}).items()}
+        x = to_tensors(zeros if isinstance(shapes, dict) else zeros["x"], device)
         mode = model.training
         try:
             with torch.no_grad():
@@ -447,25 +445,22 @@ class Task(ABC):
         """The model's layout, derived once (from a model on the meta device where it builds there)."""
         cache = self.__dict__.setdefault("_layouts", {})
         if private not in cache:
-            try:
-                with torch.device("meta"):
-                    model = self.build(private)
-            except (RuntimeError, NotImplementedError, TypeError):  # a model that needs real tensors to build
-                model = self.build(private)
-            cache[private] = ModelLayout.of(model, self.federate_buffers, tuple(self.keep_local), self.federate_frozen)
+            cache[private] = ModelLayout.of(self._meta_build(private), self.federate_buffers, tuple(self.keep_local),
+                                            self.federate_frozen)
         return cache[private]
+
+    def _meta_build(self, private: bool = False) -> nn.Module:
+        """The model built on the meta device (no memory, no initialisation), or for real where it cannot be."""
+        try:
+            with torch.device("meta"):
+                return self.build(private)
+        except (RuntimeError, NotImplementedError, TypeError):  # a model that needs real tensors to build
+            return self.build(private)
 
     def inputs_misfit(self, x: Any) -> str | None:
         """Why named inputs ``x`` do not fit the model's forward (names it does not take, arguments it needs), or
         None: an agent checks its data file's names before its node starts, not at the first reply."""
-        if not named(x):
-            return None
-        try:
-            with torch.device("meta"):
-                model = self.build_model()
-        except (RuntimeError, NotImplementedError, TypeError):  # a model that needs real tensors to build
-            model = self.build_model()
-        return signature_misfit(model, x)
+        return signature_misfit(self._meta_build(), x) if named(x) else None
 
     def num_parameters(self, private: bool = False) -> int:
         """Elements of the flat update (parameters plus federated buffers), from the layout: a message or
