@@ -21,7 +21,7 @@ import time
 import warnings
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -251,11 +251,14 @@ LOCK = ".fedshield.lock"
 _STALE = re.compile(r"\.(" + "|".join(map(re.escape, (CHECKPOINT, METRICS, SUMMARY, MODEL, PLOT, CONFIG, EPSILON_PLOT,
                                                           TIME_PLOT, STATUS))) + r")\.[0-9a-f]{16}\.tmp")
 _HELD: dict[Path, int] = {}  # run directory -> the open lock file this process holds (released when it exits)
+LOCK_WAIT_S = 30.0  # how long a coordinator (and its ServerApp) waits for the ServerApp of a killed one to let go
 
 
-def lock_run_dir(run_dir: str | os.PathLike, flag: str = "--run-dir", wait: float = 0.0) -> bool:
+def lock_run_dir(run_dir: str | os.PathLike, flag: str = "--run-dir", wait: float = 0.0,
+                 on_wait: Callable[[str], None] | None = None) -> bool:
     """Make ``run_dir`` and hold its lock (an flock on LOCK, beside the checkpoint) until this process exits or
-    ``unlock_run_dir``; a CoordinatorError naming the holder when another process has it after ``wait`` seconds.
+    ``unlock_run_dir``; a CoordinatorError naming the holder when another process has it after ``wait`` seconds
+    (``on_wait`` gets the holder's pid once, when the wait starts).
     Two runs in one directory resumed each other's checkpoints, mixed their metrics, spent DP noise twice on the
     same data, and failed on each other's files (a review). ``fedshield simulate`` takes it for its runs; under
     ``coordinator start`` the ServerApp's process does (the coordinator only probes it before it starts: killed
@@ -284,12 +287,15 @@ def lock_run_dir(run_dir: str | os.PathLike, flag: str = "--run-dir", wait: floa
                 os.close(fd)
                 raise CoordinatorError(f"{flag} {path} must be on a file system that can lock files. Found: "
                                        f"{exc.strerror or exc} (locking {LOCK}); pick another {flag}.") from None
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
             if time.monotonic() >= deadline:
-                holder = os.read(fd, 32).decode("ascii", "replace").strip()
                 os.close(fd)
                 raise CoordinatorError(f"{flag} {path} must not be in use by another run. Found it held by process "
                                        f"{holder or '(unknown)'}; wait for that run to end, or pick another "
                                        f"{flag}.") from None
+            if on_wait is not None:
+                on_wait(holder or "(unknown)")
+                on_wait = None
             time.sleep(0.2)
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)

@@ -14,7 +14,7 @@ from flwr.serverapp import Grid, ServerApp
 from clients.flower_pins import patch_grid
 
 from .config import RunConfig
-from .rundir import RunDirectory, lock_run_dir, unlock_run_dir
+from .rundir import LOCK_WAIT_S, RunDirectory, lock_run_dir, unlock_run_dir
 from .workflow import Clock, RoundCallback, StoppableClock, SyncWorkflow
 
 
@@ -61,9 +61,6 @@ if not any(isinstance(f, OneLineErrors) for f in _FLWR_LOGGER.filters):
 def default_run_dir(run_id: int) -> Path:
     home = Path(os.environ.get(HOME_ENV, Path.home() / ".fedshield"))
     return home / "runs" / f"run-{run_id}"
-
-
-LOCK_WAIT_S = 30.0  # how long a ServerApp waits for its run directory's lock
 
 
 def make_server_app(

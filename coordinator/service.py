@@ -38,7 +38,7 @@ from ._errors import CoordinatorError
 from .config import RunConfig
 from .progress import result_text
 from .live import announce_start, mark_ended
-from .rundir import SUMMARY, check_run_dir, finished_summary, lock_run_dir, unlock_run_dir
+from .rundir import LOCK_WAIT_S, SUMMARY, check_run_dir, finished_summary, lock_run_dir, unlock_run_dir
 from .status import StatusServer
 from .workflow import check_resumable
 from . import superlink
@@ -476,8 +476,11 @@ def start_coordinator(config: str, insecure: bool = False, run_dir: str | None =
                       "run-dir.", file=sys.stderr)
                 return 0
     coord.check_port_free()  # (start_superlink checks again) before the banner says it is starting there
-    if cfg.run.server.run_dir:  # not in use by another run (its ServerApp holds the lock): probed before anything starts
-        lock_run_dir(run_path, "run-dir")
+    if cfg.run.server.run_dir:  # not in use by another run (its ServerApp holds the lock): probed before anything starts;
+        # the ServerApp of a coordinator killed a moment ago lets go within seconds: waited for, a little
+        lock_run_dir(run_path, "run-dir", wait=LOCK_WAIT_S, on_wait=lambda pid: print(
+            f"fedshield coordinator: run-dir {run_path} is held by process {pid} (the ServerApp of a coordinator "
+            f"stopped a moment ago lets go within seconds); waiting up to {LOCK_WAIT_S:.0f} s", file=sys.stderr))
     port = cfg.service.status_port
     server = StatusServer(run_path, port) if port >= 0 else None  # (bound now: a port in use is refused here)
     print(f"fedshield coordinator: SuperLink on {coord.address} ({'INSECURE' if insecure else 'TLS + node authentication'}), "

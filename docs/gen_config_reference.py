@@ -35,7 +35,8 @@ DESCRIPTIONS: dict[str, dict[str, str]] = {
         "min-nodes": "nodes that must be online before a round starts, and the fewest a round samples",
         "wait-nodes-timeout": "seconds to wait for `min-nodes` nodes before the run fails",
         "round-timeout": "a round closes when all replies are in or at this deadline (seconds, counted from before "
-                         "the push to a SuperLink; in simulations, from after the push that trained); FedBuff: a "
+                         "the push to a SuperLink and on Flower's engine; on the in-process and virtual engines, from after the push "
+                         "that trained); FedBuff: a "
                          "message's time to live",
         "close-after-replies": "over-selection: close a round once this many updates are in (0: wait for all or the "
                                "deadline); refused under central DP and SecAgg+",
@@ -48,14 +49,14 @@ DESCRIPTIONS: dict[str, dict[str, str]] = {
                             "`w <- w + lr * step(mean delta)`",
         "server-lr": "server learning rate; 0 means 1.0 under fedavg/fedavgm and must be given for the adaptive ones",
         "server-momentum": "FedAvgM's momentum, in [0, 1) (checked by the optimizer)",
-        "server-beta1": "FedAdam/FedYogi first-moment decay, in [0, 1)",
-        "server-beta2": "FedAdam/FedYogi/FedAdagrad second-moment decay, in [0, 1)",
+        "server-beta1": "FedAdam/FedYogi/FedAdagrad first-moment decay, in [0, 1) (Flower's FedAdagrad has none: set 0 for it)",
+        "server-beta2": "FedAdam/FedYogi second-moment decay, in [0, 1) (FedAdagrad sums its squares: unused)",
         "server-tau": "adaptive optimizers' epsilon (at least 1e-18)",
         "seed": "seed for sampling and initial weights (clients receive it: never used for DP noise)",
         "max-examples": "largest example count a reply may claim (its weight)",
         "max-update-mb": "largest update a reply may carry, MB",
         "max-update-norm": "largest L2 norm an update may have; a larger one is rejected",
-        "device": "aggregation device; `FEDSHIELD_DEVICE=cpu|cuda` overrides `auto`",
+        "device": "aggregation device; under `auto`, `FEDSHIELD_DEVICE=cpu|cuda` or else CUDA when present (clients follow `FEDSHIELD_DEVICE` or CUDA, never this key)",
         "selection": "`uniform` seeded sampling, or `fast-fair`: prefer fast nodes while each keeps between "
                      "1/`fairness` and `fairness` times its fair share",
         "fairness": "the bound `fast-fair` keeps every node's participation within",
@@ -161,7 +162,8 @@ DESCRIPTIONS: dict[str, dict[str, str]] = {
         "port": "the SuperLink's port (Fleet, Control and Runtime APIs share it)",
         "certs-dir": "`ca.crt`, `server.crt`, `server.key` from `fedshield certs init` (keep `ca.key` elsewhere)",
         "enrolled-keys": "client public keys (`.pub` from `fedshield keys new`) admitted to the run",
-        "state-dir": "the SuperLink's database, log (`superlink.log`) and app directory",
+        "state-dir": "the SuperLink's log (`superlink.log`), its Flower home and the app directory (its state is in "
+                     "memory: a restarted coordinator starts a fresh SuperLink and resumes the run from `run-dir`)",
         "start-timeout": "seconds to wait for the started SuperLink to answer",
         "status-port": "the run's status page (and `status.json`) on 127.0.0.1: 0 a free port, printed at start; -1 none",
     },
@@ -187,8 +189,9 @@ DESCRIPTIONS: dict[str, dict[str, str]] = {
 CROSS_KEY_RULES = """\
 Rules that tie several keys together (checked once, when the config is read; the error names the key):
 
-- A setting the chosen mode would ignore is refused when it differs from its default: a `dp-*` key outside
-  central/distributed DP, a `local-*` key without `dp = "local"`, `clip-target-quantile`,
+- A setting the chosen mode would ignore is refused when it differs from its default: `dp-clip` and
+  `dp-noise-multiplier` outside central/distributed DP, `dp-secure-noise` and `dp-expected-clients` outside
+  central DP, `dp-delta` and `accountant` under `dp = "none"`, a `local-*` key without `dp = "local"`, `clip-target-quantile`,
   `clip-learning-rate`, `clip-count-noise` without `adaptive-clipping`, `target-epsilon` outside
   central/distributed DP. Settings of other codecs, rules or `secagg-*` without SecAgg+ are range-checked
   and unused, so a scenario can carry the alternatives a `--set` switches to.
@@ -369,7 +372,7 @@ def generate() -> str:
               "to the config file).", "", *_table([UpstreamSettings], "upstream"), ""]
     lines += ["## Environment variables", "",
               "| variable | effect |", "|---|---|",
-              "| `FEDSHIELD_DEVICE` | `cpu` or `cuda`: the device for aggregation and in-process clients (overrides `device`) |",
+              "| `FEDSHIELD_DEVICE` | `cpu`, `cuda` or `cuda:N`: the device of clients (in-process and agents) and, where `device = \"auto\"` (the default), of aggregation; unset, CUDA when present |",
               "| `FEDSHIELD_KERNELS` | `torch`: turn off the fused CPU kernels (numba) |",
               "| `FEDSHIELD_TORCH_THREADS` | torch threads in clients and agents |",
               "| `FEDSHIELD_AGENT_STATE_DIR` | the agent's default `--state-dir` |",

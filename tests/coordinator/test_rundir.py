@@ -262,6 +262,28 @@ def test_a_file_system_that_cannot_lock_is_said_so_not_blamed_on_a_stale_pid(tmp
         lock_run_dir(tmp_path / "run")
 
 
+def test_a_lock_a_holder_lets_go_of_within_the_wait_is_taken_and_the_wait_said_once(tmp_path):
+    """A coordinator restarted a moment after a killed one waits for its ServerApp to let go, and says so once."""
+    import subprocess
+    import sys
+
+    from coordinator.rundir import lock_run_dir, unlock_run_dir
+
+    run = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", "import time; from coordinator.rundir import lock_run_dir; "
+                               f"lock_run_dir({str(run)!r}); print('held', flush=True); time.sleep(1.0)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        waits: list[str] = []
+        assert lock_run_dir(run, wait=30, on_wait=waits.append) is True
+        assert waits == [str(holder.pid)]
+    finally:
+        holder.kill()
+        holder.wait()
+    unlock_run_dir(run, remove=True)
+
+
 def test_a_finished_run_removes_its_lock_file_and_a_waiting_run_locks_the_new_one(tmp_path):
     """A finished run left .fedshield.lock behind (a new user's trip). The holder removes it while it still holds
     it; a process that opened the old file meanwhile and then gets its lock must not run beside a third one that

@@ -361,10 +361,17 @@ def test_a_run_dir_another_coordinator_holds_is_refused_before_the_superlink_sta
     holder = subprocess.Popen([sys.executable, "-c", "import time; from coordinator.rundir import lock_run_dir; "
                                f"lock_run_dir({str(tmp_path / 'r')!r}); print('held', flush=True); time.sleep(60)"],
                               stdout=subprocess.PIPE, text=True)
+    monkeypatch.setattr("coordinator.service.LOCK_WAIT_S", 0.5)  # (30 s: a killed coordinator's ServerApp lets go)
+    started = []
+    monkeypatch.setattr(Coordinator, "start_superlink", lambda self: started.append(1))
     try:
         assert holder.stdout.readline().strip() == "held"
-        line = _coordinator_error(tmp_path, capsys, monkeypatch, "--run-dir", str(tmp_path / "r"))
-        assert f"run-dir {tmp_path / 'r'} must not be in use by another run. Found it held by process {holder.pid}" in line
+        assert main(["coordinator", "start", "--config", str(tmp_path / "c.toml"), "--run-dir", str(tmp_path / "r")]) == 2
+        assert not started, "refused before the SuperLink starts"
+        err = capsys.readouterr().err.strip().splitlines()
+        assert [line for line in err if "waiting up to 0 s" in line and f"held by process {holder.pid}" in line]
+        assert err[-1].startswith("fedshield: error: ") and not any("Traceback" in line for line in err), err
+        assert f"run-dir {tmp_path / 'r'} must not be in use by another run. Found it held by process {holder.pid}" in err[-1]
     finally:
         holder.kill()
         holder.wait()
