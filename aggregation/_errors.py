@@ -5,12 +5,15 @@ from typing import Any
 
 
 SHOWN_CHARS = 80  # the most of a found value an error message repeats
+_WHOLE_REPR = 1 << 16  # a longer string or bytes is cut before its repr (counted then by its own length)
 
 
 def shown(value: Any, limit: int = SHOWN_CHARS) -> str:
     """``repr(value)`` for an error message, cut to ``limit`` characters with the length it had:
     a value from the network or a config file (a 100 kB string, a 300-digit number) must not flood
     the log or the one-line message it lands in."""
+    if isinstance(value, str | bytes) and len(value) > _WHOLE_REPR:  # (a 64 MB reason: cut before repr copies it)
+        return f"{repr(value[:limit])[:limit]}... ({len(value)} characters)"
     text = repr(value)
     if len(text) <= limit:
         return text

@@ -28,6 +28,10 @@ PINNED = (
     ("flwr.supernode.cli.flower_supernode", "flower_supernode"),
     ("flwr.supernode.cli.flower_supernode", "_start_supernode_http_api"),
     ("flwr.superlink.grid.http_grid", "pull_objects"),
+    ("flwr.superlink.grid.http_grid", "inflate_object_from_contents"),
+    ("flwr.app.message.message", "make_message"),
+    ("flwr.supercore.inflatable.inflatable_object", "get_object_body"),
+    ("flwr.common.serde_utils", "metadata_from_proto"),
     ("flwr.supernode.runtime.run_clientapp", "pull_and_inflate_object_from_tree"),
     ("flwr.supercore.runtime", "RuntimeHttpClient"),
     ("flwr.supercore.interceptors", "RuntimeTokenHttpInterceptor"),
@@ -122,12 +126,47 @@ def patch_supernode(poll_interval: float, reply_poll: float = 0.01, pull_backoff
     return polls
 
 
+UNREADABLE_REPLY = 9001  # the error code of a reply whose objects Flower could not inflate (none of Flower's codes)
+
+
+def _unreadable_reply(head: bytes | None, exc: Exception):
+    """An error reply standing in for a reply Flower could not inflate, as a reply to the message its own
+    object names (its metadata, as Flower would have read it from ``head``), so that the round refuses it and goes
+    on."""
+    from flwr.app import Error, Message, Metadata
+
+    reason = f"the reply's objects could not be read ({type(exc).__name__}: {str(exc)[:200]})"
+    try:
+        proto = pinned("flwr.proto.message_pb2", "Message").FromString(
+            pinned("flwr.supercore.inflatable.inflatable_object", "get_object_body")(head, Message))
+        metadata = pinned("flwr.common.serde_utils", "metadata_from_proto")(proto.metadata)
+    except Exception:  # noqa: BLE001  (the message object itself: a reply to nothing, counted as unknown)
+        metadata = Metadata(run_id=0, message_id="", src_node_id=0, dst_node_id=0, reply_to_message_id="",
+                            group_id="", created_at=0.0, ttl=0.0, message_type="train")
+    return pinned("flwr.app.message.message", "make_message")(
+        metadata=metadata, error=Error(code=UNREADABLE_REPLY, reason=reason))
+
+
 def patch_grid(pull_backoff: float = 0.02) -> None:
     """The ServerApp's grid retries a reply whose objects are still uploading from ``pull_backoff`` (Flower:
-    1 s, doubling), not a second after the node sent it. Idempotent."""
+    1 s, doubling), not a second after the node sent it; and a reply it cannot inflate (an Array whose JSON
+    body Flower's constructor refuses: the SuperLink checks only objects' heads) becomes an error reply to
+    its message, where Flower's one loop over a pull raised and lost every reply of it. Idempotent."""
     grid = importlib.import_module("flwr.superlink.grid.http_grid")
     if not isinstance(grid.pull_objects, functools.partial):
         grid.pull_objects = functools.partial(grid.pull_objects, initial_backoff=pull_backoff, backoff_cap=1.0)
+    real = grid.inflate_object_from_contents
+    if not getattr(real, "fedshield_guarded", False):
+        @functools.wraps(real)
+        def inflate(object_id: str, contents: dict, *args, **kwargs):
+            head = contents.get(object_id)  # (the message's own object, a few hundred bytes: Flower pops what it reads)
+            try:
+                return real(object_id, contents, *args, **kwargs)
+            except Exception as exc:  # noqa: BLE001  (whatever a client's bytes make Flower raise)
+                return _unreadable_reply(head, exc)
+
+        inflate.fedshield_guarded = True
+        grid.inflate_object_from_contents = inflate
 
 
 def patch_worker(pull_backoff: float = 0.02) -> None:

@@ -174,10 +174,15 @@ def _value_nbytes(value: Any) -> int:
     return 1 if isinstance(value, bool) else 8
 
 
+def _array_nbytes(a: Any) -> int:
+    """An Array's data and what declares it (dtype, stype: strings a client may make megabytes long; 8 a dim)."""
+    return len(a.data) + _value_nbytes(a.dtype) + _value_nbytes(a.stype) + 8 * len(a.shape)
+
+
 def record_nbytes(rec: Any) -> int:
-    """Bytes one record carries: every key, every Array's data, every config or metric value."""
+    """Bytes one record carries: every key, every Array's data and declared layout, every config or metric value."""
     if isinstance(rec, ArrayRecord):
-        return sum(len(k) + len(a.data) for k, a in rec.items())
+        return sum(len(k) + _array_nbytes(a) for k, a in rec.items())
     return sum(len(k) + _value_nbytes(v) for k, v in rec.items())
 
 

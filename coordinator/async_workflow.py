@@ -228,12 +228,16 @@ class BufferedAsyncWorkflow(SyncWorkflow):
                     if self.round >= total:
                         break  # the last release is out; the rest stay "in flight" (unresolved) at the end
                     mid = reply.metadata.reply_to_message_id
-                    flight = self.inflight.pop(mid, None)
+                    flight = self.inflight.get(mid)
                     if flight is None:  # not ours, or already resolved: the Grid should never do this
+                        window["rejected"]["unknown-message"] += 1
+                        window["bytes_up"] += message_nbytes(reply)
                         log(WARNING, "[fedshield] async: ignoring a reply to an unknown or resolved message %s",
                             str(mid)[:16])
                         continue
-                    self._resolved.add(mid)
+                    if reply.has_error() or reply.metadata.src_node_id == flight.node_id:
+                        del self.inflight[mid]  # answered; one from another node (refused) leaves it open for its own
+                        self._resolved.add(mid)
                     window["replies"] += 1
                     if not self._take(reply, mid, flight, acc, window):
                         continue

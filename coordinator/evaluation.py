@@ -71,7 +71,7 @@ def federated_evaluate(wf: Any, rnd: int, nodes: list[int]) -> dict[str, Any]:
     sums: dict[str, float] = {}
     weights: Counter[str] = Counter()  # each metric's examples: a reply that gives no such metric does not dilute it
     examples, accepted, rejected = 0, 0, Counter()
-    replies = _receive(wf, sent, deadline_of(wf.grid, started, wf.clock.now(), s.round_timeout))
+    replies, missing = _receive(wf, sent, deadline_of(wf.grid, started, wf.clock.now(), s.round_timeout))
     for reply in replies:
         node = sent.get(reply.metadata.reply_to_message_id, -1)
         try:
@@ -86,24 +86,28 @@ def federated_evaluate(wf: Any, rnd: int, nodes: list[int]) -> dict[str, Any]:
                 sums[key] = sums.get(key, 0.0) + n * v
                 weights[key] += n
     means = {k: v / weights[k] for k, v in sums.items()}
-    out = {"fed_eval_nodes": accepted, "fed_eval_missing": len(sent) - len(replies), "fed_eval_examples": examples,
+    out = {"fed_eval_nodes": accepted, "fed_eval_missing": missing, "fed_eval_examples": examples,
            "fed_eval_loss": means.pop("loss", None), "fed_eval_accuracy": means.pop("accuracy", None),
            "fed_eval_rejected": dict(rejected)}
     return {**out, "fed_eval_metrics": means} if means else out  # the task's own (a regression's rmse), by name
 
 
-def _receive(wf: Any, sent: dict[str, int], deadline: float) -> list[Message]:
-    """The replies to ``sent`` that arrive by ``deadline`` (polled on the workflow's clock)."""
+def _receive(wf: Any, sent: dict[str, int], deadline: float) -> tuple[list[Message], int]:
+    """The replies to ``sent`` that arrive by ``deadline`` (polled on the workflow's clock), and how many of
+    ``sent`` had none."""
     pending, out = dict(sent), []
     s = wf.cfg.server
     while pending:
         for reply in pull_bounded(wf.grid, list(pending), wf.clock, deadline):
-            if pending.pop(reply.metadata.reply_to_message_id, None) is not None:
+            node = pending.get(mid := reply.metadata.reply_to_message_id)
+            if node is not None:  # answered; one from another node (refused) leaves it open for its own
+                if reply.has_error() or reply.metadata.src_node_id == node:
+                    del pending[mid]
                 out.append(reply)
         if not pending or wf.clock.now() >= deadline:
             break
         wf.clock.sleep(min(s.poll_interval, max(0.0, deadline - wf.clock.now())))
-    return out
+    return out, len(pending)
 
 
 __all__ = ["federated_evaluate"]

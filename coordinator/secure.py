@@ -175,9 +175,11 @@ class SecureRound:
         while pending.keys() & mains:
             for reply in pull_bounded(grid, list(pending), clock, deadline):
                 mid = reply.metadata.reply_to_message_id
-                if pending.pop(mid, "gone") == "gone":
+                if mid not in pending:
                     continue  # not ours or already seen: Grid ids are unique, nothing to count
                 node = sent[mid]
+                if reply.has_error() or reply.metadata.src_node_id == node:
+                    del pending[mid]  # answered; one from another node (refused) leaves it open for its own
                 stats["replies"] += 1
                 size = message_nbytes(reply)
                 stats["bytes_up"] += size  # every reply that came up, refused ones too
@@ -367,17 +369,24 @@ class SecureRound:
             train = {ARRAYS: ArrayRecord({WEIGHTS: tensor_to_array(wf.weights)}), CONFIG: instr.to_record()}
             if wf.cfg.privacy.dp == "local":  # the clients train by DP-SGD inside the masked-input stage too
                 train[LOCAL_DP] = ConfigRecord(wf.cfg.privacy.local_record())
-            max_bytes = params.dim * ring_dtype(params.bits).itemsize + 1024
+            ring = ring_dtype(params.bits)
+            max_bytes = params.dim * ring.itemsize + 1024
 
             def on_masked(node: int, reply: Message, ask: _Ask) -> None:
                 arrays = record_of(reply.content, ARRAYS, ArrayRecord)
                 metrics = record_of(reply.content, METRICS, MetricRecord)
                 if arrays is None or MASKED not in arrays or metrics is None:
                     raise SecAggRejected(node, "missing-record", f"reply must hold '{ARRAYS}'/'{MASKED}' and '{METRICS}'")
+                if len(arrays) != 1:  # nothing else is read: unchecked, an array of any size would ride along
+                    raise SecAggRejected(node, "unexpected-record", f"'{ARRAYS}' must hold only '{MASKED}'; found "
+                                                                    f"{len(arrays)} arrays")
                 array = arrays[MASKED]
                 if len(array.data) > max_bytes:
                     raise SecAggRejected(node, "oversized", f"masked input must be <= {max_bytes} bytes; "
                                                             f"found {len(array.data)}")
+                if (array.stype, array.dtype, tuple(array.shape)) != ("numpy.ndarray", ring.name, (params.dim,)):
+                    raise SecAggRejected(node, "bad-array", f"masked input must be declared a numpy.ndarray of "
+                                                            f"{ring.name} and shape ({params.dim},)")
                 weight = 1.0
                 if by_examples:  # the count is public (it weights the mean); the coordinator checks the sum of them
                     weight = secagg_weight(check_num_examples(node, metrics, wf.cfg.server.max_examples),

@@ -476,6 +476,9 @@ class SyncWorkflow:
         pending = dict.fromkeys(sent)  # ordered: in-process engines then add in send order
         deadline = deadline_of(self.grid, pushed_at, sent_at, s.round_timeout)
         late_in, stalenesses, closed_early = 0, [], False
+        # Under a robust rule a node is one row: its carried late reply and its fresh one would be two (as FedBuff)
+        one_each = self.cfg.aggregation.aggregator != "mean"
+        claimed: set[int] = set()
 
         def reject(rej: RejectedReply) -> None:
             rejected[rej.rule] += 1
@@ -506,6 +509,11 @@ class SyncWorkflow:
                 except RejectedReply as rej:
                     reject(rej)
                     continue
+                if one_each and ok.node_id in claimed:
+                    reject(RejectedReply(ok.node_id, "duplicate-contributor", "a node adds at most one update to a round under "
+                                         f"aggregator = {self.cfg.aggregation.aggregator!r}; this round has one of it"))
+                    continue
+                claimed.add(ok.node_id)
                 batch.append((reply, late_exp, ok, weight, ok_exp))
             # the norm rules, checked while adding: this pull's replies in one pass over the sum
             added = add_replies(acc, [(ok, weight, ok_exp) for _, _, ok, weight, ok_exp in batch])

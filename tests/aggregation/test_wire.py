@@ -323,3 +323,19 @@ def test_a_header_seen_before_is_not_parsed_again(monkeypatch):
     monkeypatch.setattr(wire, "_parse_header_uncached", lambda d: calls.append(1) or real(d))
     assert array_view(tensor_to_array(torch.zeros(37, dtype=torch.float32)), "float32", 37).shape == (37,)
     assert calls == []
+
+
+def test_a_huge_value_is_shown_cut_without_copying_it_whole():
+    """A client's 64 MiB error reason: cut before its repr is made (it was copied about four times to refuse it)."""
+    import tracemalloc
+
+    from aggregation._errors import shown
+
+    reason = "\x00" * (64 << 20)
+    tracemalloc.start()
+    text = shown(reason, 40)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 1 << 20, f"{peak >> 20} MiB"
+    assert text.startswith("'\\x00\\x00") and text.endswith(f"... ({len(reason)} characters)") and len(text) < 80
+    assert shown("short") == "'short'" and shown(b"x" * 500, 20).endswith("... (503 characters)")  # (its repr's)

@@ -114,10 +114,40 @@ def test_the_runtime_api_method_the_secret_protects():
 def test_the_serverapp_grid_retries_reply_objects_from_20_ms(monkeypatch):
     grid = importlib.import_module("flwr.superlink.grid.http_grid")
     monkeypatch.setattr(grid, "pull_objects", grid.pull_objects)
+    monkeypatch.setattr(grid, "inflate_object_from_contents", grid.inflate_object_from_contents)
     flower_pins.patch_grid()
     flower_pins.patch_grid()  # idempotent: one partial, not one wrapped in another
     assert grid.pull_objects.keywords == {"initial_backoff": 0.02, "backoff_cap": 1.0}
     assert not isinstance(grid.pull_objects.func, type(grid.pull_objects))
+    assert grid.inflate_object_from_contents.__wrapped__ is importlib.import_module(
+        "flwr.supercore.inflatable.inflatable_utils").inflate_object_from_contents  # one guard, not two
+
+
+def test_a_reply_the_serverapp_grid_cannot_inflate_is_an_error_reply_to_its_message(monkeypatch):
+    """A float in an Array's declared shape (Flower's constructor refuses it; the SuperLink checks only heads):
+    an error reply to the message it answers, not an exception out of the grid's pull of every reply."""
+    import numpy as np
+    from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
+    from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
+
+    from simulations.inprocess import ensure_task_identity
+
+    ensure_task_identity()
+    grid = importlib.import_module("flwr.superlink.grid.http_grid")
+    monkeypatch.setattr(grid, "inflate_object_from_contents", grid.inflate_object_from_contents)
+    flower_pins.patch_grid()
+    ins = Message(RecordDict({"config": ConfigRecord({"a": 1})}), dst_node_id=5, message_type="train", group_id="7")
+    ins.metadata.__dict__["_message_id"] = "the-instruction"
+    reply = Message(RecordDict({"arrays": ArrayRecord({"d": Array(np.zeros(3, np.float32))})}), reply_to=ins)
+    contents = {oid: o.deflate() for oid, o in get_all_nested_objects(reply).items()}
+    good = grid.inflate_object_from_contents(reply.object_id, dict(contents))
+    assert not good.has_error() and good.content["arrays"]["d"].shape == (3,)
+    for oid, body in contents.items():
+        contents[oid] = body.replace(b'"shape": [3]', b'"shape": [3.0]')
+    got = grid.inflate_object_from_contents(reply.object_id, contents)
+    assert got.has_error() and got.error.code == flower_pins.UNREADABLE_REPLY
+    assert "could not be read (TypeError" in got.error.reason
+    assert (got.metadata.reply_to_message_id, got.metadata.group_id) == ("the-instruction", "7")
 
 
 def test_the_worker_pulls_message_objects_from_20_ms(monkeypatch):

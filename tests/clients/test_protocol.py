@@ -215,10 +215,13 @@ def test_records_of_reads_what_the_typed_views_give_and_nbytes_counts_the_same()
     assert record_of(content, CONFIG, ConfigRecord) is content[CONFIG]
     assert record_of(content, "codec", ConfigRecord) is None and record_of(content, "absent", ConfigRecord) is None
     msg = Message(content=content, dst_node_id=1, message_type=MESSAGE_TYPE_TRAIN)
-    # every name and key, bytes by length, a number as 8: config {"a": b"xyz", "n": 3}, arrays {weights},
-    # metrics {"num-examples": 4}, an empty ArrayRecord under "codec"
+    # every name and key, bytes by length, a number as 8: config {"a": b"xyz", "n": 3}, arrays {weights: its data,
+    # dtype "float32", stype "numpy.ndarray", one dim}, metrics {"num-examples": 4}, an empty ArrayRecord under "codec"
     assert message_nbytes(msg) == ((len(CONFIG) + 1 + 3 + 1 + 8) + (len(ARRAYS) + len(WEIGHTS) + len(
-        content[ARRAYS][WEIGHTS].data)) + (len(METRICS) + len("num-examples") + 8) + len("codec"))
+        content[ARRAYS][WEIGHTS].data) + len("float32") + len("numpy.ndarray") + 8) + (len(METRICS) + len(
+            "num-examples") + 8) + len("codec"))
+    content[ARRAYS][WEIGHTS].__dict__["stype"] = "s" * (1 << 20)  # a declared layout of megabytes is counted
+    assert message_nbytes(msg) > 1 << 20
 
 
 def test_a_train_message_whose_config_is_not_a_config_record_is_refused():

@@ -94,3 +94,26 @@ class SlowRemoteGrid(InProcessGrid):
         self.events.append(("pull", len(ids)))
         self.clock.t += self.pull_s
         return super().pull_messages(ids)
+
+
+class ForgingGrid(InProcessGrid):
+    """Each reply of ``victim`` comes after a copy claiming to be from ``forger``, in the same pull. The SuperLink
+    refuses such a reply; behind it, the coordinator must refuse it and still take the victim's own (a review:
+    FedBuff, federated evaluation and SecAgg+ let the forged copy close the victim's message)."""
+
+    def __init__(self, client, num_nodes: int, victim: int, forger: int) -> None:
+        super().__init__(client, num_nodes)
+        self.victim, self.forger, self.forged = victim, forger, 0
+
+    def pull_messages(self, message_ids):
+        import copy
+
+        out = []
+        for reply in super().pull_messages(message_ids):
+            if reply.metadata.src_node_id == self.victim and not reply.has_error():
+                forged = copy.deepcopy(reply)
+                forged.metadata.__dict__["_src_node_id"] = self.forger
+                out.append(forged)
+                self.forged += 1
+            out.append(reply)
+        return out

@@ -18,7 +18,7 @@ from coordinator.rundir import time_label
 from simulations.inprocess import InProcessGrid
 from simulations.virtual import DeviceProfile, VirtualClock, VirtualGrid, tiered_profiles
 
-from .helpers import FakeClock, SlowRemoteGrid, reply_with
+from .helpers import FakeClock, ForgingGrid, SlowRemoteGrid, reply_with
 
 FAST = DeviceProfile("fast", compute_s_per_example=0.001, uplink_mbps=100.0, downlink_mbps=100.0, latency_s=0.01)
 SLOW = dataclasses.replace(FAST, tier="slow", compute_s_per_example=0.01)  # 10 examples x 3 epochs: 0.3 s vs 0.03 s
@@ -347,3 +347,16 @@ def test_a_remote_grid_is_pulled_in_bounded_asks_and_a_release_dispatches_before
     assert grid.events[:4] == [("push", 16), ("pull", 4), ("push", 4), ("pull", 4)], grid.events
     assert wf.history[1]["mean_staleness"] == pytest.approx(1.0)  # the second release: replies to version 0
     assert wf.accepted_total == 12 and wf.accepted_total + wf.rejected_total + len(wf.inflight) == wf.dispatched
+
+
+def test_a_reply_forged_from_another_node_is_counted_and_leaves_the_message_open_for_its_own(tmp_path):
+    """Node 1001 also answers node 1002's messages: FedBuff took the forged copy as the answer, refused it, and
+    ignored 1002's own reply uncounted. Now the copy is refused (unknown-sender) and 1002's update is used."""
+    grid = ForgingGrid(app, 3, victim=1002, forger=1001)
+    wf = BufferedAsyncWorkflow(cfg(**{"workflow": "fedbuff", "buffer-size": 3, "concurrency": 3, "num-rounds": 2,
+                                      "min-nodes": 3, "task": "digits"}), grid, RunDirectory(tmp_path))
+    wf.run()
+    assert grid.forged >= 2 and wf.round == 2
+    refused = sum(r["rejected_by_rule"].get("unknown-sender", 0) for r in wf.history)
+    assert 1 <= refused <= grid.forged  # (pulled after the last release: left unread, as every reply then)
+    assert sum(1 for e in wf.ledger if e.node_id == 1002 and e.outcome == "accepted") >= 2

@@ -191,6 +191,21 @@ def _huge_metric(reply, replies, msg):
     return reply
 
 
+def _extra_array(reply, replies, msg):
+    reply.content.array_records[ARRAYS]["junk"] = Array(np.zeros(1, np.uint8))  # an array nothing would read
+    return reply
+
+
+def _huge_declared_dtype(reply, replies, msg):
+    reply.content.array_records[ARRAYS][MASKED].__dict__["dtype"] = "u" * (1 << 20)  # read by nothing, was counted by nothing
+    return reply
+
+
+def _lying_dtype(reply, replies, msg):
+    reply.content.array_records[ARRAYS][MASKED].__dict__["dtype"] = "float32"  # its bytes are the ring's
+    return reply
+
+
 BAD = {  # (stage, mutate, rule, counted as survivor?)
     "replayed reply of another node": ("setup", _replayed_setup, "unknown-sender", False),
     "keys claimed for another node": ("setup", _claims_other_node, "unknown-sender", False),
@@ -205,6 +220,10 @@ BAD = {  # (stage, mutate, rule, counted as survivor?)
     "a megabyte in the keys' header record": ("setup", _huge_header_field, "oversized", False),
     "a megabyte of metrics with the masked input": ("masked-input", _huge_metric, "oversized", False),
     "a megabyte in the unmask header record": ("unmask", _huge_header_field, "oversized", True),
+    # a review: the masked input's record could carry other arrays, and its declared dtype any string, uncounted
+    "a second array beside the masked input": ("masked-input", _extra_array, "unexpected-record", False),
+    "a megabyte of declared dtype on the masked input": ("masked-input", _huge_declared_dtype, "oversized", False),
+    "a masked input declared of another dtype": ("masked-input", _lying_dtype, "bad-array", False),
 }
 
 
@@ -218,8 +237,20 @@ def test_bad_messages_are_rejected_with_a_reason_and_the_round_completes(tmp_pat
     survivors = [n for n in range(1001, 1001 + N) if n != 1002 or survives]
     assert row["secagg_survivors"] == len(survivors)
     torch.testing.assert_close(wf.weights, plain_reference(tmp_path, survivors), rtol=0, atol=1e-6)
-    if mutate in (_huge_vector, _extra_record, _huge_header_field, _huge_metric):  # refused, yet it came up: counted
+    if mutate in (_huge_vector, _extra_record, _huge_header_field, _huge_metric, _huge_declared_dtype):  # counted
         assert row["bytes_up"] > 1 << 20, row
+
+
+def test_a_reply_forged_from_another_node_costs_nothing_but_itself(tmp_path):
+    """Node 1001 also answers node 1002's messages at every stage: each copy refused, and 1002 still a survivor."""
+    from .helpers import ForgingGrid
+
+    grid = ForgingGrid(app, N, victim=1002, forger=1001)
+    wf = run(tmp_path, grid, **{"secure-aggregation": "secagg+"})
+    row = wf.history[0]
+    assert grid.forged == 4 and row["rejected_by_rule"] == {"unknown-sender": 4}, row
+    assert row["secagg_survivors"] == N and "secagg_failure" not in row
+    torch.testing.assert_close(wf.weights, plain_reference(tmp_path, list(range(1001, 1001 + N))), rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("stage, mutate", [("share-keys", _tampered_share), ("unmask", _wrong_unmask_shares)])

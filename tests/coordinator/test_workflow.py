@@ -14,7 +14,7 @@ from coordinator import RunConfig, RunDirectory, SyncWorkflow
 from coordinator.rundir import CHECKPOINT, CONFIG, METRICS, MODEL, PLOT, SUMMARY
 from simulations.inprocess import InProcessGrid
 
-from .helpers import FakeClock, SlowRemoteGrid, mixed, stock_flower_bad
+from .helpers import FakeClock, ForgingGrid, SlowRemoteGrid, mixed, stock_flower_bad
 
 BAD_KINDS = ["wrong-length", "nan", "inf", "float64", "zero-examples", "huge-examples", "stale", "huge-values", "large-norm"]
 RULE = {"wrong-length": "bad-array", "nan": "non-finite", "inf": "non-finite", "float64": "oversized",
@@ -368,6 +368,70 @@ def test_a_late_reply_is_dropped_or_carried_into_the_next_round_weighted_by_stal
         assert "late_accepted" not in r2 and r2["accepted"] == r2["selected"] and seen == []
 
 
+@pytest.mark.parametrize("rule", ["median", "norm-bounded-mean"])
+def test_under_a_robust_rule_a_carried_late_reply_and_a_fresh_one_of_the_same_node_are_one_row(tmp_path, rule):
+    """A review: with fewer idle nodes than min-nodes a busy node is asked again, and its late reply and its fresh
+    one both entered the round: two of a median's rows (twice the clip bound) for one node. The second is refused."""
+    import coordinator.workflow as W
+    from simulations.virtual import VirtualClock
+
+    c = cfg(**{"num-rounds": 2, "min-nodes": 4, "close-after-replies": 3, "late-replies": "carry", "aggregator": rule,
+               "poll-interval": 1.0, **({"clip-norm": 1.0} if rule == "norm-bounded-mean" else {})})
+    added: list[int] = []
+    real = W.add_replies
+    W.add_replies = lambda acc, items: added.extend(ok.node_id for ok, _, _ in items) or real(acc, items)
+    try:
+        wf = SyncWorkflow(c, HoldingGrid(run_train_app(), 4, slow=1004), RunDirectory(tmp_path), clock=VirtualClock())
+        wf.run()
+    finally:
+        W.add_replies = real
+    r1, r2 = wf.history
+    assert r1["accepted"] == 3 and r1["late"] == 1 and r2["selected"] == 4  # the busy node was asked again
+    assert r2["rejected_by_rule"] == {"duplicate-contributor": 1} and r2["accepted"] == 4, r2
+    assert sorted(added[3:]) == [1001, 1002, 1003, 1004]
+
+
+def test_a_reply_flower_cannot_inflate_is_refused_and_the_rest_of_its_pull_kept(tmp_path):
+    """A review: the SuperLink checks only an object's head; an Array whose JSON body Flower's constructor refuses
+    (a float in its shape) raised out of the ServerApp grid's pull and ended the run, losing the pull's other
+    replies. Pulled as Flower's HttpGrid pulls (every reply deflated, inflated by the patched function)."""
+    import importlib
+
+    from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects
+
+    from clients.client_app import app
+    from clients.flower_pins import patch_grid
+    from clients.protocol import ARRAYS
+
+    patch_grid()
+    http_grid = importlib.import_module("flwr.superlink.grid.http_grid")
+
+    class WireGrid(InProcessGrid):
+        def pull_messages(self, message_ids):
+            out = []
+            for m in super().pull_messages(message_ids):
+                objects = get_all_nested_objects(m)  # (the message last, after its children)
+                contents = {oid: o.deflate() for oid, o in objects.items()}
+                got = http_grid.inflate_object_from_contents(list(objects)[-1], contents)
+                got.metadata.__dict__["_message_id"] = list(objects)[-1]
+                out.append(got)
+            return out
+
+    def client(msg, ctx):
+        reply = app(msg, ctx)
+        if ctx.node_id == 1002:
+            for a in reply.content[ARRAYS].values():
+                a.__dict__["shape"] = tuple(float(s) for s in a.shape)
+                a.__dict__.pop("_object_id", None)
+        return reply
+
+    c = cfg(**{"num-rounds": 2, "min-nodes": 3, "round-timeout": 20.0})  # (a reply left unmatched: 20 s, not 300)
+    wf = SyncWorkflow(c, WireGrid(client, 3), RunDirectory(tmp_path))
+    wf.run()
+    assert wf.round == 2 and [r["accepted"] for r in wf.history] == [2, 2]
+    assert all(r["rejected_by_rule"] == {"error-reply": 1} for r in wf.history), wf.history
+
+
 def test_carrying_late_replies_is_refused_where_a_round_must_hold_only_its_own_clients():
     from clients._errors import ConfigError
 
@@ -678,6 +742,22 @@ def test_federated_evaluation_keeps_the_same_deadline_and_bounded_pulls(tmp_path
     # train: push 0-20 s, asks end at 30, 40, 50; evaluation: push 50-70 s (deadline 95), asks end at 80, 90, 100
     assert row["accepted"] == 12 and row["fed_eval_nodes"] == 12 and row["fed_eval_missing"] == 4
     assert grid.asks == [4, 4, 4, 4, 4, 4]
+
+
+def test_a_reply_forged_from_another_node_leaves_the_message_open_for_its_own_in_training_and_evaluation(tmp_path):
+    """Node 1001 also answers node 1002's messages (the SuperLink refuses that; behind it, the coordinator must
+    too): refused and counted, and 1002's own reply still used, in the round and in its federated evaluation."""
+    c = cfg(**{"num-rounds": 1, "min-nodes": 3, "federated-eval-every": 1, "round-timeout": 20.0})
+    grid = ForgingGrid(run_train_app(), 3, victim=1002, forger=1001)
+    wf = SyncWorkflow(c, grid, RunDirectory(tmp_path / "a"))
+    wf.run()
+    row = wf.history[0]
+    assert grid.forged == 2 and row["rejected_by_rule"] == {"unknown-sender": 1} and row["accepted"] == 3
+    assert row["fed_eval_nodes"] == 3 and row["fed_eval_missing"] == 0 and row["fed_eval_rejected"] == {"wrong-node": 1}
+    ref = SyncWorkflow(c, InProcessGrid(run_train_app(), 3), RunDirectory(tmp_path / "b"))
+    ref.run()
+    torch.testing.assert_close(wf.weights, ref.weights, rtol=0, atol=0)
+    assert row["fed_eval_accuracy"] == ref.history[0]["fed_eval_accuracy"]
 
 
 def test_a_row_counts_as_evaluated_by_any_figure_of_the_tasks():
