@@ -28,7 +28,7 @@ from aggregation.staleness import create_staleness
 from clients import ClientError
 from clients.protocol import (ARRAYS, CLIENT_TIME, CODEC, CONFIG, LOCAL_DP, MESSAGE_TYPE_TRAIN, METRICS, WEIGHTS, TrainInstruction,
                               message_nbytes, metric_values, update_nbytes)
-from clients.tasks import evaluated, get_task, load_task
+from clients.tasks import Task, evaluated, get_task, load_task
 from clients.tasks.layout import frozen_match
 
 from ._errors import CoordinatorError
@@ -237,6 +237,21 @@ class SyncWorkflow:
         self._eval_names: set[str] = set()  # what the task's evaluate has given here (eval_names)
         self.numel = self.layout.numel
         self.optimizer = create_server_optimizer(cfg.server.server_optimizer, **cfg.server.optimizer_params())
+        # Federated buffers (running statistics) are averaged, not optimized: they take the plain mean delta whatever
+        # the server optimizer; variances are kept at 0 or above (see ModelLayout.nonneg)
+        self._buffers = self.layout.index(buffers=True).to(self.device)
+        self._nonneg = self.layout.index(self.layout.nonneg).to(self.device)
+        if cfg.train.proximal_mu > 0 and type(self.task).train is not Task.train:
+            log(WARNING, "[fedshield] %s brings its own train: proximal-mu = %g reaches it as settings.proximal_mu, and "
+                "only its loop can apply it (the global weights are the model's at the start of train; docs/tasks.md)",
+                type(self.task).__name__, cfg.train.proximal_mu)
+        a = cfg.aggregation
+        lossy = [c for c in (a.codec, a.slow_link_codec if a.slow_link_mbps > 0 else "dense") if c != "dense"]
+        if self._buffers.numel() and lossy:
+            log(WARNING, "[fedshield] %s federates %d buffer values (running statistics) and codec %r compresses them "
+                "like any delta: the global statistics drift from the clients' mean (a variance the sum takes below 0 "
+                "keeps its value); keep them on the clients with federate_buffers = False (FedBN)",
+                type(self.task).__name__, self._buffers.numel(), lossy[0])
         self.codec, self.codec_header, self.max_update_bytes = self._codec_plan(cfg.aggregation.make_codec())
         # slow-link-mbps: nodes reporting a slower uplink are asked for slow-link-codec instead
         self.slow_link = (self._codec_plan(cfg.aggregation.make_codec(cfg.aggregation.slow_link_codec))
@@ -371,7 +386,14 @@ class SyncWorkflow:
             log(WARNING, "[fedshield] round %d: the aggregate holds a non-finite value; the global model is unchanged",
                 rnd)
             return False
+        variances = self.weights[self._nonneg] if self._nonneg.numel() else None
+        stats = self.weights[self._buffers] + delta[self._buffers] if self._buffers.numel() else None
         self.weights = self.optimizer.step(self.weights, delta)
+        if stats is not None:
+            self.weights[self._buffers] = stats
+        if variances is not None:  # one the sum took below 0 keeps its value (at 0 its layer would scale by 1/sqrt(eps))
+            now = self.weights[self._nonneg]
+            self.weights[self._nonneg] = torch.where(now >= 0, now, variances)
         self.version += 1
         return True
 

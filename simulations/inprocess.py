@@ -8,6 +8,7 @@ backends"). The round logic runs on it unchanged; replies travel as Flower
 from __future__ import annotations
 
 import copy
+import traceback
 import uuid
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -49,6 +50,9 @@ def ensure_task_identity(run_id: int = 1) -> None:
         TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = run_id, SUPERLINK_NODE_ID, 1
 
 
+_SHOWN: set[tuple[str, str]] = set()  # client errors logged with their traceback in this process
+
+
 def call_client(client: ClientFn, msg: Message, ctx: Context) -> Message:
     """Run the client on its own copy of one message (as a transport would deliver it; clients may
     mutate what they receive); like Flower, a raising ClientApp becomes an error reply. fedshield's own
@@ -58,7 +62,13 @@ def call_client(client: ClientFn, msg: Message, ctx: Context) -> Message:
     try:
         return client(msg if own else copy.deepcopy(msg), ctx)
     except Exception as exc:  # noqa: BLE001 - the node's failure is the round's data, not the engine's crash
-        log(WARNING, "[fedshield] node %d: client raised %r", ctx.node_id, exc)
+        key = (type(exc).__name__, str(exc)[:200])
+        if key not in _SHOWN and len(_SHOWN) < 64:  # the first of each: with its traceback (the user's file:line)
+            _SHOWN.add(key)
+            log(WARNING, "[fedshield] node %d: client raised %r\n%s", ctx.node_id, exc,
+                "".join(traceback.format_exception(exc)).rstrip())
+        else:
+            log(WARNING, "[fedshield] node %d: client raised %r", ctx.node_id, exc)
         return Message(error=Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=repr(exc)[:500]), reply_to=msg)
 
 

@@ -48,6 +48,8 @@ def _import_module(where: str, name: str):
         mod_name = "fedshield_task_" + hashlib.sha256(str(path).encode()).hexdigest()[:16]
         if mod_name in sys.modules:
             return sys.modules[mod_name]
+        if str(path.parent) not in sys.path:  # its own modules beside it import (after anything installed: a file
+            sys.path.append(str(path.parent))  # there named like a package fedshield uses shadows nothing)
         spec = importlib.util.spec_from_file_location(mod_name, path)
         module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
         sys.modules[mod_name] = module

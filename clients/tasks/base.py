@@ -154,7 +154,7 @@ class Task(ABC):
         ``target``'s class labels; none for an output of another kind, a dict or a tuple, which ``loss`` reads)."""
         if (isinstance(output, torch.Tensor) and not target.dtype.is_floating_point
                 and output.shape[:-1] == target.shape):
-            return {"accuracy": (output.argmax(-1) == target).float().mean().item()}
+            return {"accuracy": (output.argmax(-1) == target).sum().item() / max(target.numel(), 1)}  # (exact: a count)
         return {}
 
     def augment(self, x: Any, y: torch.Tensor, generator: torch.Generator) -> tuple[Any, torch.Tensor]:
@@ -367,6 +367,9 @@ class Task(ABC):
         if cls.num_classes is not None and (y.min() < 0 or y.max() >= cls.num_classes):
             raise ClientError(f"{source}: y must hold integer labels in [0, {cls.num_classes}). Found {y.dtype} "
                               f"{y.min()}..{y.max()}.")
+        if isinstance(cls.x_dtype, dict) and (unknown := sorted(set(cls.x_dtype) - set(x))):  # a misspelt name cast nothing
+            raise ClientError(f"{source}: x_dtype of task {task} must name only its inputs {names_shown(sorted(x))}. "
+                              f"Found {names_shown(unknown)}.")
         x = {k: _cast(a, _input_dtype(cls.x_dtype, k, a, is_named)) for k, a in x.items()}
         y = _cast(y, cls.y_dtype)
         for what, a in (*x.items(), ("y", y)):

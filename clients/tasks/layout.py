@@ -42,6 +42,10 @@ class ModelLayout:
     # seed's build and no client keeps a copy (a fine-tuned model's backbone: nothing to average, and it was sent
     # down and its zero delta up every round)
     fixed: tuple[str, ...] = ()
+    # federated running variances of normalisation layers (BatchNorm's running_var): a sum of deltas that is not
+    # their plain mean (a stale FedBuff reply, a codec's error, an optimizer's step, DP noise) can take one below 0,
+    # where the layer evaluates to NaN; the coordinator keeps them at 0 or above
+    nonneg: tuple[str, ...] = ()
 
     @property
     def numel(self) -> int:
@@ -70,6 +74,8 @@ class ModelLayout:
         unused = {id(m.num_batches_tracked) for m in model.modules()
                   if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.num_batches_tracked is not None
                   and m.momentum is not None}
+        variances = {id(m.running_var) for m in model.modules()
+                     if isinstance(m, nn.modules.batchnorm._NormBase) and m.running_var is not None}
         entries: list[Entry] = []
         local: list[str] = []
         fixed: list[str] = []
@@ -90,7 +96,15 @@ class ModelLayout:
                 continue
             entries.append(Entry(name, tuple(t.shape), t.dtype, offset, t.numel(), buffer))
             offset += t.numel()
-        return cls(tuple(entries), tuple(local), tuple(fixed))
+        nonneg = tuple(e.name for e in entries if id(model.state_dict(keep_vars=True)[e.name]) in variances)
+        return cls(tuple(entries), tuple(local), tuple(fixed), nonneg)
+
+    def index(self, names: tuple[str, ...] | None = None, buffers: bool = False) -> torch.Tensor:
+        """The flat vector's positions of the entries named (or of every buffer): an int64 index, empty if none."""
+        picked = [e for e in self.entries if (e.buffer if buffers else e.name in (names or ()))]
+        if not picked:
+            return torch.zeros(0, dtype=torch.int64)
+        return torch.cat([torch.arange(e.offset, e.offset + e.numel) for e in picked])
 
     def _tensors(self, model: nn.Module) -> list[torch.Tensor]:
         state = model.state_dict(keep_vars=True)

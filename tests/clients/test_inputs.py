@@ -80,6 +80,13 @@ def test_named_inputs_are_checked_and_cast_by_kind():
     with pytest.raises(ClientError, match=r"x must hold the inputs 'ids', 'mask', 'side' for task Shaped. Found 'ids'\."):
         Shaped.check_data(Dataset({"ids": x["ids"]}, y), "f.npz")
 
+    class Misspelt(Reviews):
+        x_dtype = {"msk": "float32"}  # (a new user's: the mask stayed bool, said nowhere)
+
+    with pytest.raises(ClientError, match=r"f: x_dtype of task Misspelt must name only its inputs 'ids', 'mask', "
+                                          r"'side'. Found 'msk'\."):
+        Misspelt.check_data(data, "f")
+
     class Wrong(Reviews):
         input_shape = (8,)
 

@@ -138,6 +138,9 @@ def test_the_layout_takes_parameters_and_float_buffers_once_and_leaves_integers_
     assert lay.names == ("emb.weight", "bn.weight", "bn.bias", "bn.running_mean", "bn.running_var",
                          "out.weight", "out.bias")
     assert lay.local == () and lay.numel == 40 + 4 * 4 + 12 + 3  # the batch count: unused under momentum 0.1
+    assert lay.nonneg == ("bn.running_var",)  # the coordinator keeps it >= 0 (not running_mean, not a parameter)
+    assert lay.index(buffers=True).tolist() == list(range(48, 56)) and lay.index(lay.nonneg).tolist() == [52, 53, 54, 55]
+    assert ModelLayout.of(nn.Sequential(nn.Linear(2, 2), nn.InstanceNorm1d(2))).nonneg == ()  # no running stats
     cumulative = BnNet()
     cumulative.bn.momentum = None  # a cumulative average reads its batch count: each client keeps it
     assert ModelLayout.of(cumulative).local == ("bn.num_batches_tracked",)
@@ -651,3 +654,12 @@ def test_under_local_dp_a_statistic_the_forward_writes_is_refused_before_trainin
     assert data_dependent_state(model, x) == ["0.mean"] and torch.equal(model[0].mean, torch.zeros(5))
     assert data_dependent_state(model, x[:1]) == ["0.mean"]  # (one example: compared with zeros)
     assert data_dependent_state(SpectralNormed().build_model(), x) == []
+
+
+def test_a_task_file_imports_the_modules_beside_it(tmp_path):
+    """A new user split a task into model.py and task.py: `from model import Net` was ModuleNotFoundError."""
+    (tmp_path / "fedshield_test_sibling_model.py").write_text("from torch import nn\nWIDTH = 7\n")
+    (tmp_path / "task.py").write_text(
+        "from fedshield_test_sibling_model import WIDTH\nfrom clients.tasks.digits import DigitsTask\n\n"
+        "class Wide(DigitsTask):\n    width = WIDTH\n")
+    assert task_class(f"{tmp_path / 'task.py'}:Wide").width == 7

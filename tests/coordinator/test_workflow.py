@@ -432,6 +432,60 @@ def test_a_reply_flower_cannot_inflate_is_refused_and_the_rest_of_its_pull_kept(
     assert all(r["rejected_by_rule"] == {"error-reply": 1} for r in wf.history), wf.history
 
 
+def test_federated_running_statistics_take_the_plain_mean_and_a_variance_never_goes_below_zero(tmp_path):
+    """A new user's BatchNorm CNN evaluated to NaN under topk, qsgd, FedAdam, FedBuff and distributed DP: a sum of
+    deltas that is not their plain mean (an adaptive step, a stale reply, a codec's error, noise) took running_var
+    below 0. Buffers now take the plain mean delta whatever the server optimizer, and a variance the sum would take
+    below 0 keeps its value."""
+    from pathlib import Path
+
+    cnn = Path(__file__).resolve().parents[2] / "examples" / "tasks" / "cnn_digits.py"
+    wf = SyncWorkflow(cfg(**{"task": f"{cnn}:CnnDigits", "server-optimizer": "fedadam", "server-lr": 0.1}),
+                      InProcessGrid(run_train_app(), 2), RunDirectory(tmp_path))
+    lay = wf.layout
+    buffers, var = lay.index(buffers=True), lay.index(lay.nonneg)
+    params = torch.ones(lay.numel, dtype=torch.bool)
+    params[buffers] = False
+    assert len(lay.nonneg) == 2 and var.numel() == 16 + 32 and buffers.numel() == 2 * var.numel()
+    before = wf.weights.clone()
+    delta = torch.full_like(before, 0.5)
+    delta[var[:5]] = -before[var[:5]] - 1.0  # takes these five variances to -1
+    assert wf._step(1, delta, {})
+    expected = before[buffers] + delta[buffers]
+    expected[torch.isin(buffers, var[:5])] = before[var[:5]]  # kept
+    torch.testing.assert_close(wf.weights[buffers], expected, rtol=0, atol=0)
+    assert (wf.weights[var] >= 0).all()
+    moved = (wf.weights - before)[params]  # the parameters took FedAdam's step: lr 0.1 (1 - beta1) / sqrt(...)
+    assert moved.abs().max() < 0.5 and moved.abs().min() > 0
+
+
+def test_what_a_task_cannot_get_from_a_setting_is_said_once_at_start(tmp_path, caplog):
+    """A lossy codec over federated statistics, and proximal-mu with the task's own train (it was silently
+    ignored): each said in one line when the run is set up."""
+    import logging
+    from pathlib import Path
+
+    from clients.tasks import task_name
+    from clients.tasks.digits import DigitsTask
+
+    class OwnLoop(DigitsTask):
+        def train(self, model, data, settings, generator):
+            return {}
+
+    cnn = Path(__file__).resolve().parents[2] / "examples" / "tasks" / "cnn_digits.py"
+    with caplog.at_level(logging.WARNING):
+        SyncWorkflow(cfg(**{"task": f"{cnn}:CnnDigits", "codec": "topk"}), InProcessGrid(run_train_app(), 2),
+                     RunDirectory(tmp_path / "a"))
+        SyncWorkflow(cfg(**{"task": task_name(OwnLoop), "proximal-mu": 0.5}), InProcessGrid(run_train_app(), 2),
+                     RunDirectory(tmp_path / "b"))
+        SyncWorkflow(cfg(**{"task": f"{cnn}:CnnDigitsFedBN", "codec": "topk", "proximal-mu": 0.5}),
+                     InProcessGrid(run_train_app(), 2), RunDirectory(tmp_path / "c"))  # neither applies: nothing said
+    said = [r.getMessage() for r in caplog.records]
+    assert [m for m in said if "CnnDigits federates 96 buffer values" in m and "federate_buffers = False" in m]
+    assert [m for m in said if "OwnLoop brings its own train: proximal-mu = 0.5 reaches it" in m]
+    assert len([m for m in said if "federates" in m or "brings its own train" in m]) == 2
+
+
 def test_carrying_late_replies_is_refused_where_a_round_must_hold_only_its_own_clients():
     from clients._errors import ConfigError
 

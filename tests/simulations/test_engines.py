@@ -162,3 +162,27 @@ def test_flower_engine_drops_only_flowers_run_simulation_deprecation_notice():
     assert _not_for_our_users(notice) is False
     assert _not_for_our_users(record("DEPRECATED FEATURE: %s", "something else")) is True
     assert _not_for_our_users(record("[fedshield] round %d", 3)) is True
+
+
+def test_a_client_that_raises_is_logged_once_with_its_traceback_then_in_one_line(caplog):
+    """A new user's own train raised: the in-process engine logged only repr(exc), not where (Flower's engine prints
+    the traceback). The first of each error now comes with its traceback, the rest in one line."""
+    import logging
+
+    from flwr.app import ConfigRecord, Context, Message, RecordDict
+
+    from simulations.inprocess import call_client, ensure_task_identity
+
+    ensure_task_identity()
+
+    def client(msg, ctx):
+        raise ValueError("boom from my loop (fedshield test)")
+
+    msg = Message(RecordDict({"config": ConfigRecord({})}), dst_node_id=1001, message_type="query")
+    ctx = Context(run_id=1, node_id=1001, node_config={}, state=RecordDict(), run_config={})
+    with caplog.at_level(logging.WARNING):
+        replies = [call_client(client, msg, ctx) for _ in range(2)]
+    assert all(r.has_error() and "boom from my loop" in r.error.reason for r in replies)
+    said = [r.getMessage() for r in caplog.records if "client raised" in r.getMessage()]
+    assert len(said) == 2 and "Traceback" in said[0] and 'in client\n    raise ValueError' in said[0]
+    assert "Traceback" not in said[1]
