@@ -17,6 +17,7 @@ import os
 import sys
 import time
 import types
+from typing import Any
 
 FLWR_VERSION = "1.42.0"
 
@@ -29,6 +30,7 @@ PINNED = (
     ("flwr.supernode.cli.flower_supernode", "_start_supernode_http_api"),
     ("flwr.superlink.grid.http_grid", "pull_objects"),
     ("flwr.superlink.grid.http_grid", "inflate_object_from_contents"),
+    ("flwr.superlink.grid.http_grid", "HttpGrid"),
     ("flwr.app.message.message", "make_message"),
     ("flwr.supercore.inflatable.inflatable_object", "get_object_body"),
     ("flwr.common.serde_utils", "metadata_from_proto"),
@@ -167,6 +169,51 @@ def patch_grid(pull_backoff: float = 0.02) -> None:
 
         inflate.fedshield_guarded = True
         grid.inflate_object_from_contents = inflate
+    real_pull = grid.HttpGrid.pull_messages
+    if not getattr(real_pull, "fedshield_guarded", False):
+        @functools.wraps(real_pull)
+        def pull_messages(self, message_ids):
+            checked: dict[str, Any] = {}  # message id -> the metadata the SuperLink stored (and checked) for it
+            client = self._runtime_client
+            ask = client.PullMessages
+
+            def recording(request):
+                res = ask(request)
+                checked.update((m.metadata.message_id, m.metadata) for m in res.messages_list)
+                return res
+
+            client.PullMessages = recording
+            try:
+                replies = list(real_pull(self, message_ids))
+            finally:
+                del client.PullMessages
+            return [_as_checked(m, checked.get(m.metadata.message_id)) for m in replies]
+
+        pull_messages.fedshield_guarded = True
+        grid.HttpGrid.pull_messages = pull_messages
+
+
+_CHECKED_FIELDS = ("run_id", "src_node_id", "dst_node_id", "reply_to_message_id", "group_id", "message_type")
+
+
+def _as_checked(message, proto):
+    """``message`` as pulled, when the metadata its own object carries (what Flower's inflate reads, and the sender
+    wrote) agrees with what the SuperLink checked (``proto``: the sender authenticated, the message it answers);
+    else an error reply to the message the SuperLink stored it for (a node answering another's message as that node,
+    or a reply Flower could not read)."""
+    if proto is None:  # (Flower's own error replies: an object pull that failed, made from the checked metadata)
+        return message
+    from flwr.app import Error
+
+    want = pinned("flwr.common.serde_utils", "metadata_from_proto")(proto)
+    if all(getattr(message.metadata, f) == getattr(want, f) for f in _CHECKED_FIELDS):
+        return message
+    error = message.error if message.has_error() and message.error.code == UNREADABLE_REPLY else Error(
+        code=UNREADABLE_REPLY, reason="the reply's own metadata disagrees with what the SuperLink checked "
+                                      f"(sent by node {proto.src_node_id} as node {message.metadata.src_node_id})")
+    out = pinned("flwr.app.message.message", "make_message")(metadata=want, error=error)
+    out.metadata.__dict__["_message_id"] = proto.message_id
+    return out
 
 
 def patch_worker(pull_backoff: float = 0.02) -> None:

@@ -141,7 +141,6 @@ class BufferedAsyncWorkflow(SyncWorkflow):
         self._seq = count("dispatch-seq")
         # the counts of the sessions before a resume (the ledger itself is this session's)
         self.dispatched, self._accepted_before, self._rejected_before = count("dispatched"), count("accepted"), count("rejected")
-        self._resolved: set[str] = set()
         self._in_buffer: set[int] = set()  # nodes with an update in the buffer (not dispatched again: _one_per_node)
 
     def _extra_state(self) -> dict[str, Any]:
@@ -229,15 +228,18 @@ class BufferedAsyncWorkflow(SyncWorkflow):
                         break  # the last release is out; the rest stay "in flight" (unresolved) at the end
                     mid = reply.metadata.reply_to_message_id
                     flight = self.inflight.get(mid)
-                    if flight is None:  # not ours, or already resolved: the Grid should never do this
-                        window["rejected"]["unknown-message"] += 1
+                    # A reply that resolves no message (to one not ours or resolved, or from another node than the
+                    # one asked, which leaves the message open for its own): a stray, counted apart from the
+                    # ledger, whose entries are the dispatched messages' outcomes
+                    stray = ("unknown-message" if flight is None else None if reply.has_error()
+                             or reply.metadata.src_node_id == flight.node_id else "unknown-sender")
+                    if stray is not None:
+                        window["stray"][stray] += 1
                         window["bytes_up"] += message_nbytes(reply)
-                        log(WARNING, "[fedshield] async: ignoring a reply to an unknown or resolved message %s",
-                            str(mid)[:16])
+                        log(WARNING, "[fedshield] async: ignoring a reply from node %d (%s) to message %s",
+                            reply.metadata.src_node_id, stray, str(mid)[:16])
                         continue
-                    if reply.has_error() or reply.metadata.src_node_id == flight.node_id:
-                        del self.inflight[mid]  # answered; one from another node (refused) leaves it open for its own
-                        self._resolved.add(mid)
+                    del self.inflight[mid]
                     window["replies"] += 1
                     if not self._take(reply, mid, flight, acc, window):
                         continue
@@ -269,7 +271,8 @@ class BufferedAsyncWorkflow(SyncWorkflow):
 
     @staticmethod
     def _fresh_window() -> dict[str, Any]:
-        return {"selected": 0, "bytes_down": 0, "replies": 0, "rejected": Counter(), "bytes_up": 0, "update_bytes_up": 0,
+        return {"selected": 0, "bytes_down": 0, "replies": 0, "rejected": Counter(), "stray": Counter(), "bytes_up": 0,
+                "update_bytes_up": 0,
                 "loss": LossMean(),
                 "staleness": [], "local_eps": [], "examples": 0}
 
@@ -325,6 +328,8 @@ class BufferedAsyncWorkflow(SyncWorkflow):
         }
         if window["local_eps"]:
             row["local_epsilon_max"] = max(window["local_eps"])
+        if window["stray"]:
+            row["stray_replies"] = dict(window["stray"])
         self.record(self.round, row)
         log(INFO, "[fedshield] %s  staleness %.2f", format_row(row, self.cfg.server.num_rounds), row["mean_staleness"])
         if self.on_round:

@@ -476,6 +476,8 @@ class RunConfig:
         if self.aggregation.slow_link_mbps > 0:
             check(self.asynchrony.workflow == "sync", "slow-link-mbps", "be 0 under workflow = 'fedbuff' (per-link "
                   "codecs are for synchronous rounds)", self.aggregation.slow_link_mbps)
+        check(self.privacy.dp != "local" or self.train.proximal_mu == 0, "proximal-mu", "be 0 under dp = 'local' "
+              "(DP-SGD's loop has no proximal term: it would be ignored)", self.train.proximal_mu)
         if self.server.late_replies == "carry":
             check(self.privacy.dp not in ("central", "distributed") and not self.secure.enabled, "late-replies",
                   "be 'drop' under central or distributed DP and secure aggregation (a round's sum must hold only that "

@@ -35,7 +35,7 @@ class _Refused(Exception):
 def _check_reply(reply: Message, node: int, max_examples: int) -> tuple[int, dict[str, float]]:
     """(num-examples, {metric: value}) of a valid evaluate reply from ``node``; _Refused otherwise."""
     if reply.has_error():
-        raise _Refused("client-error", str(reply.error.reason)[:200])
+        raise _Refused("client-error", shown(str(reply.error.reason), 200))  # (escaped: no forged log lines)
     if reply.metadata.src_node_id != node:
         raise _Refused("wrong-node", f"a reply from node {reply.metadata.src_node_id} to node {node}'s message")
     if message_nbytes(reply) > MAX_SIDE_BYTES:

@@ -40,6 +40,7 @@ METRIC_FIELDS = [
     "secagg_server_s", "secagg_shares_left_out", "secagg_stage_s", "secagg_pipelined", "secagg_failure", "late_accepted", "reduced_work",
     "too_few_updates", "non_finite_aggregate", "fed_eval_nodes", "fed_eval_missing", "fed_eval_examples",
     "fed_eval_loss", "fed_eval_accuracy", "fed_eval_rejected", "weight_total", "test_metrics", "fed_eval_metrics",
+    "stray_replies",
 ]
 EPSILON_PLOT = "epsilon.png"
 TIME_PLOT = "accuracy_vs_time.png"

@@ -322,9 +322,26 @@ class _NodeAuthenticated:
                       send: Callable[[Any], Awaitable[None]]) -> None:
         if scope["type"] == "http" and scope.get("path", "").startswith(_FLEET):
             request = self.request(scope, receive)
-            if isinstance(getattr(request.state, "protobuf_request", None), self.message):
+            body = getattr(request.state, "protobuf_request", None)
+            if isinstance(body, self.message):
                 await self.in_threads(self.authenticate, request)
+                if (why := foreign_sender(body)) is not None:
+                    from fastapi import HTTPException
+
+                    raise HTTPException(status_code=403, detail=why)
         await self.app(scope, receive, send)
+
+
+def foreign_sender(request: Any) -> str | None:
+    """Why an authenticated Fleet request pushes a message as another node, or None. Flower 1.42 authenticates
+    ``request.node`` but stores each pushed message under the ``src_node_id`` its metadata claims: an enrolled node
+    could answer another node's message as that node (a second update a round, or the other's replaced)."""
+    messages, node = getattr(request, "messages_list", None), getattr(request, "node", None)
+    if messages is None or node is None:
+        return None
+    if any(m.metadata.src_node_id != node.node_id for m in messages):
+        return "a node may push only messages from itself"
+    return None
 
 
 class _ProtobufTranslated:

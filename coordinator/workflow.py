@@ -531,15 +531,26 @@ class SyncWorkflow:
                 except RejectedReply as rej:
                     reject(rej)
                     continue
-                if one_each and ok.node_id in claimed:
-                    reject(RejectedReply(ok.node_id, "duplicate-contributor", "a node adds at most one update to a round under "
-                                         f"aggregator = {self.cfg.aggregation.aggregator!r}; this round has one of it"))
-                    continue
-                claimed.add(ok.node_id)
                 batch.append((reply, late_exp, ok, weight, ok_exp))
-            # the norm rules, checked while adding: this pull's replies in one pass over the sum
-            added = add_replies(acc, [(ok, weight, ok_exp) for _, _, ok, weight, ok_exp in batch])
-            for (reply, late_exp, _, weight, _), ok in zip(batch, added, strict=True):
+            # the norm rules, checked while adding: this pull's replies in one pass over the sum (under a robust rule,
+            # a node's second reply in the pull waits for its first's outcome, and is refused if that was added)
+            settled: list[tuple[tuple[Any, ...], Any]] = []
+            while batch:
+                now, later, seen = [], [], set()
+                for item in batch:
+                    node = item[2].node_id
+                    if one_each and node in claimed:
+                        reject(RejectedReply(node, "duplicate-contributor", "a node adds at most one update to a round "
+                                             f"under aggregator = {self.cfg.aggregation.aggregator!r}; this round has one "
+                                             "of it"))
+                        continue
+                    (later if one_each and node in seen else now).append(item)
+                    seen.add(node)
+                added = add_replies(acc, [(ok, weight, ok_exp) for _, _, ok, weight, ok_exp in now])
+                claimed.update(ok.node_id for ok in added if not isinstance(ok, RejectedReply))
+                settled += zip(now, added, strict=True)
+                batch = later
+            for (reply, late_exp, _, weight, _), ok in settled:
                 if isinstance(ok, RejectedReply):
                     reject(ok)
                     continue

@@ -208,6 +208,7 @@ Rules that tie several keys together (checked once, when the config is read; the
   `min-nodes >= 3`, and a round of `min-nodes` nodes must satisfy k/2 < t <= k.
 - `federated-eval-every > 0`: `workflow = "sync"`, `dp` not `local` or `distributed`.
 - `late-replies = "carry"`: no central/distributed DP, no SecAgg+.
+- `proximal-mu = 0` under `dp = "local"` (DP-SGD's loop has no proximal term).
 - Krum / Multi-Krum / trimmed mean: `min-nodes` (FedBuff: `buffer-size`) and a non-zero `close-after-replies`
   must give the rule the updates it needs (Krum 2f + 3, Multi-Krum also m + f, trimmed mean the fewest n with
   floor(`trim-beta` n) >= 1).

@@ -367,7 +367,7 @@ class Task(ABC):
         if cls.num_classes is not None and (y.min() < 0 or y.max() >= cls.num_classes):
             raise ClientError(f"{source}: y must hold integer labels in [0, {cls.num_classes}). Found {y.dtype} "
                               f"{y.min()}..{y.max()}.")
-        if isinstance(cls.x_dtype, dict) and (unknown := sorted(set(cls.x_dtype) - set(x))):  # a misspelt name cast nothing
+        if isinstance(cls.x_dtype, dict) and (unknown := sorted(set(cls.x_dtype) - set(x), key=str)):  # a misspelt name cast nothing
             raise ClientError(f"{source}: x_dtype of task {task} must name only its inputs {names_shown(sorted(x))}. "
                               f"Found {names_shown(unknown)}.")
         x = {k: _cast(a, _input_dtype(cls.x_dtype, k, a, is_named)) for k, a in x.items()}

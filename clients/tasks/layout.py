@@ -77,6 +77,7 @@ class ModelLayout:
         variances = {id(m.running_var) for m in model.modules()
                      if isinstance(m, nn.modules.batchnorm._NormBase) and m.running_var is not None}
         entries: list[Entry] = []
+        nonneg: set[str] = set()
         local: list[str] = []
         fixed: list[str] = []
         seen: set[int] = set()
@@ -96,8 +97,9 @@ class ModelLayout:
                 continue
             entries.append(Entry(name, tuple(t.shape), t.dtype, offset, t.numel(), buffer))
             offset += t.numel()
-        nonneg = tuple(e.name for e in entries if id(model.state_dict(keep_vars=True)[e.name]) in variances)
-        return cls(tuple(entries), tuple(local), tuple(fixed), nonneg)
+            if id(t) in variances:
+                nonneg.add(name)
+        return cls(tuple(entries), tuple(local), tuple(fixed), tuple(e.name for e in entries if e.name in nonneg))
 
     def index(self, names: tuple[str, ...] | None = None, buffers: bool = False) -> torch.Tensor:
         """The flat vector's positions of the entries named (or of every buffer): an int64 index, empty if none."""

@@ -276,3 +276,63 @@ def test_flowers_runtime_retries_still_end_the_process_on_a_401_and_the_worker_s
     assert worker.retries().should_giveup(unauthorized) is True and killed == []
     refused = httpx.ConnectError("refused")
     assert worker.retries().should_giveup(refused) is False  # the rest as Flower's: a node restarting is waited for
+
+
+def test_a_reply_whose_own_metadata_disagrees_with_the_superlinks_is_refused_as_the_checked_message(monkeypatch):
+    """The ServerApp's grid read a reply's sender and the message it answers from the reply's own object, which
+    its sender writes, not from what the SuperLink checked: node 7 could answer node 8's message as node 8. A
+    reply whose object disagrees becomes an error reply to the message the SuperLink stored it for."""
+    import numpy as np
+    from flwr.app import Message, MetricRecord, RecordDict
+    from flwr.common.serde import message_to_proto
+    from flwr.proto.message_pb2 import PullObjectResponse
+    from flwr.proto.runtime_pb2 import PullAppMessagesResponse
+    from flwr.supercore.inflatable.inflatable_object import get_all_nested_objects, get_object_tree
+
+    from simulations.inprocess import ensure_task_identity
+
+    ensure_task_identity()
+    grid = importlib.import_module("flwr.superlink.grid.http_grid")
+    monkeypatch.setattr(grid.HttpGrid, "pull_messages", grid.HttpGrid.pull_messages)
+    monkeypatch.setattr(grid, "inflate_object_from_contents", grid.inflate_object_from_contents)
+    flower_pins.patch_grid()
+    flower_pins.patch_grid()  # idempotent
+
+    def reply(src: int, answers: str) -> Message:
+        ins = Message(RecordDict({}), dst_node_id=src, message_type="train", group_id="1")
+        ins.metadata.__dict__["_message_id"] = answers
+        return Message(RecordDict({"metrics": MetricRecord({"v": float(np.float32(src))})}), reply_to=ins)
+
+    objects, protos, trees = {}, [], []
+    # (what the sender wrote, what the SuperLink checked: sender and message answered)
+    for written, checked in ((reply(7, "ins-7"), (7, "ins-7")), (reply(8, "ins-8"), (7, "ins-7b"))):
+        nested = get_all_nested_objects(written)
+        objects.update({oid: o.deflate() for oid, o in nested.items()})
+        proto = message_to_proto(written)
+        proto.metadata.message_id = list(nested)[-1]
+        proto.metadata.src_node_id, proto.metadata.reply_to_message_id = checked
+        proto.ClearField("content")
+        protos.append(proto)
+        trees.append(get_object_tree(written))
+
+    class Runtime:
+        def PullMessages(self, request):  # noqa: N802  (Flower's names)
+            return PullAppMessagesResponse(messages_list=protos, message_object_trees=trees)
+
+        def PullObject(self, request):  # noqa: N802
+            return PullObjectResponse(object_found=True, object_available=True,
+                                      object_content=objects[request.object_id])
+
+        def ConfirmMessageReceived(self, request):  # noqa: N802
+            return None
+
+    g = object.__new__(grid.HttpGrid)
+    g._client, g._run = Runtime(), importlib.import_module("flwr.supercore.run").Run.create_empty(5)
+    g.node = importlib.import_module("flwr.proto.node_pb2").Node(node_id=0)
+    honest, forged = g.pull_messages(["a", "b"])
+    assert not honest.has_error() and (honest.metadata.src_node_id, honest.metadata.reply_to_message_id) == (7, "ins-7")
+    assert forged.has_error() and forged.error.code == flower_pins.UNREADABLE_REPLY
+    assert "sent by node 7 as node 8" in forged.error.reason
+    assert (forged.metadata.src_node_id, forged.metadata.reply_to_message_id) == (7, "ins-7b")
+    assert forged.metadata.message_id == protos[1].metadata.message_id
+    assert "PullMessages" not in vars(g._client)  # the recording hook is gone after the pull

@@ -97,8 +97,8 @@ class SlowRemoteGrid(InProcessGrid):
 
 
 class ForgingGrid(InProcessGrid):
-    """Each reply of ``victim`` comes after a copy claiming to be from ``forger``, in the same pull. The SuperLink
-    refuses such a reply; behind it, the coordinator must refuse it and still take the victim's own (a review:
+    """Each reply of ``victim`` comes after a copy claiming to be from ``forger``, in the same pull. The guard and the
+    ServerApp's grid refuse such a reply; behind them, the workflows must refuse it and still take the victim's own (a review:
     FedBuff, federated evaluation and SecAgg+ let the forged copy close the victim's message)."""
 
     def __init__(self, client, num_nodes: int, victim: int, forger: int) -> None:

@@ -574,3 +574,20 @@ def test_the_flower_code_the_plain_asgi_middleware_mirrors_is_unchanged(where, d
     for part in name.split("."):
         obj = getattr(obj, part)
     assert hashlib.sha256(inspect.getsource(obj).encode()).hexdigest()[:16] == digest, where
+
+
+def test_a_node_may_push_only_messages_from_itself():
+    """Flower 1.42 authenticates a request's node, not the src_node_id its pushed messages claim: node 7 could
+    answer node 8's message as node 8 (a review). The guard refuses such a push (403) after authentication."""
+    from flwr.proto.fleet_pb2 import PullMessagesRequest, PushMessagesRequest
+    from flwr.proto.message_pb2 import Message, Metadata
+    from flwr.proto.node_pb2 import Node
+
+    def push(*senders):
+        return PushMessagesRequest(node=Node(node_id=7), messages_list=[
+            Message(metadata=Metadata(src_node_id=s, reply_to_message_id="x")) for s in senders])
+
+    assert superlink.foreign_sender(push(7)) is None and superlink.foreign_sender(push()) is None
+    assert superlink.foreign_sender(push(7, 8)) == "a node may push only messages from itself"
+    assert superlink.foreign_sender(push(8)) is not None
+    assert superlink.foreign_sender(PullMessagesRequest(node=Node(node_id=7))) is None

@@ -390,6 +390,17 @@ def test_under_a_robust_rule_a_carried_late_reply_and_a_fresh_one_of_the_same_no
     assert r2["rejected_by_rule"] == {"duplicate-contributor": 1} and r2["accepted"] == 4, r2
     assert sorted(added[3:]) == [1001, 1002, 1003, 1004]
 
+    # One of its replies refused by the norm rules (checked while adding, after the pull is read): the other is
+    # still its row (here the fresh one, read first, is refused, and the late one waited for its outcome)
+    def client(msg, ctx):
+        bad = ctx.node_id == 1004 and msg.metadata.group_id == "2"
+        return stock_flower_bad("large-norm")(msg, ctx) if bad else run_train_app()(msg, ctx)
+
+    wf = SyncWorkflow(c, HoldingGrid(client, 4, slow=1004), RunDirectory(tmp_path / "b"), clock=VirtualClock())
+    wf.run()
+    r2 = wf.history[1]
+    assert r2["rejected_by_rule"] == {"norm-too-large": 1} and r2["accepted"] == 4, r2
+
 
 def test_a_reply_flower_cannot_inflate_is_refused_and_the_rest_of_its_pull_kept(tmp_path):
     """A review: the SuperLink checks only an object's head; an Array whose JSON body Flower's constructor refuses
@@ -488,6 +499,9 @@ def test_what_a_task_cannot_get_from_a_setting_is_said_once_at_start(tmp_path, c
 
 def test_carrying_late_replies_is_refused_where_a_round_must_hold_only_its_own_clients():
     from clients._errors import ConfigError
+
+    with pytest.raises(ConfigError, match="proximal-mu must be 0 under dp = 'local'"):  # (DP-SGD's loop: no such term)
+        cfg(**{"proximal-mu": 0.1, "dp": "local", "local-noise-multiplier": 1.0})
 
     with pytest.raises(ConfigError, match="late-replies must be 'drop' under central"):
         cfg(**{"late-replies": "carry", "dp": "central", "dp-noise-multiplier": 1.0})
