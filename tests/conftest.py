@@ -58,3 +58,16 @@ def pytest_collection_modifyitems(config, items) -> None:
     sized for that (pytest-xdist's ``loadgroup``, which would keep them apart, is a no-op under pytest 9.2,
     and one after another they would take ~15 minutes)."""
     items.sort(key=_cost)  # stable: file order within each class
+
+
+@pytest.fixture(autouse=True)
+def _flower_log_level():
+    """Each test starts with Flower's logger at the level it had: ``fedshield simulate`` run in process quiets it to
+    WARNING, and a test after it in the same worker then missed the INFO lines it checks (which tests share a
+    worker changes with the suite)."""
+    import logging
+
+    logger = logging.getLogger("flwr")
+    level = logger.level
+    yield
+    logger.setLevel(level)

@@ -39,6 +39,26 @@ _NP_VALUE_DTYPES = {name: np.dtype(name).newbyteorder("<") for name in _VALUE_DT
 _ARRAYS = frozenset({PAYLOAD})
 
 
+MAX_EXACT_RANGES = 1 << 16
+
+
+def _exact_ranges(exact: Any) -> tuple[tuple[int, ...], torch.Tensor | None]:
+    """``exact`` checked (``[offset, length, ...]``: ascending, disjoint, lengths >= 1) and its positions."""
+    ok = isinstance(exact, list | tuple) and len(exact) % 2 == 0 and len(exact) <= 2 * MAX_EXACT_RANGES and all(
+        type(v) is int for v in exact)
+    require(ok, "topk exact", f"be a list of [offset, length] pairs of integers (at most {MAX_EXACT_RANGES})",
+            exact if not isinstance(exact, list | tuple) else f"{len(exact)} values")
+    pairs = list(zip(exact[::2], exact[1::2]))
+    end = 0
+    for offset, length in pairs:
+        require(offset >= end and length >= 1 and offset + length <= _MAX_NUMEL, "topk exact",
+                "hold ascending, disjoint ranges of length >= 1", (offset, length))
+        end = offset + length
+    if not pairs:
+        return (), None
+    return tuple(exact), torch.cat([torch.arange(o, o + n) for o, n in pairs])
+
+
 def _aligned(a: np.ndarray) -> np.ndarray:
     # Flower's bytes are 16-byte aligned and the npy header is padded to 64 bytes,
     # so this view is aligned and stays zero-copy; a buffer that is not gets one copy.
@@ -57,11 +77,16 @@ class TopKCodec(Codec):
         Wire dtype of the kept values (aggregation is always float32 or wider).
     error_feedback : bool
         Return ``x - decoded`` as the residual to add to the next delta.
+    exact : list of int
+        ``[offset, length, ...]``: ranges always sent, beside the top ``k_for(n - m)`` of the other ``n - m``
+        coordinates (a model's running statistics: values to average, which a top-k with error feedback would
+        distort; they then carry no residual). Empty: plain top-k.
     """
 
     name = "topk"
 
-    def __init__(self, *, ratio: float = 0.01, value_dtype: str = "float32", error_feedback: bool = True) -> None:
+    def __init__(self, *, ratio: float = 0.01, value_dtype: str = "float32", error_feedback: bool = True,
+                 exact: list[int] | tuple[int, ...] = ()) -> None:
         ok = isinstance(ratio, int | float) and not isinstance(ratio, bool) and math.isfinite(ratio)
         require(ok and 0 < ratio <= 1, "topk ratio", "be a number in (0, 1]", ratio)
         require(isinstance(value_dtype, str) and value_dtype in _VALUE_DTYPES, "topk value_dtype",
@@ -70,10 +95,12 @@ class TopKCodec(Codec):
         self.ratio = float(ratio)
         self.value_dtype = value_dtype
         self.error_feedback = error_feedback
+        self.exact, self._exact = _exact_ranges(exact)
 
     def config(self) -> dict[str, Any]:
-        return {"codec": self.name, "ratio": self.ratio, "value_dtype": self.value_dtype,
-                "error_feedback": self.error_feedback}
+        out = {"codec": self.name, "ratio": self.ratio, "value_dtype": self.value_dtype,
+               "error_feedback": self.error_feedback}
+        return {**out, "exact": list(self.exact)} if self.exact else out
 
     def k_for(self, numel: int) -> int:
         """k = max(1, ceil(ratio * numel)), with ratio taken as its decimal repr
@@ -84,8 +111,18 @@ class TopKCodec(Codec):
         x = encode_input(delta, residual)
         n = x.numel()
         require(n <= _MAX_NUMEL, "delta", f"have at most {_MAX_NUMEL} elements (int32 indices)", n)
-        k = self.k_for(n)
-        idx = torch.topk(x.abs(), k, sorted=False).indices.sort().values
+        if self._exact is None:
+            k = self.k_for(n)
+            idx = torch.topk(x.abs(), k, sorted=False).indices.sort().values
+        else:
+            always = self._exact.to(x.device)
+            require(int(self._exact[-1]) < n, "topk exact", f"lie in [0, {n})", int(always[-1]))
+            rest = n - always.numel()
+            score = x.abs()
+            score[always] = -1.0  # (below every magnitude: never picked twice)
+            top = torch.topk(score, self.k_for(rest), sorted=False).indices if rest else always[:0]
+            idx = torch.cat([top, always]).sort().values
+            k = idx.numel()
         wire_dtype = _VALUE_DTYPES[self.value_dtype]
         limit = torch.finfo(wire_dtype).max  # float16 saturates instead of becoming inf
         vals = x[idx].clamp(-limit, limit).to(wire_dtype)

@@ -101,6 +101,18 @@ class ModelLayout:
                 nonneg.add(name)
         return cls(tuple(entries), tuple(local), tuple(fixed), tuple(e.name for e in entries if e.name in nonneg))
 
+    def buffer_ranges(self) -> list[int]:
+        """``[offset, length, ...]`` of the federated buffers in the flat vector, adjacent entries merged."""
+        out: list[int] = []
+        for e in self.entries:
+            if not e.buffer:
+                continue
+            if out and out[-2] + out[-1] == e.offset:
+                out[-1] += e.numel
+            else:
+                out += [e.offset, e.numel]
+        return out
+
     def index(self, names: tuple[str, ...] | None = None, buffers: bool = False) -> torch.Tensor:
         """The flat vector's positions of the entries named (or of every buffer): an int64 index, empty if none."""
         picked = [e for e in self.entries if (e.buffer if buffers else e.name in (names or ()))]

@@ -615,3 +615,30 @@ def test_dense_norm_past_float32s_range_is_non_finite_on_every_path():
 def test_dense_dtype_of_the_wrong_type_is_an_aggregation_error():
     with pytest.raises(AggregationError, match="dense dtype must be one of"):
         create_codec("dense", dtype=["float32"])  # was TypeError: unhashable type: 'list'
+
+
+def test_topk_sends_its_exact_ranges_always_and_keeps_no_residual_there():
+    """A model's running statistics (values to average) ride beside top-k's k, exactly, outside its error feedback:
+    sparsified and delayed, a BatchNorm CNN's variances went to 0 and below (a new user's)."""
+    x = torch.zeros(100)
+    x[[3, 50, 97]] = torch.tensor([5.0, -6.0, 7.0])
+    x[10:14] = torch.tensor([1e-3, -2e-3, 0.0, 4e-3])  # small statistics' deltas: plain top-k would drop them
+    x[60] = 9e-4
+    codec = TopKCodec(ratio=0.03, exact=[10, 4, 60, 1])
+    enc, residual = codec.encode(x)
+    assert enc.header["k"] == codec.k_for(95) + 5 == 8
+    parsed = codec.parse(enc.arrays, enc.header, 100, 10**6)
+    out = torch.zeros(100)
+    codec.add_into(parsed, out, 1.0)
+    kept = [3, 10, 11, 12, 13, 50, 60, 97]
+    assert torch.equal(out[kept], x[kept]) and out.count_nonzero() == 7  # (x[12] is 0)
+    assert torch.equal(residual[kept], torch.zeros(len(kept))) and torch.equal(residual + out, x)
+    assert create_codec("topk", **{k: v for k, v in codec.config().items() if k != "codec"}).config() == codec.config()
+    assert "exact" not in TopKCodec(ratio=0.03).config()  # (an update without statistics: the header as before)
+    big = TopKCodec(ratio=1.0, exact=[0, 100])  # every coordinate exact: k = n
+    assert big.encode(x)[0].header["k"] == 100
+    for bad in ([10], [10, 0], [10, 4, 12, 1], [-1, 2], [1.0, 2], "0,1"):
+        with pytest.raises(AggregationError, match="topk exact must"):
+            TopKCodec(exact=bad)
+    with pytest.raises(AggregationError, match=r"topk exact must lie in \[0, 100\)"):
+        TopKCodec(exact=[99, 2]).encode(x)
