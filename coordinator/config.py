@@ -136,6 +136,9 @@ AGGREGATOR_PARAMS = {
 }
 
 
+_CODEC_AND_RULE_FIELDS = frozenset(a for p in (*CODEC_PARAMS.values(), *AGGREGATOR_PARAMS.values()) for a in p.values())
+
+
 @dataclasses.dataclass(frozen=True)
 class AggregationSettings:
     """How updates travel (codec) and are combined (aggregation rule)."""
@@ -175,6 +178,14 @@ class AggregationSettings:
         check(0 <= self.trim_beta < 0.5, "trim-beta", "be in [0, 0.5)", self.trim_beta)
         check(self.krum_f >= 0, "krum-f", "be >= 0", self.krum_f)
         check(self.krum_m >= 1, "krum-m", "be >= 1", self.krum_m)
+
+    def unused_keys(self) -> set[str]:
+        """The settings of the codecs and rules this configuration does not use (range-checked, never read): a resume
+        does not compare them."""
+        codecs = {self.codec, *([self.slow_link_codec] if self.slow_link_mbps > 0 else [])}
+        used = {a for c in codecs for a in CODEC_PARAMS[c].values()} | set(AGGREGATOR_PARAMS[self.aggregator].values())
+        out = {a.replace("_", "-") for a in _CODEC_AND_RULE_FIELDS - used}
+        return out | ({"slow-link-codec"} if self.slow_link_mbps == 0 else set())
 
     def codec_params(self, name: str | None = None) -> dict[str, Any]:
         return {k: getattr(self, attr) for k, attr in CODEC_PARAMS[name or self.codec].items()}
@@ -248,7 +259,8 @@ _DP_KEY_MODES = {"dp_clip": ("central", "distributed"), "dp_noise_multiplier": (
                  "local_max_grad_norm": ("local",)}
 MAX_EXPECTED_CLIENTS = 10**9
 _ADAPTIVE_FIELDS = ("clip_target_quantile", "clip_learning_rate", "clip_count_noise")
-IGNORABLE_KEYS = frozenset(name.replace("_", "-") for name in (*_DP_KEY_MODES, *_ADAPTIVE_FIELDS))
+IGNORABLE_KEYS = frozenset(name.replace("_", "-") for name in (*_DP_KEY_MODES, *_ADAPTIVE_FIELDS, *_CODEC_AND_RULE_FIELDS,
+                                                                 "slow_link_codec"))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -133,8 +133,10 @@ def run_fingerprint(cfg: RunConfig, numel: int, nodes: int | None = None, engine
     split would make the run a mix of two experiments; ``target-epsilon`` counts only where it sets
     the noise (a budget that only stops the run may be raised to go on)."""
     # settings this configuration does not read are left out: a run started before they were refused
-    # (a dp-clip under dp = "none") resumes once its config drops them
-    out = {k: v for k, v in cfg.to_mapping().items() if k not in RESUMABLE_CHANGES | cfg.privacy.ignored_keys()}
+    # (a dp-clip under dp = "none") resumes once its config drops them, and another codec's or rule's settings
+    # (range-checked, unused) may change
+    out = {k: v for k, v in cfg.to_mapping().items()
+           if k not in RESUMABLE_CHANGES | cfg.privacy.ignored_keys() | cfg.aggregation.unused_keys()}
     out["server-lr"] = cfg.server.effective_server_lr()  # (0, unset, is fedavg's 1.0, which checkpoints before it name)
     if cfg.asynchrony.workflow == "fedbuff":  # releases discounted by staleness (BufferedAsyncWorkflow._release) since
         out["fedbuff-release"] = "sum n s delta / sum n"  # this was recorded: an older run would mix two rules

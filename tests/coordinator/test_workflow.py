@@ -254,12 +254,15 @@ def test_resume_refuses_any_changed_setting_but_operational_ones(tmp_path):
 
     SyncWorkflow(cfg(**{"num-rounds": 1}), InProcessGrid(app, 3), RunDirectory(tmp_path)).run()
     with pytest.raises(CoordinatorError, match="checkpoint of this configuration") as info:
-        SyncWorkflow(cfg(**{"num-rounds": 2, "lr": 0.01, "codec": "sign", "partitioning": "iid"}), InProcessGrid(app, 4),
-                     RunDirectory(tmp_path))
+        SyncWorkflow(cfg(**{"num-rounds": 2, "lr": 0.01, "codec": "sign", "partitioning": "iid", "topk-ratio": 0.5}),
+                     InProcessGrid(app, 4), RunDirectory(tmp_path))
     for named in ("codec = 'dense' there, 'sign' now", "lr = ", "partitioning = 'dirichlet' there, 'iid' now",
                   "nodes = 3 there, 4 now"):
         assert named in str(info.value), named
-    ops = {"num-rounds": 3, "round-timeout": 99.0, "poll-interval": 0.02, "wait-nodes-timeout": 5.0}
+    assert "topk-ratio" not in str(info.value)  # (no codec in use reads it: a new user's resume listed it)
+    # settings of codecs and rules not in use (range-checked, never read) may change
+    ops = {"num-rounds": 3, "round-timeout": 99.0, "poll-interval": 0.02, "wait-nodes-timeout": 5.0, "topk-ratio": 0.5,
+           "trim-beta": 0.3, "qsgd-bits": 4, "slow-link-codec": "sign"}
     assert SyncWorkflow(cfg(**ops), InProcessGrid(app, 3), RunDirectory(tmp_path)).round == 1
     # a checkpoint of an earlier fedshield recorded fewer settings: those it has must agree
     path = tmp_path / "checkpoint.pt"
@@ -267,6 +270,14 @@ def test_resume_refuses_any_changed_setting_but_operational_ones(tmp_path):
     state["fingerprint"] = {k: state["fingerprint"][k] for k in ("task", "numel", "seed", "server-optimizer", "dp")}
     torch.save(state, path)
     assert SyncWorkflow(cfg(**{**ops, "lr": 0.01}), InProcessGrid(app, 4), RunDirectory(tmp_path)).round == 1
+
+
+def test_the_unused_settings_are_those_of_the_codecs_and_rules_not_in_use():
+    agg = cfg(**{"codec": "topk", "aggregator": "krum", "min-nodes": 5}).aggregation
+    assert {"topk-ratio", "topk-value-dtype", "error-feedback", "krum-f"}.isdisjoint(agg.unused_keys())
+    assert {"qsgd-bits", "codec-dtype", "trim-beta", "krum-m", "clip-norm", "slow-link-codec"} <= agg.unused_keys()
+    slow = cfg(**{"slow-link-mbps": 5.0, "slow-link-codec": "qsgd"}).aggregation  # dense, and qsgd on slow links
+    assert {"qsgd-bits", "codec-dtype", "slow-link-codec"}.isdisjoint(slow.unused_keys())
 
 
 def test_a_dp_checkpoint_without_its_accounting_is_refused(tmp_path):
