@@ -80,7 +80,8 @@ class TopKCodec(Codec):
     exact : list of int
         ``[offset, length, ...]``: ranges always sent, beside the top ``k_for(n - m)`` of the other ``n - m``
         coordinates (a model's running statistics: values to average, which a top-k with error feedback would
-        distort; they then carry no residual). Empty: plain top-k.
+        distort), in ``value_dtype`` like the rest: their residual is then only its rounding (float16: ~1e-3 of
+        the value, and what passes 65504). Empty: plain top-k.
     """
 
     name = "topk"

@@ -591,3 +591,25 @@ def test_a_node_may_push_only_messages_from_itself():
     assert superlink.foreign_sender(push(7, 8)) == "a node may push only messages from itself"
     assert superlink.foreign_sender(push(8)) is not None
     assert superlink.foreign_sender(PullMessagesRequest(node=Node(node_id=7))) is None
+
+
+def test_the_guard_answers_a_push_as_another_node_with_403(monkeypatch):
+    """The wiring: through the SuperLink's app, authentication passed (a no-op here), a push from node 7 of a message
+    claiming node 8 gets 403; one claiming node 7 goes on to Flower's handler."""
+    from flwr.proto.fleet_pb2 import PushMessagesRequest
+    from flwr.proto.message_pb2 import Message, Metadata
+    from flwr.proto.node_pb2 import Node
+    from flwr.superlink.routers.fleet import node_auth
+
+    monkeypatch.setattr(node_auth, "authenticate_node", lambda request: None)
+    superlink.install()
+    from flwr.superlink.main import create_app
+
+    statuses = []
+    with TestClient(create_app(), client=ELSEWHERE, raise_server_exceptions=False) as c:
+        for sender in (8, 7):
+            body = PushMessagesRequest(node=Node(node_id=7), messages_list=[
+                Message(metadata=Metadata(run_id=1, src_node_id=sender, reply_to_message_id="x"))]).SerializeToString()
+            statuses.append(c.post("/v1/fleet/push-messages", content=body,
+                                   headers={"content-type": "application/protobuf"}).status_code)
+    assert statuses[0] == 403 and statuses[1] != 403, statuses
