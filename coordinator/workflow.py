@@ -249,16 +249,16 @@ class SyncWorkflow:
                 "only its loop can apply it (the global weights are the model's at the start of train; docs/tasks.md)",
                 type(self.task).__name__, cfg.train.proximal_mu)
         a = cfg.aggregation
-        # (top-k sends them exactly, beside its k: see _exact)
+        # (top-k always sends them, beside its k: see _make_codec)
         lossy = [c for c in (a.codec, a.slow_link_codec if a.slow_link_mbps > 0 else "dense") if c not in ("dense", "topk")]
         if self._buffers.numel() and lossy:
             log(WARNING, "[fedshield] %s federates %d buffer values (running statistics) and codec %r compresses them "
                 "like any delta: the global statistics drift from the clients' mean (a variance the sum takes below 0 "
                 "keeps its value); keep them on the clients with federate_buffers = False (FedBN), or use topk, "
-                "which sends them exactly", type(self.task).__name__, self._buffers.numel(), lossy[0])
-        self.codec, self.codec_header, self.max_update_bytes = self._codec_plan(self._exact(cfg.aggregation.make_codec()))
+                "which always sends them", type(self.task).__name__, self._buffers.numel(), lossy[0])
+        self.codec, self.codec_header, self.max_update_bytes = self._codec_plan(self._make_codec(cfg.aggregation.codec))
         # slow-link-mbps: nodes reporting a slower uplink are asked for slow-link-codec instead
-        self.slow_link = (self._codec_plan(self._exact(cfg.aggregation.make_codec(cfg.aggregation.slow_link_codec)))
+        self.slow_link = (self._codec_plan(self._make_codec(cfg.aggregation.slow_link_codec))
                           if cfg.aggregation.slow_link_mbps > 0 else None)
         self._slow_nodes: set[int] = set()
         dp_args = (cfg.privacy, cfg.dp_sampling_rate(), cfg.server.num_rounds)
@@ -292,14 +292,12 @@ class SyncWorkflow:
         self.resumed_extra: dict[str, Any] = {}  # a subclass's ``_extra_state`` from the checkpoint resumed
         self._resume()
 
-    def _exact(self, codec: Any) -> Any:
-        """Top-k with the model's federated buffers (running statistics) always sent, outside its k and its error
-        feedback: values to average, which a sparsified, delayed delta distorted (a BatchNorm CNN's statistics went
-        to 0 and below under topk)."""
-        ranges = self.layout.buffer_ranges()
-        if codec.name != "topk" or not ranges:
-            return codec
-        return create_codec("topk", **{**{k: v for k, v in codec.config().items() if k != "codec"}, "exact": ranges})
+    def _make_codec(self, name: str) -> Any:
+        """The codec ``name`` with its settings; top-k with the model's federated buffers (running statistics) always
+        sent beside its k: values to average, which a sparsified, delayed delta distorted (a BatchNorm CNN's
+        statistics went to 0 and below under topk)."""
+        ranges = self.layout.buffer_ranges() if name == "topk" else []
+        return create_codec(name, **self.cfg.aggregation.codec_params(name), **({"exact": ranges} if ranges else {}))
 
     def _codec_plan(self, codec: Any) -> tuple[Any, dict[str, Any], int]:
         """A codec, the header its replies must carry for this model, and the largest honest reply's size."""

@@ -77,7 +77,7 @@ class ModelLayout:
         variances = {id(m.running_var) for m in model.modules()
                      if isinstance(m, nn.modules.batchnorm._NormBase) and m.running_var is not None}
         entries: list[Entry] = []
-        nonneg: set[str] = set()
+        nonneg: list[str] = []
         local: list[str] = []
         fixed: list[str] = []
         seen: set[int] = set()
@@ -98,8 +98,8 @@ class ModelLayout:
             entries.append(Entry(name, tuple(t.shape), t.dtype, offset, t.numel(), buffer))
             offset += t.numel()
             if id(t) in variances:
-                nonneg.add(name)
-        return cls(tuple(entries), tuple(local), tuple(fixed), tuple(e.name for e in entries if e.name in nonneg))
+                nonneg.append(name)
+        return cls(tuple(entries), tuple(local), tuple(fixed), tuple(nonneg))
 
     def buffer_ranges(self) -> list[int]:
         """``[offset, length, ...]`` of the federated buffers in the flat vector, adjacent entries merged."""
